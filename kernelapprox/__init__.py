@@ -1,0 +1,79 @@
+r"""kernelapprox: random-feature approximations of the softmax kernel :math:`\exp(q^\top k)`.
+
+The :math:`\varphi` inside linear attention, its theory, and the evidence.
+
+>>> import torch, kernelapprox as ka
+>>> fm = ka.PositiveRF(dim=16, num_features=128, sampler="orthogonal", seed=0)
+>>> q, k = torch.randn(2, 10, 16).unbind(0)
+>>> K_hat, K = fm.kernel(q / 2, k / 2), ka.softmax_kernel(q / 2, k / 2)
+"""
+
+from __future__ import annotations
+
+from . import samplers
+from .attention import (
+    LinearAttentionState,
+    RecurrentLinearAttention,
+    chunk_linear_attention,
+    linear_attention,
+    naive_linear_attention,
+    naive_recurrent_linear_attention,
+    parallel_linear_attention,
+)
+from .exact import softmax_attention, softmax_kernel
+from .features import (
+    EluFeatures,
+    FeatureMap,
+    HyperbolicRF,
+    PositiveRF,
+    RandomFeatureMap,
+    ReluFeatures,
+    TrigRF,
+)
+from .samplers import (
+    GaussianSampler,
+    OrthogonalSampler,
+    QMCSampler,
+    StructuredSampler,
+    get_sampler,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FeatureMap",
+    "RandomFeatureMap",
+    "TrigRF",
+    "PositiveRF",
+    "HyperbolicRF",
+    "EluFeatures",
+    "ReluFeatures",
+    "samplers",
+    "GaussianSampler",
+    "OrthogonalSampler",
+    "StructuredSampler",
+    "QMCSampler",
+    "get_sampler",
+    "softmax_kernel",
+    "softmax_attention",
+    "linear_attention",
+    "parallel_linear_attention",
+    "chunk_linear_attention",
+    "naive_linear_attention",
+    "naive_recurrent_linear_attention",
+    "RecurrentLinearAttention",
+    "LinearAttentionState",
+    "theory",
+    "montecarlo",
+]
+
+
+def __getattr__(name: str):
+    # theory and montecarlo import scipy-heavy code: load on first use.
+    if name in ("theory", "montecarlo"):
+        import importlib
+
+        mod = importlib.import_module(f".{name}", __name__)
+        globals()[name] = mod
+        return mod
+    raise AttributeError(f"module 'kernelapprox' has no attribute {name!r}")

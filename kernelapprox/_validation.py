@@ -1,0 +1,88 @@
+"""Input validation shared by the public API.
+
+Every check raises :class:`TypeError` or :class:`ValueError` with a message that names the
+argument, the expected value and the received one; nothing here uses ``assert``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "check_floating",
+    "check_last_dim",
+    "check_positive_int",
+    "broadcast_batch",
+    "compute_dtype",
+    "as_batch_shape",
+]
+
+
+def check_floating(name: str, x: object) -> torch.Tensor:
+    """Return ``x`` if it is a real floating-point tensor, else raise ``TypeError``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_complex() or not x.is_floating_point():
+        raise TypeError(
+            f"{name} must have a real floating dtype (float16, bfloat16, float32 or float64), "
+            f"got {x.dtype}"
+        )
+    return x
+
+
+def check_last_dim(name: str, x: torch.Tensor, dim: int) -> None:
+    """Raise ``ValueError`` unless ``x`` has at least 2 dims and ``x.shape[-1] == dim``."""
+    if x.dim() < 2:
+        raise ValueError(
+            f"{name} must have shape (..., n, {dim}) with at least 2 dimensions, "
+            f"got shape {tuple(x.shape)}"
+        )
+    if x.shape[-1] != dim:
+        raise ValueError(
+            f"{name} has last dimension {x.shape[-1]}, expected dim={dim} "
+            f"(shape {tuple(x.shape)})"
+        )
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """Return ``value`` as ``int`` if it is a positive integer, else raise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
+def as_batch_shape(batch_shape: object) -> tuple[int, ...]:
+    """Normalise ``batch_shape`` to a tuple of non-negative ints."""
+    if isinstance(batch_shape, int) and not isinstance(batch_shape, bool):
+        batch_shape = (batch_shape,)
+    if not isinstance(batch_shape, (Sequence, torch.Size)) or isinstance(batch_shape, str):
+        raise TypeError(f"batch_shape must be a tuple of ints, got {batch_shape!r}")
+    out = []
+    for s in batch_shape:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(f"batch_shape must contain positive ints, got {tuple(batch_shape)!r}")
+        out.append(int(s))
+    return tuple(out)
+
+
+def broadcast_batch(name: str, leading: Sequence[int], batch_shape: Sequence[int]) -> tuple[int, ...]:
+    """Broadcast the input's leading dims against a feature map's ``batch_shape``."""
+    try:
+        return tuple(torch.broadcast_shapes(tuple(leading), tuple(batch_shape)))
+    except RuntimeError:
+        raise ValueError(
+            f"{name} has leading dimensions {tuple(leading)} which do not broadcast with the "
+            f"feature map's batch_shape {tuple(batch_shape)}"
+        ) from None
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype computations run in: at least float32 (bf16/fp16 are promoted)."""
+    out = torch.float32
+    for dt in dtypes:
+        out = torch.promote_types(out, dt)
+    return out

@@ -1,0 +1,95 @@
+r"""Linear attention in the seed's three forms, beside an exact quadratic reference.
+
+Layout (after flash-linear-attention): ``naive`` (quadratic reference), ``parallel`` (non-causal),
+``chunk`` (causal, chunk-wise with a carried state), ``recurrent`` (one token per step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..features import FeatureMap
+from .chunk import chunk_linear_attention
+from .naive import naive_linear_attention, naive_recurrent_linear_attention
+from .parallel import parallel_linear_attention
+from .recurrent import RecurrentLinearAttention
+from .state import LinearAttentionState
+
+__all__ = [
+    "linear_attention",
+    "parallel_linear_attention",
+    "chunk_linear_attention",
+    "naive_linear_attention",
+    "naive_recurrent_linear_attention",
+    "RecurrentLinearAttention",
+    "LinearAttentionState",
+]
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    causal: bool = False,
+    chunk_size: int = 64,
+    initial_state: LinearAttentionState | None = None,
+    return_state: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
+    r"""Linear attention with feature map :math:`\varphi` (queries and keys use the same map).
+
+    .. math::
+        o_i = \frac{\varphi(q_i)^\top \sum_{j} \varphi(k_j) v_j^\top}{\varphi(q_i)^\top \sum_j \varphi(k_j)}
+        \qquad (j \le i \text{ if causal}),
+
+    computed by associativity: :math:`O(nFd_v)` time instead of :math:`O(n^2 d)`
+    [Kat20]_, [Cho21]_. Non-causal: one state :math:`\varphi(K)^\top[V, 1]`. Causal: chunk-wise
+    (:func:`chunk_linear_attention`), memory linear in ``n``.
+
+    Numerics: features come from :meth:`FeatureMap.log_features`; the per-query scale cancels in
+    the ratio and keys share one scale per sequence, so nothing overflows for finite inputs.
+    16-bit inputs are computed in float32 and the output is cast back.
+
+    Parameters
+    ----------
+    q : Tensor, shape (..., n, d)
+    k : Tensor, shape (..., m, d)
+    v : Tensor, shape (..., m, dv)
+        Leading dimensions broadcast with each other and with ``feature_map.batch_shape``.
+    feature_map : FeatureMap
+    causal : bool, default False
+        Token ``i`` attends to keys ``j <= i`` (``n == m``).
+    chunk_size : int, default 64
+        Tokens per chunk of the causal form.
+    initial_state : LinearAttentionState, optional
+        State of a preceding segment (e.g. a prompt), continued here.
+    return_state : bool, default False
+        Also return the state after the last token (hand it to :class:`RecurrentLinearAttention`).
+    eps : float, default 1e-6
+        Guard for signed maps: denominators with :math:`|den| \le \varepsilon` become
+        :math:`den + 2\varepsilon`. Positive maps are only guarded against underflow.
+
+    Returns
+    -------
+    out : Tensor, shape (..., n, dv), dtype ``promote(q, k, v)``
+    state : LinearAttentionState, if ``return_state``
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> q, k, v = torch.randn(3, 2, 4, 128, 16).unbind(0)
+    >>> fm = ka.PositiveRF(dim=16, num_features=64, seed=0)
+    >>> out = ka.linear_attention(q / 2, k / 2, v, fm, causal=True)
+    >>> out.shape
+    torch.Size([2, 4, 128, 16])
+    """
+    if causal:
+        return chunk_linear_attention(
+            q, k, v, feature_map, chunk_size=chunk_size, initial_state=initial_state,
+            return_state=return_state, eps=eps,
+        )
+    return parallel_linear_attention(
+        q, k, v, feature_map, initial_state=initial_state, return_state=return_state, eps=eps
+    )

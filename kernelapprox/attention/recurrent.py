@@ -1,0 +1,107 @@
+"""Linear attention as an RNN: one token per step, O(F d_v) per step whatever the position."""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import check_floating, compute_dtype
+from ..features import FeatureMap
+from ._common import normalise
+from .state import LinearAttentionState
+
+
+class RecurrentLinearAttention:
+    r"""Token-by-token causal linear attention (decoding).
+
+    .. math::
+        S_t = S_{t-1} + \varphi(k_t) v_t^\top,\quad z_t = z_{t-1} + \varphi(k_t),\quad
+        o_t = \frac{S_t^\top \varphi(q_t)}{z_t^\top \varphi(q_t)}.
+
+    The state has a fixed size :math:`F \times (d_v + 1)`, so a step costs :math:`O(F d_v)`
+    independently of ``t`` (no KV cache). The state is kept stabilised
+    (:class:`LinearAttentionState`): a key whose feature scale exceeds the state's rescales it.
+
+    Parameters
+    ----------
+    feature_map : FeatureMap
+        The same map used for queries and keys.
+    state : LinearAttentionState, optional
+        Initial state, e.g. from ``linear_attention(..., causal=True, return_state=True)`` on a prompt.
+    eps : float, default 1e-6
+        Denominator guard for signed feature maps (see :func:`kernelapprox.linear_attention`).
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> fm = ka.PositiveRF(dim=8, num_features=32, seed=0)
+    >>> rnn = ka.RecurrentLinearAttention(fm)
+    >>> q, k, v = torch.randn(3, 2, 8).unbind(0)  # one token, batch of 2
+    >>> rnn.step(q, k, v).shape
+    torch.Size([2, 8])
+    """
+
+    def __init__(
+        self,
+        feature_map: FeatureMap,
+        *,
+        state: LinearAttentionState | None = None,
+        eps: float = 1e-6,
+    ) -> None:
+        if not isinstance(feature_map, FeatureMap):
+            raise TypeError(f"feature_map must be a kernelapprox FeatureMap, got {type(feature_map).__name__}")
+        if state is not None and not isinstance(state, LinearAttentionState):
+            raise TypeError(f"state must be a LinearAttentionState, got {type(state).__name__}")
+        self.feature_map = feature_map
+        self.state = state
+        self.eps = eps
+        self.steps = 0
+
+    def reset(self) -> None:
+        """Forget the state."""
+        self.state = None
+        self.steps = 0
+
+    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor) -> torch.Tensor:
+        """Consume one token and return its output.
+
+        Parameters
+        ----------
+        q_t, k_t : Tensor, shape (..., d)
+        v_t : Tensor, shape (..., dv)
+
+        Returns
+        -------
+        Tensor, shape (..., dv), dtype ``promote(q_t, k_t, v_t)``.
+        """
+        for name, t in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+            check_floating(name, t)
+            if t.dim() < 1:
+                raise ValueError(f"{name} must have shape (..., features), got a scalar")
+        d = self.feature_map.dim
+        if q_t.shape[-1] != d or k_t.shape[-1] != d:
+            raise ValueError(
+                f"q_t and k_t must have last dimension dim={d}, got {tuple(q_t.shape)} and {tuple(k_t.shape)}"
+            )
+        out_dtype = torch.promote_types(torch.promote_types(q_t.dtype, k_t.dtype), v_t.dtype)
+        cdt = compute_dtype(out_dtype)
+        q, k, v = q_t.to(cdt).unsqueeze(-2), k_t.to(cdt).unsqueeze(-2), v_t.to(cdt).unsqueeze(-2)
+        fk, gk = self.feature_map.log_features(k, shared=True)  # (..., 1, F), (..., 1)
+        gk = gk.unsqueeze(-1)  # (..., 1, 1)
+        v1 = torch.cat((v, v.new_ones(*v.shape[:-1], 1)), dim=-1)
+        upd = torch.matmul(fk.mT, v1)  # (..., F, dv + 1)
+        if self.state is None:
+            kv, g = upd, gk.detach()
+        else:
+            old = self.state
+            if old.kv.shape[-2:] != upd.shape[-2:]:
+                raise ValueError(
+                    f"state has kv of shape {tuple(old.kv.shape)}, incompatible with this step's "
+                    f"(..., {upd.shape[-2]}, {upd.shape[-1]})"
+                )
+            g = torch.maximum(old.log_scale.to(cdt), gk).detach()
+            kv = old.kv.to(cdt) * torch.exp(old.log_scale.to(cdt) - g) + upd * torch.exp(gk - g)
+        self.state = LinearAttentionState(kv, g.expand(*kv.shape[:-2], 1, 1))
+        self.steps += 1
+        fq, _ = self.feature_map.log_features(q)
+        out = normalise(torch.matmul(fq, kv), self.feature_map.positive, self.eps)
+        return out.squeeze(-2).to(out_dtype)

@@ -1,0 +1,57 @@
+"""The recurrent state of linear attention, kept in a stabilised (scaled) form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LinearAttentionState"]
+
+
+@dataclass
+class LinearAttentionState:
+    r"""State :math:`(S, z)` of causal linear attention after ``t`` tokens.
+
+    .. math::
+        S_t = \sum_{j\le t} \varphi(k_j) v_j^\top \in \mathbb R^{F\times d_v},\qquad
+        z_t = \sum_{j\le t} \varphi(k_j) \in \mathbb R^{F}.
+
+    Stored stabilised as ``kv = [S | z] * exp(-log_scale)`` so that exponential feature scales never
+    overflow; :attr:`S` and :attr:`z` return the true values (which may overflow for huge norms,
+    the stored form does not).
+
+    Attributes
+    ----------
+    kv : Tensor, shape (..., F, dv + 1)
+        ``[S | z]`` divided by ``exp(log_scale)``.
+    log_scale : Tensor, shape (..., 1, 1)
+        Shared log scale.
+    """
+
+    kv: torch.Tensor
+    log_scale: torch.Tensor
+
+    @property
+    def S(self) -> torch.Tensor:
+        """:math:`S`, shape (..., F, dv)."""
+        return self.kv[..., :-1] * torch.exp(self.log_scale)
+
+    @property
+    def z(self) -> torch.Tensor:
+        """:math:`z`, shape (..., F)."""
+        return (self.kv[..., -1:] * torch.exp(self.log_scale)).squeeze(-1)
+
+    @property
+    def feature_dim(self) -> int:
+        return int(self.kv.shape[-2])
+
+    @property
+    def value_dim(self) -> int:
+        return int(self.kv.shape[-1]) - 1
+
+    def detach(self) -> LinearAttentionState:
+        return LinearAttentionState(self.kv.detach(), self.log_scale.detach())
+
+    def to(self, *args, **kwargs) -> LinearAttentionState:
+        return LinearAttentionState(self.kv.to(*args, **kwargs), self.log_scale.to(*args, **kwargs))

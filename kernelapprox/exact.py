@@ -1,0 +1,132 @@
+r"""Exact references: the softmax kernel :math:`\exp(q^\top k)` and softmax attention.
+
+These are the ground truth for every error measurement in the library. Both compute in at least
+float32 (float64 inputs stay float64) and return the input dtype. Softmax attention is chunked
+over queries and log-sum-exp stabilised, so memory is :math:`O(\text{chunk}\cdot m)` per head
+instead of :math:`O(nm)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validation import check_floating, compute_dtype
+
+__all__ = ["softmax_kernel", "softmax_attention", "check_qkv"]
+
+
+def check_qkv(q: object, k: object, v: object | None = None, *, causal: bool = False) -> None:
+    """Validate attention inputs: q (..., n, d), k (..., m, d), v (..., m, dv), broadcastable leading dims."""
+    check_floating("q", q)
+    check_floating("k", k)
+    if v is not None:
+        check_floating("v", v)
+    for name, t in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have shape (..., n, features), got {tuple(t.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same last dimension d, got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if v is not None and v.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same sequence length (dim -2), got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"causal attention needs as many queries as keys, got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    shapes = [q.shape[:-2], k.shape[:-2]] + ([v.shape[:-2]] if v is not None else [])
+    try:
+        torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        raise ValueError(
+            "leading (batch) dimensions of q, k" + (", v" if v is not None else "")
+            + f" do not broadcast: {[tuple(s) for s in shapes]}"
+        ) from None
+
+
+def softmax_kernel(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    r"""The softmax kernel matrix :math:`K = \exp(q k^\top)`.
+
+    Parameters
+    ----------
+    q : Tensor, shape (..., n, d)
+    k : Tensor, shape (..., m, d)
+
+    Returns
+    -------
+    Tensor, shape (..., n, m), dtype ``promote(q.dtype, k.dtype)``; computed in >= float32.
+    Entries overflow only where :math:`e^{q^\top k}` is not representable in the output dtype.
+
+    Notes
+    -----
+    For attention, pass :math:`q d^{-1/4}` and :math:`k d^{-1/4}` so that
+    :math:`K = \exp(qk^\top/\sqrt d)` (the Performer convention); nothing is rescaled here.
+
+    Examples
+    --------
+    >>> softmax_kernel(torch.zeros(2, 3), torch.zeros(4, 3))
+    tensor([[1., 1., 1., 1.],
+            [1., 1., 1., 1.]])
+    """
+    check_qkv(q, k)
+    out = torch.promote_types(q.dtype, k.dtype)
+    cdt = compute_dtype(out)
+    return torch.exp(torch.matmul(q.to(cdt), k.to(cdt).mT)).to(out)
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    *,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    r"""Exact softmax attention with the unscaled kernel :math:`\exp(q^\top k)`.
+
+    .. math::
+        o_i = \frac{\sum_{j} e^{q_i^\top k_j} v_j}{\sum_{j} e^{q_i^\top k_j}}
+        \quad (j \le i \text{ if causal}).
+
+    Chunked over queries (``chunk_size`` queries at a time) with a max-subtracted softmax, so peak
+    memory is :math:`O(\text{chunk\_size}\cdot m)` per head and no :math:`n\times m` matrix is held.
+
+    Parameters
+    ----------
+    q : Tensor, shape (..., n, d)
+    k : Tensor, shape (..., m, d)
+    v : Tensor, shape (..., m, dv)
+    causal : bool, default False
+        Mask keys ``j > i`` (needs ``n == m``).
+    chunk_size : int, default 1024
+        Queries per chunk.
+
+    Returns
+    -------
+    Tensor, shape (..., n, dv), dtype ``promote(q, k, v)``.
+
+    Examples
+    --------
+    >>> q = k = v = torch.randn(1, 8, 4)
+    >>> softmax_attention(q, k, v, causal=True).shape
+    torch.Size([1, 8, 4])
+    """
+    check_qkv(q, k, v, causal=causal)
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    cdt = compute_dtype(out_dtype)
+    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+    n, m = q.shape[-2], k.shape[-2]
+    outs = []
+    for s in range(0, n, chunk_size):
+        e = min(n, s + chunk_size)
+        scores = torch.matmul(q[..., s:e, :], k.mT)
+        if causal:
+            i = torch.arange(s, e, device=q.device).unsqueeze(-1)
+            j = torch.arange(m, device=q.device)
+            scores = scores.masked_fill(j > i, float("-inf"))
+        outs.append(torch.matmul(torch.softmax(scores, dim=-1), v))
+    return torch.cat(outs, dim=-2).to(out_dtype)

@@ -1,0 +1,594 @@
+r"""Feature maps :math:`\varphi:\mathbb R^d \to \mathbb R^F` with :math:`\varphi(q)^\top\varphi(k) \approx \exp(q^\top k)`.
+
+Random maps hold a projection :math:`W` of shape ``(*batch_shape, r, d)`` whose rows are the
+``r = num_features`` random projections :math:`w_1..w_r` (the Performer convention, used everywhere
+in the library); ``feature_dim`` is the length of the output vector.
+
+=================== ================================================================================ ============= ========
+class               :math:`\varphi(x)`                                                               feature_dim   unbiased
+=================== ================================================================================ ============= ========
+``TrigRF`` sincos   :math:`e^{\|x\|^2/2} r^{-1/2} [\sin Wx, \cos Wx]`                                 2r            yes
+``TrigRF`` offset   :math:`e^{\|x\|^2/2} \sqrt{2/r}\, \cos(Wx + b)`, :math:`b_i\sim U[0,2\pi)`        r             yes
+``PositiveRF``      :math:`e^{-\|x\|^2/2} r^{-1/2} \exp(Wx)` (FAVOR+)                                 r             yes
+``HyperbolicRF``    :math:`e^{-\|x\|^2/2} (2r)^{-1/2} [\exp(Wx), \exp(-Wx)]`                          2r            yes
+``EluFeatures``     :math:`\mathrm{elu}(x) + 1`                                                      d             no
+``ReluFeatures``    :math:`\max(x, 0)`                                                               d             no
+=================== ================================================================================ ============= ========
+
+"Unbiased" holds for the ``gaussian``, ``orthogonal`` (chi norms) and ``qmc`` samplers; see
+:mod:`kernelapprox.samplers`. Closed-form bias, variance and MSE live in :mod:`kernelapprox.theory`
+under the same names (``positive_mse`` next to ``PositiveRF``, and so on).
+
+Numerics. Every map also returns its features in a stabilised log-domain form,
+``f, log_scale = fm.log_features(x)`` with :math:`\varphi(x) = f\, e^{\text{log\_scale}}`, where
+``f`` is bounded (:math:`|f| \le 1` for the random maps). :meth:`FeatureMap.kernel` and
+:func:`kernelapprox.linear_attention` work from this form, so the scale factors
+:math:`e^{\pm\|x\|^2/2}` never overflow on their own. Inputs in bfloat16/float16 are computed in
+float32; float64 stays float64.
+
+References
+----------
+.. [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
+   arXiv:2009.14794 (Lemma 1, eq. 7: positive features; Lemma 2: MSEs; §2.4 hyperbolic).
+.. [RR07] A. Rahimi, B. Recht. "Random Features for Large-Scale Kernel Machines", NIPS 2007.
+.. [SS15] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015.
+.. [Kat20] A. Katharopoulos, A. Vyas, N. Pappas, F. Fleuret. "Transformers are RNNs", ICML 2020.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ._validation import (
+    as_batch_shape,
+    broadcast_batch,
+    check_floating,
+    check_last_dim,
+    check_positive_int,
+    compute_dtype,
+)
+from .samplers import (
+    DenseProjection,
+    GivenSampler,
+    Projection,
+    Sampler,
+    get_sampler,
+    make_generator,
+)
+
+__all__ = [
+    "FeatureMap",
+    "RandomFeatureMap",
+    "TrigRF",
+    "PositiveRF",
+    "HyperbolicRF",
+    "EluFeatures",
+    "ReluFeatures",
+]
+
+
+def _sqnorm_half(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (x * x).sum(-1)
+
+
+class FeatureMap(nn.Module):
+    r"""Base class of feature maps. Subclasses implement :meth:`log_features` (and may override
+    :meth:`forward` with a faster direct path).
+
+    Attributes
+    ----------
+    dim : int
+        Input dimension ``d``.
+    num_features : int
+        ``r``: number of random projections (``d`` for the deterministic maps).
+    feature_dim : int
+        Length ``F`` of :math:`\varphi(x)`.
+    batch_shape : tuple of int
+        Shape of the batch of independent projections (``()`` for deterministic maps).
+    is_random, positive : bool
+        Whether the map is random, and whether its features are always non-negative.
+    """
+
+    is_random: ClassVar[bool] = False
+    positive: ClassVar[bool] = True
+
+    dim: int
+    num_features: int
+    feature_dim: int
+    batch_shape: tuple[int, ...] = ()
+
+    # ------------------------------------------------------------------ helpers
+    def _param_dtype(self) -> torch.dtype:
+        for b in self.buffers():
+            if b.is_floating_point():
+                return b.dtype
+        return torch.float32
+
+    def _prepare(self, name: str, x: object) -> tuple[torch.Tensor, torch.dtype]:
+        """Validate ``x`` (..., n, d) and cast it to the compute dtype (>= float32)."""
+        x = check_floating(name, x)
+        check_last_dim(name, x, self.dim)
+        broadcast_batch(name, x.shape[:-2], self.batch_shape)
+        cdt = compute_dtype(x.dtype, self._param_dtype())
+        return x.to(cdt), x.dtype
+
+    # ------------------------------------------------------------------ API
+    def log_features(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""Stabilised features: :math:`\varphi(x) = f \cdot e^{\text{log\_scale}}`.
+
+        Parameters
+        ----------
+        x : Tensor, shape (..., n, d)
+        shared : bool, default False
+            If True, one scale per sequence (shape ``(..., 1)``), shared by all ``n`` rows, so
+            that ratios between rows are preserved (what keys need in attention). If False, one
+            scale per row (shape ``(..., n)``).
+
+        Returns
+        -------
+        f : Tensor, shape (*broadcast(x.shape[:-2], batch_shape), n, feature_dim)
+            Bounded features in the compute dtype (float32 for 16-bit inputs).
+        log_scale : Tensor, shape (..., n) or (..., 1)
+            Natural log of the per-row (or shared) scale. Stabilising shifts that cancel in
+            :math:`f e^{\text{log\_scale}}` are detached from autograd; gradients of any function
+            of :math:`\varphi` are exact.
+        """
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r""":math:`\varphi(x)`, the plain (unstabilised) features.
+
+        Parameters
+        ----------
+        x : Tensor, shape (..., n, d)
+
+        Returns
+        -------
+        Tensor, shape (*broadcast(x.shape[:-2], batch_shape), n, feature_dim), dtype of ``x``.
+            May overflow where :math:`\varphi(x)` itself is not representable (e.g. trigonometric
+            features at :math:`\|x\| \gtrsim 13` in float32); use :meth:`kernel` or
+            :meth:`log_features` there.
+        """
+        f, ls = self.log_features(x)
+        _, out_dtype = self._prepare("x", x)
+        return (f * ls.exp().unsqueeze(-1)).to(out_dtype)
+
+    def kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        r"""The kernel estimate :math:`\hat K = \varphi(q)\varphi(k)^\top`, computed in the log domain.
+
+        :math:`\hat K_{ij} = \operatorname{sign}(G_{ij}) \exp(\log|G_{ij}| + s_i + t_j)` with
+        :math:`G = f_q f_k^\top` and :math:`(f, s)` from :meth:`log_features`, so that no scale
+        factor overflows unless :math:`\hat K_{ij}` itself does.
+
+        Parameters
+        ----------
+        q : Tensor, shape (..., n, d)
+        k : Tensor, shape (..., m, d)
+
+        Returns
+        -------
+        Tensor, shape (..., n, m), dtype ``promote(q.dtype, k.dtype)``.
+
+        Examples
+        --------
+        >>> fm = PositiveRF(dim=4, num_features=64, seed=0)
+        >>> q, k = torch.randn(5, 4) / 2, torch.randn(7, 4) / 2
+        >>> fm.kernel(q, k).shape
+        torch.Size([5, 7])
+        """
+        check_floating("q", q)
+        check_floating("k", k)
+        check_last_dim("q", q, self.dim)
+        check_last_dim("k", k, self.dim)
+        try:
+            torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], self.batch_shape)
+        except RuntimeError:
+            raise ValueError(
+                f"leading dimensions of q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])} and the "
+                f"feature map's batch_shape {self.batch_shape} do not broadcast"
+            ) from None
+        out_dtype = torch.promote_types(q.dtype, k.dtype)
+        cdt = compute_dtype(out_dtype)
+        fq, sq = self.log_features(q.to(cdt))
+        fk, sk = self.log_features(k.to(cdt))
+        G = torch.matmul(fq, fk.mT)
+        logs = sq.unsqueeze(-1) + sk.unsqueeze(-2)
+        if self.positive:
+            K = torch.exp(torch.log(G) + logs)
+        else:
+            K = torch.sign(G) * torch.exp(torch.log(G.abs()) + logs)
+        return K.to(out_dtype)
+
+    def redraw(self, seed: int | None = None, generator: torch.Generator | None = None) -> FeatureMap:
+        """Draw a new projection in place (a no-op for deterministic maps). Returns ``self``."""
+        return self
+
+
+class RandomFeatureMap(FeatureMap):
+    r"""Base of the random maps: owns the projection (a buffer) and its sampler.
+
+    Parameters
+    ----------
+    dim : int
+        Input dimension ``d``.
+    num_features : int
+        ``r``, the number of random projections :math:`w_1..w_r`.
+    sampler : str or Sampler, default "gaussian"
+        ``"gaussian"``, ``"orthogonal"``, ``"structured"``, ``"qmc"`` or a
+        :class:`~kernelapprox.samplers.Sampler` (e.g. ``OrthogonalSampler(norms="fixed")``).
+    seed : int, optional
+        Seed of the CPU generator the projection is drawn from.
+    generator : torch.Generator, optional
+        A CPU generator to draw from instead of ``seed``.
+    batch_shape : tuple of int, default ()
+        Independent projections of shape ``(*batch_shape, r, d)``, broadcast against the input's
+        leading dimensions: ``(H,)`` for one draw per head, ``(S, 1, 1)`` for ``S`` Monte Carlo draws
+        of a ``(B, H, n, d)`` input.
+    device, dtype : optional
+        Where and in which dtype the projection buffer lives (default: CPU, default dtype).
+    """
+
+    is_random = True
+
+    def __init__(
+        self,
+        dim: int,
+        num_features: int,
+        *,
+        sampler: str | Sampler = "gaussian",
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        batch_shape: tuple[int, ...] = (),
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        _projection: Projection | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim = check_positive_int("dim", dim)
+        self.num_features = check_positive_int("num_features", num_features)
+        self.batch_shape = as_batch_shape(batch_shape)
+        self.sampler = get_sampler(sampler)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self._init_dtype = dtype or torch.get_default_dtype()
+        g = None
+        if _projection is None:
+            g = make_generator(seed, generator)
+            _projection = self.sampler.sample(
+                self.num_features, self.dim, batch_shape=self.batch_shape, generator=g
+            )
+        self.projection = _projection.to(device=device, dtype=self._init_dtype)
+        self._init_extra(g, device)
+
+    def _init_extra(self, generator: torch.Generator | None, device) -> None:
+        """Hook for extra random buffers (the offsets of ``TrigRF(variant="offset")``)."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense projection :math:`W`, shape ``(*batch_shape, r, d)`` (materialised for SORF)."""
+        return self.projection.weight
+
+    @classmethod
+    def from_projection(
+        cls,
+        W: torch.Tensor,
+        *,
+        offsets: torch.Tensor | None = None,
+        sampler: str | Sampler | None = None,
+        **kwargs,
+    ) -> RandomFeatureMap:
+        r"""Build the map around a given projection ``W`` of shape ``(*batch_shape, r, d)``.
+
+        Parameters
+        ----------
+        W : Tensor, shape (*batch_shape, r, d)
+            Used as is (its dtype and device, unless ``dtype``/``device`` are given).
+        offsets : Tensor, shape (*batch_shape, r), optional
+            Phases for ``TrigRF(variant="offset")`` (required there).
+        sampler : str or Sampler, optional
+            How ``W`` was drawn, if known: used by :meth:`redraw` and by :mod:`kernelapprox.theory`.
+            Default: unknown provenance (``GivenSampler``; theory then refuses to guess).
+        **kwargs
+            Other constructor arguments (``variant=``, ``dtype=``, ``device=``).
+
+        Examples
+        --------
+        >>> W = torch.randn(16, 4, dtype=torch.float64)
+        >>> fm = PositiveRF.from_projection(W, sampler="gaussian")
+        >>> fm.num_features, fm.weight.dtype
+        (16, torch.float64)
+        """
+        W = check_floating("W", W)
+        if W.dim() < 2:
+            raise ValueError(f"W must have shape (*batch_shape, r, d), got {tuple(W.shape)}")
+        kwargs.setdefault("dtype", W.dtype)
+        kwargs.setdefault("device", W.device)
+        for bad in ("seed", "generator", "batch_shape"):
+            if bad in kwargs:
+                raise TypeError(f"from_projection() takes no {bad!r}: the projection is given")
+        obj = cls(
+            W.shape[-1],
+            W.shape[-2],
+            sampler=GivenSampler() if sampler is None else sampler,
+            batch_shape=tuple(W.shape[:-2]),
+            _projection=DenseProjection(W.detach().clone()),
+            **kwargs,
+        )
+        obj._set_offsets(offsets)
+        return obj
+
+    def _set_offsets(self, offsets: torch.Tensor | None) -> None:
+        if offsets is not None:
+            raise TypeError(f"{type(self).__name__} takes no offsets")
+
+    def redraw(self, seed: int | None = None, generator: torch.Generator | None = None) -> RandomFeatureMap:
+        """Draw a new projection (and offsets) in place, keeping device and dtype. Returns ``self``."""
+        g = make_generator(seed, generator)
+        ref = next(iter(self.projection.buffers()))
+        new = self.sampler.sample(self.num_features, self.dim, batch_shape=self.batch_shape, generator=g)
+        self.projection = new.to(device=ref.device, dtype=ref.dtype)
+        self._init_extra(g, ref.device)
+        return self
+
+    def extra_repr(self) -> str:
+        s = f"dim={self.dim}, num_features={self.num_features}, sampler={self.sampler!r}"
+        if self.batch_shape:
+            s += f", batch_shape={self.batch_shape}"
+        return s
+
+
+class PositiveRF(RandomFeatureMap):
+    r"""Positive random features (FAVOR+) [Cho21]_ Lemma 1.
+
+    .. math::
+        \varphi(x) = \frac{e^{-\|x\|^2/2}}{\sqrt r}\,\big[e^{w_1^\top x}, \dots, e^{w_r^\top x}\big],
+        \qquad \mathbb E\,\varphi(x)^\top\varphi(y) = e^{x^\top y}.
+
+    ``feature_dim = r``. MSE (iid): :math:`\frac1r e^{\|x+y\|^2}\mathrm{SM}^2(1-e^{-\|x+y\|^2})`
+    (:func:`kernelapprox.theory.positive_mse`). Stabilised form: per-row max of
+    :math:`w^\top x - \|x\|^2/2` subtracted (queries), one max per sequence for keys.
+
+    Parameters are those of :class:`RandomFeatureMap`.
+
+    Examples
+    --------
+    >>> fm = PositiveRF(dim=64, num_features=256, sampler="orthogonal", seed=0)
+    >>> x = torch.randn(2, 8, 100, 64) / 64 ** 0.25
+    >>> fm(x).shape
+    torch.Size([2, 8, 100, 256])
+    """
+
+    positive = True
+
+    @property
+    def feature_dim(self) -> int:
+        return self.num_features
+
+    def _log_phi(self, xc: torch.Tensor) -> torch.Tensor:
+        c = -_sqnorm_half(xc) - 0.5 * math.log(self.num_features)
+        return self.projection.affine(xc, row_bias=c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xc, out_dtype = self._prepare("x", x)
+        u = self._log_phi(xc)
+        return torch.exp_(u).to(out_dtype) if not u.requires_grad else u.exp().to(out_dtype)
+
+    def log_features(self, x, shared=False):
+        xc, _ = self._prepare("x", x)
+        return _exp_stabilised(self._log_phi(xc), shared)
+
+
+def _exp_stabilised(u: torch.Tensor, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(u - m), m`` with ``m`` the (detached) max per row, or per sequence if ``shared``."""
+    with torch.no_grad():
+        m = u.amax(dim=(-2, -1), keepdim=True) if shared else u.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    if u.requires_grad:
+        f = torch.exp(u - m)
+    else:
+        f = u.sub_(m).exp_()
+    return f, m.squeeze(-1)
+
+
+class HyperbolicRF(RandomFeatureMap):
+    r"""Hyperbolic (antithetic positive) random features [Cho21]_ Lemma 2 / §2.4.
+
+    .. math::
+        \varphi(x) = \frac{e^{-\|x\|^2/2}}{\sqrt{2r}}\,\big[e^{Wx}, e^{-Wx}\big],\qquad
+        \hat K = \frac{e^{-(\|x\|^2+\|y\|^2)/2}}{r}\sum_i \cosh\big(w_i^\top(x+y)\big).
+
+    ``feature_dim = 2r``. MSE (iid): :math:`\tfrac12(1-e^{-\|x+y\|^2})` times that of
+    :class:`PositiveRF` with the same ``r`` (:func:`kernelapprox.theory.hyperbolic_mse`).
+
+    Examples
+    --------
+    >>> fm = HyperbolicRF(dim=8, num_features=32, seed=0)
+    >>> fm(torch.randn(10, 8)).shape
+    torch.Size([10, 64])
+    """
+
+    positive = True
+
+    @property
+    def feature_dim(self) -> int:
+        return 2 * self.num_features
+
+    def _log_phi(self, xc: torch.Tensor) -> torch.Tensor:
+        c = -_sqnorm_half(xc) - 0.5 * math.log(2 * self.num_features)
+        u = self.projection(xc)
+        return torch.cat((u, -u), dim=-1) + c.unsqueeze(-1)
+
+    def forward(self, x):
+        xc, out_dtype = self._prepare("x", x)
+        u = self._log_phi(xc)
+        return torch.exp_(u).to(out_dtype) if not u.requires_grad else u.exp().to(out_dtype)
+
+    def log_features(self, x, shared=False):
+        xc, _ = self._prepare("x", x)
+        return _exp_stabilised(self._log_phi(xc), shared)
+
+
+class TrigRF(RandomFeatureMap):
+    r"""Trigonometric random features for :math:`\exp(x^\top y)` [RR07]_, [Cho21]_ Lemma 2.
+
+    ``variant="sincos"`` (default; ``feature_dim = 2r``):
+
+    .. math::
+        \varphi(x) = \frac{e^{\|x\|^2/2}}{\sqrt r}\,[\sin Wx, \cos Wx], \qquad
+        \hat K = e^{(\|x\|^2+\|y\|^2)/2}\,\frac1r\sum_i \cos\big(w_i^\top(x-y)\big).
+
+    ``variant="offset"`` (``feature_dim = r``; scikit-learn's ``RBFSampler`` form [SS15]_):
+
+    .. math::
+        \varphi(x) = e^{\|x\|^2/2}\sqrt{2/r}\,\cos(Wx + b), \quad b_i \sim U[0, 2\pi).
+
+    Both are unbiased; the sincos form has lower variance at equal ``r`` [SS15]_. Features take
+    both signs, so attention denominators can be :math:`\le 0`. The scale
+    :math:`e^{\|x\|^2/2}` is carried in ``log_scale`` (it overflows float32 at
+    :math:`\|x\|\approx 13.3`, and the product of two at :math:`\|q\|=\|k\|\approx 9.4`).
+
+    Parameters
+    ----------
+    variant : {"sincos", "offset"}, default "sincos"
+    **kwargs
+        Those of :class:`RandomFeatureMap`.
+
+    Examples
+    --------
+    >>> fm = TrigRF(dim=16, num_features=128, seed=0)
+    >>> q = torch.randn(3, 16) / 4
+    >>> fm.kernel(q, q).shape
+    torch.Size([3, 3])
+    """
+
+    positive = False
+
+    def __init__(self, dim: int, num_features: int, *, variant: str = "sincos", **kwargs) -> None:
+        if variant not in ("sincos", "offset"):
+            raise ValueError(f"variant must be 'sincos' or 'offset', got {variant!r}")
+        self.variant = variant
+        super().__init__(dim, num_features, **kwargs)
+
+    def _init_extra(self, generator, device) -> None:
+        if self.variant != "offset":
+            return
+        if generator is None:  # from_projection: offsets are set by _set_offsets
+            return
+        b = torch.rand(*self.batch_shape, self.num_features, generator=generator, dtype=torch.float64)
+        self.register_buffer("offsets", (2 * math.pi * b).to(device=device, dtype=self._buffer_dtype()))
+
+    def _buffer_dtype(self) -> torch.dtype:
+        return next(iter(self.projection.buffers())).dtype
+
+    def _set_offsets(self, offsets):
+        if self.variant != "offset":
+            if offsets is not None:
+                raise TypeError("offsets are only used by TrigRF(variant='offset')")
+            return
+        if offsets is None:
+            raise ValueError("TrigRF(variant='offset').from_projection needs offsets of shape (*batch_shape, r)")
+        offsets = check_floating("offsets", offsets)
+        want = (*self.batch_shape, self.num_features)
+        if tuple(offsets.shape) != want:
+            raise ValueError(f"offsets must have shape {want}, got {tuple(offsets.shape)}")
+        ref = next(iter(self.projection.buffers()))
+        self.register_buffer("offsets", offsets.detach().clone().to(device=ref.device, dtype=ref.dtype))
+
+    @property
+    def feature_dim(self) -> int:
+        return 2 * self.num_features if self.variant == "sincos" else self.num_features
+
+    def log_features(self, x, shared=False):
+        xc, _ = self._prepare("x", x)
+        if self.variant == "sincos":
+            u = self.projection(xc)
+            f = torch.cat((torch.sin(u), torch.cos(u)), dim=-1)
+            ls = _sqnorm_half(xc) - 0.5 * math.log(self.num_features)
+        else:
+            u = self.projection.affine(xc, col_bias=self.offsets)
+            f = torch.cos(u)
+            ls = _sqnorm_half(xc) + 0.5 * math.log(2.0 / self.num_features)
+        lead = f.shape[:-2]
+        ls = ls.expand(*lead, ls.shape[-1]) if ls.shape[:-1] != lead else ls
+        if shared:
+            with torch.no_grad():
+                m = ls.amax(-1, keepdim=True)
+            f = f * torch.exp(ls - m).unsqueeze(-1)
+            ls = m
+        return f, ls
+
+    def extra_repr(self) -> str:
+        return f"variant={self.variant!r}, " + super().extra_repr()
+
+
+class _DeterministicMap(FeatureMap):
+    is_random = False
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = check_positive_int("dim", dim)
+        self.num_features = self.dim
+        self.batch_shape = ()
+
+    @property
+    def feature_dim(self) -> int:
+        return self.dim
+
+    def _phi(self, xc: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x):
+        xc, out_dtype = self._prepare("x", x)
+        return self._phi(xc).to(out_dtype)
+
+    def log_features(self, x, shared=False):
+        xc, _ = self._prepare("x", x)
+        f = self._phi(xc)
+        shape = (*f.shape[:-2], 1) if shared else f.shape[:-1]
+        return f, f.new_zeros(shape)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class EluFeatures(_DeterministicMap):
+    r"""The elu+1 map of linear attention [Kat20]_: :math:`\varphi(x) = \mathrm{elu}(x) + 1`.
+
+    Deterministic (no projection; ``redraw`` is a no-op), positive, ``feature_dim = d``. Computed
+    branch-wise as :math:`x + 1` for :math:`x \ge 0` and :math:`e^{x}` below, so it does not
+    round to 0 in bfloat16 for :math:`x \le -8` (flash-linear-attention issue #1261). As an
+    estimator of :math:`\exp(q^\top k)` it is biased; :func:`kernelapprox.theory.deterministic_error`
+    gives the error.
+
+    Examples
+    --------
+    >>> EluFeatures(4)(torch.tensor([[-1.0, 0.0, 1.0, 2.0]]))
+    tensor([[0.3679, 1.0000, 2.0000, 3.0000]])
+    """
+
+    positive = True
+
+    def _phi(self, xc):
+        return torch.where(xc >= 0, xc + 1, torch.exp(torch.clamp(xc, max=0)))
+
+
+class ReluFeatures(_DeterministicMap):
+    r"""The ReLU map :math:`\varphi(x) = \max(x, 0)` (Performer-ReLU, [Cho21]_ App. A.4).
+
+    Deterministic, non-negative, ``feature_dim = d``. Rows can be all zero, so attention
+    denominators can vanish; :func:`kernelapprox.linear_attention` guards them.
+
+    Examples
+    --------
+    >>> ReluFeatures(3)(torch.tensor([[-1.0, 0.5, 2.0]]))
+    tensor([[0.0000, 0.5000, 2.0000]])
+    """
+
+    positive = True
+
+    def _phi(self, xc):
+        return torch.relu(xc)

@@ -1,0 +1,470 @@
+r"""Projection samplers: the random matrix :math:`W \in \mathbb{R}^{r \times d}` of a random feature map.
+
+Every sampler draws on a CPU :class:`torch.Generator` in float64, so that the same seed gives the
+same projection on every device and dtype (the feature map casts and moves it afterwards), and
+returns a :class:`Projection` module. Rows :math:`w_1, \dots, w_r` are the ``r = num_features``
+random projections (the Performer convention used throughout the library).
+
+=============== ======================================================================== ==========
+name            construction                                                             unbiased
+=============== ======================================================================== ==========
+``gaussian``    iid :math:`w_i \sim \mathcal N(0, I_d)`                                   yes
+``orthogonal``  independent Haar-orthogonal :math:`d\times d` blocks, sign-corrected QR,   yes (chi)
+                rows rescaled by independent :math:`\chi_d` norms (``norms="chi"``) or
+                :math:`\sqrt d` (``norms="fixed"``, biased: estimates SMREG)
+``structured``  SORF: rows of :math:`\sqrt p\, H D_1 H D_2 H D_3` (fast Walsh–Hadamard)    no (small bias)
+``qmc``         scrambled Sobol'/Halton points through :math:`\Phi^{-1}`                  yes
+=============== ======================================================================== ==========
+
+References
+----------
+.. [Yu16] F. X. Yu, A. T. Suresh, K. Choromanski, D. Holtmann-Rice, S. Kumar. "Orthogonal Random
+   Features", NeurIPS 2016, arXiv:1610.09072 (ORF eq. 2, SORF eq. 5).
+.. [Mez07] F. Mezzadri. "How to generate random matrices from the classical compact groups",
+   Notices of the AMS 54 (2007), arXiv:math-ph/0609050 (the sign correction of QR).
+.. [Avr16] H. Avron, V. Sindhwani, J. Yang, M. W. Mahoney. "Quasi-Monte Carlo Feature Maps for
+   Shift-Invariant Kernels", JMLR 17 (2016), arXiv:1412.8293.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import torch
+from scipy.special import ndtri
+from scipy.stats import qmc
+from torch import nn
+
+from ._validation import as_batch_shape, check_positive_int
+
+__all__ = [
+    "Projection",
+    "DenseProjection",
+    "HadamardProjection",
+    "Sampler",
+    "GaussianSampler",
+    "OrthogonalSampler",
+    "StructuredSampler",
+    "QMCSampler",
+    "GivenSampler",
+    "SAMPLERS",
+    "get_sampler",
+    "make_generator",
+    "fwht",
+]
+
+
+def make_generator(seed: int | None = None, generator: torch.Generator | None = None) -> torch.Generator:
+    """Return a CPU generator from ``seed`` or ``generator`` (never the global RNG).
+
+    Parameters
+    ----------
+    seed : int, optional
+        Seed of a fresh CPU generator.
+    generator : torch.Generator, optional
+        A CPU generator, used as is (its state advances). Exclusive with ``seed``.
+        With neither, a fresh generator is seeded non-deterministically.
+    """
+    if seed is not None and generator is not None:
+        raise ValueError("pass either seed or generator, not both")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        if generator.device.type != "cpu":
+            raise ValueError(
+                f"generator must be a CPU generator (projections are drawn on CPU, then moved, so "
+                f"the same seed gives the same projection on every device), got device {generator.device}"
+            )
+        return generator
+    g = torch.Generator(device="cpu")
+    if seed is None:
+        g.seed()
+    else:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        g.manual_seed(int(seed))
+    return g
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    r"""Unnormalised fast Walsh–Hadamard transform over the last dimension.
+
+    Computes :math:`x H_p` with :math:`H_p` the Sylvester–Hadamard matrix (entries :math:`\pm 1`),
+    in :math:`O(p \log p)` for ``p = x.shape[-1]`` a power of two.
+
+    Parameters
+    ----------
+    x : Tensor, shape (..., p)
+
+    Returns
+    -------
+    Tensor, shape (..., p)
+
+    Examples
+    --------
+    >>> fwht(torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    tensor([1., 1., 1., 1.])
+    """
+    p = x.shape[-1]
+    if p & (p - 1):
+        raise ValueError(f"fwht needs a power-of-two last dimension, got {p}")
+    lead = x.shape[:-1]
+    h = 1
+    while h < p:
+        y = x.reshape(*lead, p // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(*lead, p)
+        h *= 2
+    return x
+
+
+class Projection(nn.Module):
+    r"""A (batch of) projection(s) :math:`W` of shape ``(*batch_shape, r, d)``.
+
+    ``forward(x)`` returns :math:`x W^\top`, shape ``(*broadcast(x.shape[:-2], batch_shape), n, r)``.
+    """
+
+    num_features: int
+    dim: int
+    batch_shape: tuple[int, ...]
+
+    @property
+    def weight(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def affine(
+        self,
+        x: torch.Tensor,
+        row_bias: torch.Tensor | None = None,
+        col_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        r""":math:`x W^\top + b_{\text{row}} \mathbf 1^\top + \mathbf 1 b_{\text{col}}^\top`.
+
+        Parameters
+        ----------
+        x : Tensor, shape (..., n, d)
+        row_bias : Tensor, shape (..., n), optional
+            Added to every feature of a row (e.g. :math:`-\|x\|^2/2`).
+        col_bias : Tensor, shape (*batch_shape, r), optional
+            Added to every row (e.g. random phases).
+        """
+        u = self(x)
+        if row_bias is not None:
+            u = u + row_bias.unsqueeze(-1)
+        if col_bias is not None:
+            u = u + col_bias.to(u.dtype).unsqueeze(-2)
+        return u
+
+
+class DenseProjection(Projection):
+    """A materialised projection; ``weight`` is a buffer (moves with ``.to()``, saved in ``state_dict``).
+
+    Parameters
+    ----------
+    weight : Tensor, shape (*batch_shape, r, d)
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        if not isinstance(weight, torch.Tensor) or weight.dim() < 2:
+            raise ValueError(
+                f"weight must be a tensor of shape (*batch_shape, r, d), got "
+                f"{getattr(weight, 'shape', type(weight).__name__)}"
+            )
+        self.register_buffer("_weight", weight)
+        self.num_features = int(weight.shape[-2])
+        self.dim = int(weight.shape[-1])
+        self.batch_shape = tuple(weight.shape[:-2])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, self._weight.to(x.dtype).mT)
+
+    def affine(
+        self,
+        x: torch.Tensor,
+        row_bias: torch.Tensor | None = None,
+        col_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # Fold the biases into the GEMM by augmenting x with [row_bias, 1] and W with [1, col_bias]:
+        # one matmul writes the final pre-activation, saving full passes over the (n, r) output.
+        W = self._weight.to(x.dtype)
+        if row_bias is None and col_bias is None:
+            return torch.matmul(x, W.mT)
+        xs, ws = [x], [W]
+        if row_bias is not None:
+            xs.append(row_bias.unsqueeze(-1))
+            ws.append(W.new_ones(*W.shape[:-1], 1))
+        if col_bias is not None:
+            xs.append(x.new_ones(*x.shape[:-1], 1))
+            ws.append(col_bias.to(W.dtype).unsqueeze(-1))
+        if x.dim() - 2 < W.dim() - 2 or tuple(x.shape[:-2]) != tuple(
+            torch.broadcast_shapes(x.shape[:-2], W.shape[:-2])
+        ):
+            # x must be expanded anyway; concatenate after broadcasting the leading dims.
+            lead = torch.broadcast_shapes(x.shape[:-2], W.shape[:-2])
+            xs = [t.expand(*lead, *t.shape[-2:]) for t in xs]
+        return torch.matmul(torch.cat(xs, -1), torch.cat(ws, -1).mT)
+
+
+class HadamardProjection(Projection):
+    r"""Structured orthogonal projection (SORF) applied with a fast Walsh–Hadamard transform.
+
+    Block :math:`b` has rows of :math:`M_b = \sqrt p\, H D_{1b} H D_{2b} H D_{3b}` with
+    :math:`H = H_p/\sqrt p` the normalised Walsh–Hadamard matrix, :math:`D_{ib}` diagonal
+    Rademacher, :math:`p = 2^{\lceil \log_2 d \rceil}`; inputs are zero-padded to length ``p``.
+    ``forward`` costs :math:`O(n \cdot n_{\text{blocks}} \cdot p \log p)` and never forms :math:`W`.
+
+    Parameters
+    ----------
+    signs : Tensor, shape (*batch_shape, n_blocks, 3, p), entries +-1
+    dim : int
+        Input dimension ``d <= p``.
+    num_features : int
+        ``r <= n_blocks * p``.
+    """
+
+    def __init__(self, signs: torch.Tensor, dim: int, num_features: int) -> None:
+        super().__init__()
+        self.register_buffer("signs", signs)
+        self.dim = int(dim)
+        self.num_features = int(num_features)
+        self.batch_shape = tuple(signs.shape[:-3])
+        self.padded_dim = int(signs.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.padded_dim
+        if x.shape[-1] < p:
+            x = torch.nn.functional.pad(x, (0, p - x.shape[-1]))
+        s = self.signs.to(x.dtype).unsqueeze(-4)  # (*B, 1, nb, 3, p) against x (..., n, 1, p)
+        y = x.unsqueeze(-2) * s[..., 2, :]
+        y = fwht(y) * s[..., 1, :]
+        y = fwht(y) * s[..., 0, :]
+        y = fwht(y) / p  # sqrt(p) * (H_p / sqrt(p))^3 = H_p^3 / p
+        y = y.reshape(*y.shape[:-2], -1)
+        return y[..., : self.num_features]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        eye = torch.eye(self.padded_dim, dtype=self.signs.dtype, device=self.signs.device)
+        cols = self(eye)  # (*B, p, r): row j is W e_j
+        return cols.mT[..., : self.dim].contiguous()
+
+
+class Sampler:
+    """Base class of projection samplers.
+
+    Subclasses implement :meth:`sample`, returning a :class:`Projection` in float64 on CPU.
+    """
+
+    name: str = "sampler"
+    unbiased: bool = True
+
+    def sample(
+        self,
+        num_features: int,
+        dim: int,
+        *,
+        batch_shape: tuple[int, ...] = (),
+        generator: torch.Generator,
+    ) -> Projection:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted(vars(self).items()))))
+
+
+class GaussianSampler(Sampler):
+    r"""iid rows :math:`w_i \sim \mathcal N(0, I_d)`.
+
+    Examples
+    --------
+    >>> P = GaussianSampler().sample(8, 4, generator=make_generator(0))
+    >>> P.weight.shape
+    torch.Size([8, 4])
+    """
+
+    name = "gaussian"
+
+    def sample(self, num_features, dim, *, batch_shape=(), generator):
+        r = check_positive_int("num_features", num_features)
+        d = check_positive_int("dim", dim)
+        B = as_batch_shape(batch_shape)
+        return DenseProjection(torch.randn(*B, r, d, generator=generator, dtype=torch.float64))
+
+
+def haar_orthogonal(shape: tuple[int, ...], d: int, generator: torch.Generator) -> torch.Tensor:
+    r"""Haar-distributed orthogonal matrices of shape ``(*shape, d, d)`` (float64, CPU).
+
+    QR of a Gaussian matrix with the sign correction :math:`Q \operatorname{diag}(\operatorname{sign} R_{ii})`
+    [Mez07]_; without it, LAPACK's Householder QR ties column signs to :math:`R_{ii}` and
+    the rows of a block are *not* uniformly distributed (the Performer ORF bias).
+    """
+    G = torch.randn(*shape, d, d, generator=generator, dtype=torch.float64)
+    Q, R = torch.linalg.qr(G)
+    diag = torch.diagonal(R, dim1=-2, dim2=-1)
+    sign = torch.where(diag >= 0, 1.0, -1.0).to(Q.dtype)
+    return Q * sign.unsqueeze(-2)
+
+
+class OrthogonalSampler(Sampler):
+    r"""Block-orthogonal random features (ORF) [Yu16]_.
+
+    ``n_blocks = ceil(r / d)`` independent Haar-orthogonal :math:`d \times d` blocks (sign-corrected
+    QR [Mez07]_); block :math:`b` gives rows :math:`bd, \dots, bd + d - 1`, the last block keeps
+    only its first ``r - (n_blocks - 1) d`` rows. Rows are rescaled:
+
+    * ``norms="chi"``: by independent :math:`\chi_d` variables, independent of the directions, so
+      every row is marginally :math:`\mathcal N(0, I_d)` and every estimator stays unbiased;
+    * ``norms="fixed"``: to norm :math:`\sqrt d` (Yu's ORF′; positive features then estimate the
+      regularised kernel SMREG, not :math:`\exp(q^\top k)`).
+
+    Parameters
+    ----------
+    norms : {"chi", "fixed"}, default "chi"
+
+    Examples
+    --------
+    >>> W = OrthogonalSampler().sample(8, 4, generator=make_generator(0)).weight
+    >>> G = W[:4] @ W[:4].T  # first block: diagonal
+    >>> bool(torch.allclose(G, torch.diag(torch.diagonal(G))))
+    True
+    """
+
+    name = "orthogonal"
+
+    def __init__(self, norms: str = "chi") -> None:
+        if norms not in ("chi", "fixed"):
+            raise ValueError(f"norms must be 'chi' or 'fixed', got {norms!r}")
+        self.norms = norms
+        self.unbiased = norms == "chi"
+
+    def __repr__(self) -> str:
+        return f"OrthogonalSampler(norms={self.norms!r})"
+
+    def sample(self, num_features, dim, *, batch_shape=(), generator):
+        r = check_positive_int("num_features", num_features)
+        d = check_positive_int("dim", dim)
+        B = as_batch_shape(batch_shape)
+        nb = -(-r // d)
+        Q = haar_orthogonal((*B, nb), d, generator)
+        W = Q.mT.reshape(*B, nb * d, d)[..., :r, :]  # rows of Q^T (= columns of Q) as directions
+        if self.norms == "chi":
+            norms = torch.randn(*B, r, d, generator=generator, dtype=torch.float64).norm(dim=-1)
+        else:
+            norms = torch.full((*B, r), math.sqrt(d), dtype=torch.float64)
+        return DenseProjection((W * norms.unsqueeze(-1)).contiguous())
+
+
+class StructuredSampler(Sampler):
+    r"""Structured orthogonal random features (SORF) [Yu16]_ eq. (5).
+
+    Rows of :math:`\sqrt p\, H D_1 H D_2 H D_3` per block (``p`` = next power of two ``>= d``),
+    applied in :math:`O(r \log d)` per input through :func:`fwht`. Rows within a block are
+    orthogonal with norm :math:`\sqrt p`. The estimators built on it are slightly *biased*
+    (Yu et al. Thm 3: :math:`|\mathbb E K_{\mathrm{SORF}} - K| \le 6z/\sqrt d`), and no closed-form
+    variance is claimed for them (use :mod:`kernelapprox.montecarlo`).
+    """
+
+    name = "structured"
+    unbiased = False
+
+    def sample(self, num_features, dim, *, batch_shape=(), generator):
+        r = check_positive_int("num_features", num_features)
+        d = check_positive_int("dim", dim)
+        B = as_batch_shape(batch_shape)
+        p = 1 << (d - 1).bit_length()
+        nb = -(-r // p)
+        bits = torch.randint(0, 2, (*B, nb, 3, p), generator=generator)
+        signs = (2 * bits - 1).to(torch.float64)
+        return HadamardProjection(signs, d, r)
+
+
+class QMCSampler(Sampler):
+    r"""Randomised quasi-Monte Carlo rows [Avr16]_: :math:`w_i = \Phi^{-1}(t_i)` coordinate-wise.
+
+    ``t_1..t_r`` are the first ``r`` points of a scrambled Sobol' (``method="sobol"``) or Halton
+    sequence from :mod:`scipy.stats.qmc`, one independent scrambling per batch element. Scrambling
+    makes each point uniform on :math:`[0,1)^d`, so each row is marginally :math:`\mathcal N(0, I_d)`
+    and the estimators stay unbiased; rows are negatively dependent (low discrepancy). No
+    closed-form variance is claimed (use :mod:`kernelapprox.montecarlo`).
+
+    Parameters
+    ----------
+    method : {"sobol", "halton"}, default "sobol"
+    """
+
+    name = "qmc"
+
+    def __init__(self, method: str = "sobol") -> None:
+        if method not in ("sobol", "halton"):
+            raise ValueError(f"method must be 'sobol' or 'halton', got {method!r}")
+        self.method = method
+
+    def __repr__(self) -> str:
+        return f"QMCSampler(method={self.method!r})"
+
+    def sample(self, num_features, dim, *, batch_shape=(), generator):
+        r = check_positive_int("num_features", num_features)
+        d = check_positive_int("dim", dim)
+        B = as_batch_shape(batch_shape)
+        count = math.prod(B)
+        seeds = torch.randint(0, 2**62, (count,), generator=generator).tolist()
+        out = np.empty((count, r, d))
+        eps = np.finfo(np.float64).eps
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Sobol' balance warning for r != 2^m
+            for i, s in enumerate(seeds):
+                rng = np.random.default_rng(s)
+                if self.method == "sobol":
+                    pts = qmc.Sobol(d, scramble=True, rng=rng).random(r)
+                else:
+                    pts = qmc.Halton(d, scramble=True, rng=rng).random(r)
+                out[i] = ndtri(np.clip(pts, eps, 1 - eps))
+        return DenseProjection(torch.from_numpy(out).reshape(*B, r, d))
+
+
+class GivenSampler(Sampler):
+    """Marks a projection supplied by the caller (``from_projection``): provenance unknown.
+
+    It cannot draw: ``redraw`` on such a map needs an explicit sampler.
+    """
+
+    name = "given"
+    unbiased = False
+
+    def sample(self, num_features, dim, *, batch_shape=(), generator):
+        raise ValueError(
+            "this feature map was built from a given projection; pass sampler=... to "
+            "from_projection (or to redraw) to draw new projections"
+        )
+
+
+SAMPLERS: dict[str, type[Sampler]] = {
+    "gaussian": GaussianSampler,
+    "orthogonal": OrthogonalSampler,
+    "structured": StructuredSampler,
+    "qmc": QMCSampler,
+}
+
+
+def get_sampler(sampler: str | Sampler) -> Sampler:
+    """Resolve a sampler name (``"gaussian"``, ``"orthogonal"``, ``"structured"``, ``"qmc"``) or object."""
+    if isinstance(sampler, Sampler):
+        return sampler
+    if isinstance(sampler, str):
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}; valid names: {sorted(SAMPLERS)}")
+        return SAMPLERS[sampler]()
+    raise TypeError(f"sampler must be a name in {sorted(SAMPLERS)} or a Sampler, got {type(sampler).__name__}")

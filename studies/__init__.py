@@ -1,0 +1,20 @@
+"""Reproducible studies of random-feature approximations of the softmax kernel exp(q.k).
+
+Run ``python -m studies list`` to see them and ``python -m studies run NAME|all`` to reproduce
+the reports in ``reports/``.  Each study is a module defining ``STUDY = Study(...)`` (see
+``studies._framework``); the modules are imported lazily by the runner, in this order.
+"""
+
+STUDY_MODULES: tuple[str, ...] = (
+    # owner studies-A
+    "error_vs_r",
+    "dlogd",
+    "orthogonal_gain",
+    # owner studies-B
+    "attention_error",
+    "cost_crossover",
+    "state_capacity",
+    "qr_sign_bias",
+)
+
+__all__ = ["STUDY_MODULES"]

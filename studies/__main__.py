@@ -1,0 +1,8 @@
+"""Entry point: ``python -m studies list`` / ``python -m studies run NAME|all [--quick] ...``."""
+
+import sys
+
+from studies._framework import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,636 @@
+"""The studies framework: `Study`, `Context`, statistics/plot helpers and the runner.
+
+A *study* is a grid of cells (plain JSON-serialisable dicts of parameters).  For each cell the
+runner calls ``study.run_cell(cell, ctx)`` which returns tidy rows (dicts with at least
+``metric, mean, ci_low, ci_high, n_draws``); the runner adds the cell parameters as columns,
+caches the rows per cell under ``<out>/<name>/.cache/`` (so an interrupted run resumes), writes
+``<out>/<name>/results.csv``, then calls ``study.plot(df, folder)`` (figures are drawn *from the
+frame*, so ``--replot`` needs no recomputation) and ``study.summarize(df, ctx)`` (markdown with a
+key table and a finding generated from the numbers).  The runner wraps the summary with a
+"What was run" section and a "Provenance" section and (re)writes ``<out>/README.md``, an index of
+every study found in ``<out>``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+ROW_KEYS = ("metric", "mean", "ci_low", "ci_high", "n_draws")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------------------------
+# Study / Context
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Study:
+    """One study: a grid of cells, how to evaluate a cell, how to draw and summarise the results.
+
+    Attributes:
+        name: CLI name, e.g. ``"attention-error"``; the report folder is ``<out>/<name>/``.
+        description: one line, shown by ``python -m studies list`` and in ``reports/README.md``.
+        grid: ``grid(quick) -> list[dict]``; each cell is a JSON-serialisable dict of parameters.
+        run_cell: ``run_cell(cell, ctx) -> list[dict]``; tidy rows, each with at least
+            ``metric, mean, ci_low, ci_high, n_draws`` (use :func:`row`).  Evaluate the draws of a
+            cell in one batched call (feature maps' ``batch_shape``), never a Python loop over draws.
+        plot: ``plot(df, folder) -> list[Path]``; draws figures FROM the tidy results frame (the
+            frame read back from ``results.csv``) and saves them with :func:`save_figure`.
+        summarize: ``summarize(df, ctx) -> str``; markdown.  Convention: a ``## Key results``
+            section (a table, e.g. from :func:`df_to_markdown`) and a ``## Finding`` section whose
+            paragraph is generated from the numbers (f-strings over ``df``), never hand-written.
+        headline: file name (png) of the headline figure, shown in ``reports/README.md``.
+        cache_version: bump it when ``run_cell`` changes meaning, to invalidate cached cells.
+    """
+
+    name: str
+    description: str
+    grid: Callable[[bool], list[dict]]
+    run_cell: Callable[[dict, Context], list[dict]]
+    plot: Callable[[pd.DataFrame, Path], list[Path]]
+    summarize: Callable[[pd.DataFrame, Context], str]
+    headline: str = ""
+    cache_version: str = "1"
+
+
+@dataclass
+class Context:
+    """What a cell (and ``summarize``) knows about the run.
+
+    Attributes:
+        device: where tensors are evaluated (``--device``).
+        seed: the run's base seed (``--seed``); per-cell seeds derive from it via :meth:`seed_for`.
+        quick: ``--quick`` (reduced grid, fewer draws).
+        out: the study's report folder ``<out>/<name>/``.
+        dtype: evaluation dtype (float64 by default: accuracy studies).
+        study: the study's name.
+    """
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    seed: int = 0
+    quick: bool = False
+    out: Path = field(default_factory=lambda: Path("reports"))
+    dtype: torch.dtype = torch.float64
+    study: str = ""
+
+    def seed_for(self, *keys: Any) -> int:
+        """A deterministic 62-bit seed from ``(seed, study, *keys)`` (stable across processes)."""
+        payload = json.dumps([self.seed, self.study, *keys], sort_keys=True, default=str)
+        return int(hashlib.sha256(payload.encode()).hexdigest()[:15], 16)
+
+    def generator(self, *keys: Any) -> torch.Generator:
+        """A CPU ``torch.Generator`` seeded from :meth:`seed_for` ``(*keys)``."""
+        g = torch.Generator(device="cpu")
+        g.manual_seed(self.seed_for(*keys))
+        return g
+
+    def rng(self, *keys: Any) -> np.random.Generator:
+        """A numpy generator seeded from :meth:`seed_for` ``(*keys)``."""
+        return np.random.default_rng(self.seed_for(*keys))
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics helpers
+# --------------------------------------------------------------------------------------------
+def _to_numpy(x: np.ndarray | torch.Tensor | Sequence[float] | float) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def mean_ci(
+    samples: np.ndarray | torch.Tensor, axis: int = 0, level: float = 0.95
+) -> tuple[Any, Any, Any]:
+    """Mean and two-sided Student-t confidence interval along ``axis``.
+
+    Returns ``(mean, lo, hi)`` (floats for 1-D input, arrays otherwise).  With a single sample
+    the interval collapses to the mean.
+    """
+    from scipy import stats
+
+    x = _to_numpy(samples)
+    n = x.shape[axis] if x.ndim else 1
+    m = x.mean(axis=axis) if x.ndim else x
+    if n < 2:
+        return _scalar(m), _scalar(m), _scalar(m)
+    with np.errstate(invalid="ignore"):
+        se = x.std(axis=axis, ddof=1) / math.sqrt(n)
+    half = stats.t.ppf(0.5 + level / 2, n - 1) * se
+    return _scalar(m), _scalar(m - half), _scalar(m + half)
+
+
+def _scalar(x: Any) -> Any:
+    a = np.asarray(x)
+    return float(a) if a.ndim == 0 else a
+
+
+def row(metric: str, samples_or_value: Any, **extra: Any) -> dict:
+    """One tidy row: ``metric, mean, ci_low, ci_high, n_draws`` plus ``extra`` columns.
+
+    ``samples_or_value`` is a 1-D array/tensor of per-draw values (t-interval over them) or a
+    scalar (CI collapses to the value, ``n_draws=1`` unless given in ``extra``).  ``extra`` may
+    override ``ci_low``/``ci_high``/``n_draws`` (e.g. for a bootstrap interval).
+    """
+    x = _to_numpy(samples_or_value)
+    if x.ndim == 0:
+        m = lo = hi = float(x)
+        n = 1
+    else:
+        x = x.reshape(-1)
+        m, lo, hi = mean_ci(x)
+        n = int(x.size)
+    out = {"metric": metric, "mean": m, "ci_low": lo, "ci_high": hi, "n_draws": n}
+    for k, v in extra.items():
+        out[k] = _jsonable(v)
+    return out
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        v = v.detach().cpu().numpy()
+    if isinstance(v, np.ndarray):
+        return v.item() if v.ndim == 0 else v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def save_figure(fig: Any, outdir: Path | str, stem: str) -> list[Path]:
+    """Save ``fig`` as ``<outdir>/<stem>.png`` (dpi 150) and ``.svg``, close it, return the paths."""
+    import matplotlib.pyplot as plt
+
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    paths = [outdir / f"{stem}.png", outdir / f"{stem}.svg"]
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    """Compact number formatting for tables and findings (``nan`` -> ``"–"``)."""
+    if x is None:
+        return "–"
+    if isinstance(x, (bool, np.bool_)):
+        return str(bool(x))
+    if isinstance(x, (int, np.integer)):
+        return str(int(x))
+    if isinstance(x, (float, np.floating)):
+        if not math.isfinite(float(x)):
+            return "–" if math.isnan(float(x)) else ("∞" if x > 0 else "-∞")
+        return f"{float(x):.{digits}g}"
+    return str(x)
+
+
+def df_to_markdown(df: pd.DataFrame, digits: int = 3, index: bool = False) -> str:
+    """A GitHub pipe table of ``df`` (no ``tabulate`` dependency)."""
+    d = df.reset_index() if index else df
+    cols = [str(c) for c in d.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for rec in d.itertuples(index=False):
+        cells = [fmt(v, digits).replace("|", "\\|") for v in rec]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Study registry
+# --------------------------------------------------------------------------------------------
+_WARNED: set[str] = set()
+
+
+def load_studies(strict: bool = False) -> dict[str, Study]:
+    """Import every module listed in ``studies.STUDY_MODULES`` and return ``{name: STUDY}``.
+
+    A module that does not exist (or fails to import, when ``strict`` is False) is skipped with a
+    warning, so ``python -m studies list`` works while studies are being written.
+    """
+    from studies import STUDY_MODULES
+
+    found: dict[str, Study] = {}
+
+    def warn(msg: str) -> None:
+        if msg not in _WARNED:
+            _WARNED.add(msg)
+            warnings.warn(msg, stacklevel=3)
+
+    for mod_name in STUDY_MODULES:
+        full = f"studies.{mod_name}"
+        try:
+            mod = importlib.import_module(full)
+        except ModuleNotFoundError as e:
+            if e.name == full or not strict:
+                warn(f"study module {full} skipped: {e}")
+                continue
+            raise
+        except Exception as e:  # a broken module must not hide the others
+            if strict:
+                raise
+            warn(f"study module {full} failed to import: {e!r}")
+            continue
+        study = getattr(mod, "STUDY", None)
+        if not isinstance(study, Study):
+            warn(f"study module {full} defines no STUDY")
+            continue
+        found[study.name] = study
+    return found
+
+
+def get_study(name: str) -> Study:
+    """The study called ``name`` (the module name with underscores is accepted too)."""
+    studies = load_studies(strict=False)
+    key = name.replace("_", "-")
+    if key in studies:
+        return studies[key]
+    # re-import strictly to surface the real import error of this module
+    from studies import STUDY_MODULES
+
+    mod_name = name.replace("-", "_")
+    if mod_name in STUDY_MODULES:
+        mod = importlib.import_module(f"studies.{mod_name}")
+        return mod.STUDY
+    raise KeyError(f"unknown study {name!r}; known: {sorted(studies)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Provenance
+# --------------------------------------------------------------------------------------------
+def package_version(name: str) -> str:
+    """Installed version of ``name`` (``__version__`` of the module, else metadata, else '?')."""
+    try:
+        v = getattr(importlib.import_module(name), "__version__", None)
+    except Exception:  # noqa: BLE001
+        v = None
+    if v:
+        return str(v)
+    try:
+        return importlib.metadata.version(name)
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def git_commit() -> str:
+    """``git rev-parse HEAD`` of the repository (read-only), with ``+dirty`` when modified."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        if head.returncode != 0:
+            return "none (no commit yet)"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def provenance(ctx: Context, wall_s: float, compute_s: float, n_cells: int, n_cached: int) -> dict:
+    """The provenance record written to ``provenance.json`` and the summary."""
+    return {
+        "study": ctx.study,
+        "date_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
+        "command": "python -m studies run " + ctx.study + (" --quick" if ctx.quick else "")
+        + (f" --seed {ctx.seed}" if ctx.seed else "")
+        + (f" --device {ctx.device.type}" if ctx.device.type != "cpu" else ""),
+        "seed": ctx.seed,
+        "quick": ctx.quick,
+        "device": str(ctx.device),
+        "device_name": _device_name(ctx.device),
+        "dtype": str(ctx.dtype).replace("torch.", ""),
+        "torch_threads": torch.get_num_threads(),
+        "wall_s": round(wall_s, 2),
+        "compute_s_all_cells": round(compute_s, 2),
+        "n_cells": n_cells,
+        "n_cells_from_cache": n_cached,
+        "git_commit": git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": {
+            p: package_version(p)
+            for p in ("kernelapprox", "torch", "numpy", "scipy", "pandas", "seaborn", "matplotlib")
+        },
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+# --------------------------------------------------------------------------------------------
+# Runner
+# --------------------------------------------------------------------------------------------
+def _cell_key(study: Study, cell: dict, ctx: Context) -> str:
+    payload = json.dumps(
+        {
+            "study": study.name,
+            "cache_version": study.cache_version,
+            "cell": cell,
+            "seed": ctx.seed,
+            "quick": ctx.quick,
+            "dtype": str(ctx.dtype),
+            "device": ctx.device.type,
+            "kernelapprox": package_version("kernelapprox"),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def _frame(rows: list[dict], cell_cols: list[str]) -> pd.DataFrame:
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    first = [c for c in cell_cols if c in df.columns and c not in ROW_KEYS]
+    ordered = first + [c for c in ROW_KEYS if c in df.columns]
+    ordered += [c for c in df.columns if c not in ordered]
+    return df[ordered]
+
+
+def run_study(
+    study: Study,
+    *,
+    out: Path | str = "reports",
+    quick: bool = False,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    replot: bool = False,
+    use_cache: bool = True,
+    progress: bool = True,
+) -> Path:
+    """Run (or, with ``replot``, redraw) ``study`` into ``<out>/<name>/``; return that folder."""
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    folder = Path(out) / study.name
+    folder.mkdir(parents=True, exist_ok=True)
+    ctx = Context(
+        device=torch.device(device), seed=seed, quick=quick, out=folder, dtype=dtype, study=study.name
+    )
+    csv = folder / "results.csv"
+    prov_path = folder / "provenance.json"
+
+    if replot:
+        if not csv.exists():
+            raise FileNotFoundError(f"--replot needs {csv}; run the study first")
+        df = pd.read_csv(csv)
+        prov = json.loads(prov_path.read_text()) if prov_path.exists() else {}
+        ctx.seed = int(prov.get("seed", seed))
+        ctx.quick = bool(prov.get("quick", quick))
+        ctx.device = torch.device(prov.get("device", str(ctx.device)))
+        prov["replotted_utc"] = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        cells = None
+    else:
+        t0 = time.perf_counter()
+        cells = study.grid(quick)
+        cache_dir = folder / ".cache"
+        cache_dir.mkdir(exist_ok=True)
+        rows: list[dict] = []
+        compute_s = 0.0
+        n_cached = 0
+        bar = tqdm(cells, desc=study.name, unit="cell", disable=not progress, dynamic_ncols=True)
+        for cell in bar:
+            bar.set_postfix_str(_short(cell), refresh=False)
+            path = cache_dir / f"{_cell_key(study, cell, ctx)}.json"
+            if use_cache and path.exists():
+                rec = json.loads(path.read_text())
+                n_cached += 1
+            else:
+                tc = time.perf_counter()
+                cell_rows = study.run_cell(dict(cell), ctx)
+                rec = {"cell": cell, "rows": [_clean_row(r) for r in cell_rows],
+                       "seconds": time.perf_counter() - tc}
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(rec, default=_jsonable))
+                tmp.replace(path)
+            compute_s += float(rec.get("seconds", 0.0))
+            for r in rec["rows"]:
+                merged = {k: (json.dumps(v) if isinstance(v, (list, dict)) else v)
+                          for k, v in cell.items()}
+                merged.update(r)
+                rows.append(merged)
+        cell_cols = list(dict.fromkeys(k for c in cells for k in c))
+        df = _frame(rows, cell_cols)
+        df.to_csv(csv, index=False)
+        df = pd.read_csv(csv)  # plot and summarise exactly what --replot will see
+        prov = provenance(ctx, time.perf_counter() - t0, compute_s, len(cells), n_cached)
+
+    t_plot = time.perf_counter()
+    for old in list(folder.glob("*.png")) + list(folder.glob("*.svg")):
+        old.unlink()
+    figures = study.plot(df, folder)
+    body = study.summarize(df, ctx)
+    prov["plot_summary_s"] = round(time.perf_counter() - t_plot, 2)
+    if not replot:
+        prov["wall_s"] = round(prov["wall_s"] + prov["plot_summary_s"], 2)
+    prov["figures"] = sorted(Path(p).name for p in figures)
+    prov_path.write_text(json.dumps(prov, indent=2) + "\n")
+    (folder / "summary.md").write_text(_compose_summary(study, df, body, prov, cells))
+    write_index(Path(out))
+    return folder
+
+
+def _short(cell: dict) -> str:
+    s = ",".join(f"{k}={v}" for k, v in cell.items())
+    return s if len(s) < 60 else s[:57] + "..."
+
+
+def _clean_row(r: dict) -> dict:
+    missing = [k for k in ROW_KEYS if k not in r]
+    if missing:
+        raise ValueError(f"row {r!r} lacks {missing}")
+    return {k: _jsonable(v) for k, v in r.items()}
+
+
+def _compose_summary(
+    study: Study, df: pd.DataFrame, body: str, prov: dict, cells: list[dict] | None
+) -> str:
+    lines = [f"# {study.name}", "", study.description, ""]
+    lines += ["## What was run", ""]
+    lines.append(
+        f"{prov.get('n_cells', '?')} cells ({'quick' if prov.get('quick') else 'full'} grid), "
+        f"{len(df)} result rows in `results.csv` (one row per cell and metric: mean, 95% CI, "
+        f"number of draws); {int(df['n_draws'].max()) if len(df) else 0} draws per cell at most."
+    )
+    lines.append("")
+    skip = set(ROW_KEYS)
+    params = []
+    for c in df.columns:
+        if c in skip or df[c].dtype.kind == "f" and df[c].nunique() > 12:
+            continue
+        vals = sorted(df[c].dropna().unique().tolist(), key=lambda v: (str(type(v)), v))
+        if 1 <= len(vals) <= 24:
+            params.append(f"- `{c}`: " + ", ".join(fmt(v) for v in vals))
+    if params:
+        lines += ["Grid and row labels:", "", *params, ""]
+    lines += [body.strip(), ""]
+    lines += ["## Provenance", ""]
+    lines.append(f"- command: `{prov.get('command', '?')}`")
+    lines.append(
+        f"- wall time: {fmt(prov.get('wall_s'))} s this run (compute over all cells, cached ones "
+        f"included: {fmt(prov.get('compute_s_all_cells'))} s; {prov.get('n_cells_from_cache', 0)} "
+        f"of {prov.get('n_cells', '?')} cells from cache)"
+    )
+    lines.append(
+        f"- device: {prov.get('device')} ({prov.get('device_name')}), dtype {prov.get('dtype')}, "
+        f"{prov.get('torch_threads')} torch threads"
+    )
+    lines.append(f"- seed: {prov.get('seed')} (per-cell seeds derived by hashing the cell)")
+    lines.append(f"- git commit: {prov.get('git_commit')}")
+    lines.append(f"- date (UTC): {prov.get('date_utc')}")
+    if "replotted_utc" in prov:
+        lines.append(f"- figures and summary redrawn from results.csv at {prov['replotted_utc']}")
+    vers = prov.get("versions", {})
+    lines.append(
+        f"- python {prov.get('python')}; " + ", ".join(f"{k} {v}" for k, v in vers.items())
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _finding_excerpt(summary: str, limit: int = 600) -> str:
+    marker = "## Finding"
+    if marker not in summary:
+        return ""
+    text = summary.split(marker, 1)[1].split("\n## ", 1)[0].strip()
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1].rsplit(" ", 1)[0] + " …"
+
+
+def write_index(out: Path) -> Path:
+    """(Re)write ``<out>/README.md``: every study with a report in ``out``, headline first."""
+    try:
+        studies = load_studies(strict=False)
+    except Exception:  # noqa: BLE001
+        studies = {}
+    from studies import STUDY_MODULES
+
+    order = [m.replace("_", "-") for m in STUDY_MODULES]
+    names = [n for n in order if (out / n / "summary.md").exists()]
+    names += sorted(
+        p.name for p in out.iterdir()
+        if p.is_dir() and (p / "summary.md").exists() and p.name not in names
+    )
+    lines = [
+        "# Reports",
+        "",
+        (
+            "Generated by `python -m studies run all` (see `docs/studies.md`); every figure is "
+            "drawn from the study's `results.csv` (`python -m studies run NAME --replot` redraws "
+            "without computing)."
+        ),
+        "",
+        "| study | what it shows | wall time | quick? |",
+        "|---|---|---|---|",
+    ]
+    for n in names:
+        prov_p = out / n / "provenance.json"
+        prov = json.loads(prov_p.read_text()) if prov_p.exists() else {}
+        desc = studies[n].description if n in studies else ""
+        lines.append(
+            f"| [{n}]({n}/summary.md) | {desc} | {fmt(prov.get('wall_s'))} s | "
+            f"{'yes' if prov.get('quick') else 'no'} |"
+        )
+    lines.append("")
+    for n in names:
+        lines += [f"## [{n}]({n}/summary.md)", ""]
+        if n in studies:
+            lines += [studies[n].description, ""]
+            head = studies[n].headline
+            if head and (out / n / head).exists():
+                lines += [f"![{n}]({n}/{head})", ""]
+        exc = _finding_excerpt((out / n / "summary.md").read_text())
+        if exc:
+            lines += [exc, ""]
+    path = out / "README.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m studies list`` / ``python -m studies run NAME|all [options]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m studies", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="name each study with one line on what it shows")
+    run = sub.add_parser("run", help="run studies (NAME ... or all)")
+    run.add_argument("names", nargs="+", help="study names (see `list`) or `all`")
+    run.add_argument("--quick", action="store_true", help="reduced grid (< 1 min per study)")
+    run.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--out", default="reports", help="report root folder")
+    run.add_argument("--replot", action="store_true", help="redraw from results.csv, no compute")
+    run.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    run.add_argument("--no-cache", action="store_true", help="ignore and overwrite cached cells")
+    run.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    if args.cmd == "list":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            studies = load_studies(strict=False)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
+        width = max((len(n) for n in studies), default=0)
+        for n, s in studies.items():
+            print(f"{n:<{width}}  {s.description}")
+        return 0
+
+    if args.names == ["all"]:
+        studies = list(load_studies(strict=False).values())
+    else:
+        studies = [get_study(n) for n in args.names]
+    t0 = time.perf_counter()
+    for s in studies:
+        ts = time.perf_counter()
+        folder = run_study(
+            s,
+            out=args.out,
+            quick=args.quick,
+            device=args.device,
+            seed=args.seed,
+            dtype=getattr(torch, args.dtype),
+            replot=args.replot,
+            use_cache=not args.no_cache,
+            progress=not args.no_progress,
+        )
+        print(f"[{s.name}] {time.perf_counter() - ts:.1f} s -> {folder}", file=sys.stderr)
+    print(f"total {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
