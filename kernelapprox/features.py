@@ -72,6 +72,12 @@ __all__ = [
 
 
 def _sqnorm_half(x: torch.Tensor) -> torch.Tensor:
+    """:math:`\\|x\\|^2/2`, shape (..., n), accumulated in float64.
+
+    Scale terms like :math:`\\|x\\|^2/2 = 50` would carry a float32 rounding of ~3e-6 into every
+    kernel entry; they are per-row vectors, so float64 costs nothing here.
+    """
+    x = x.double()
     return 0.5 * (x * x).sum(-1)
 
 
@@ -133,7 +139,8 @@ class FeatureMap(nn.Module):
         f : Tensor, shape (*broadcast(x.shape[:-2], batch_shape), n, feature_dim)
             Bounded features in the compute dtype (float32 for 16-bit inputs).
         log_scale : Tensor, shape (..., n) or (..., 1)
-            Natural log of the per-row (or shared) scale. Stabilising shifts that cancel in
+            Natural log of the per-row (or shared) scale, in float64 for the random maps (it holds
+            terms like :math:`\\|x\\|^2/2` whose float32 rounding would show in the kernel). Stabilising shifts that cancel in
             :math:`f e^{\text{log\_scale}}` are detached from autograd; gradients of any function
             of :math:`\varphi` are exact.
         """
@@ -155,7 +162,7 @@ class FeatureMap(nn.Module):
         """
         f, ls = self.log_features(x)
         _, out_dtype = self._prepare("x", x)
-        return (f * ls.exp().unsqueeze(-1)).to(out_dtype)
+        return (f * ls.exp().to(f.dtype).unsqueeze(-1)).to(out_dtype)
 
     def kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         r"""The kernel estimate :math:`\hat K = \varphi(q)\varphi(k)^\top`, computed in the log domain.
@@ -196,7 +203,7 @@ class FeatureMap(nn.Module):
         fq, sq = self.log_features(q.to(cdt))
         fk, sk = self.log_features(k.to(cdt))
         G = torch.matmul(fq, fk.mT)
-        logs = sq.unsqueeze(-1) + sk.unsqueeze(-2)
+        logs = sq.unsqueeze(-1) + sk.unsqueeze(-2)  # float64 for the random maps
         if self.positive:
             K = torch.exp(torch.log(G) + logs)
         else:
@@ -368,30 +375,56 @@ class PositiveRF(RandomFeatureMap):
     def feature_dim(self) -> int:
         return self.num_features
 
-    def _log_phi(self, xc: torch.Tensor) -> torch.Tensor:
-        c = -_sqnorm_half(xc) - 0.5 * math.log(self.num_features)
-        return self.projection.affine(xc, row_bias=c)
+    def _bias(self, xc: torch.Tensor) -> torch.Tensor:
+        return -_sqnorm_half(xc) - 0.5 * math.log(self.num_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xc, out_dtype = self._prepare("x", x)
-        u = self._log_phi(xc)
-        return torch.exp_(u).to(out_dtype) if not u.requires_grad else u.exp().to(out_dtype)
+        u = self.projection(xc)
+        c = self._bias(xc).to(u.dtype).unsqueeze(-1)
+        if _grad(u, c):
+            return torch.exp(u + c).to(out_dtype)
+        return u.add_(c).exp_().to(out_dtype)
 
     def log_features(self, x, shared=False):
         xc, _ = self._prepare("x", x)
-        return _exp_stabilised(self._log_phi(xc), shared)
+        u = self.projection(xc)
+        with torch.no_grad():
+            m = u.amax(dim=-1)
+        return _exp_shifted(u, m, self._bias(xc), shared)
 
 
-def _exp_stabilised(u: torch.Tensor, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``exp(u - m), m`` with ``m`` the (detached) max per row, or per sequence if ``shared``."""
-    with torch.no_grad():
-        m = u.amax(dim=(-2, -1), keepdim=True) if shared else u.amax(dim=-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    if u.requires_grad:
-        f = torch.exp(u - m)
+def _grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _exp_shifted(
+    u: torch.Tensor, m: torch.Tensor, c: torch.Tensor, shared: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Stabilised :math:`\exp(u + c)` for :math:`\log\varphi = u + c` (``u`` (..., n, F), ``c`` (..., n)).
+
+    ``m`` (..., n) is the (detached) row max of ``u``. Per row: ``f = exp(u - m)``,
+    ``log_scale = m + c``. Shared: ``M = max_rows(m + c)`` (detached), ``f = exp(u + c - M)``,
+    ``log_scale = M``. The bias ``c`` keeps its gradient; the shifts are constants.
+    """
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    if c.shape != m.shape:
+        c = c.expand(m.shape)
+    if shared:
+        with torch.no_grad():
+            M = (m + c).amax(dim=-1, keepdim=True)
+            M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
+        shift = (M - c).to(u.dtype)  # carries the gradient of c
+        ls = M
     else:
-        f = u.sub_(m).exp_()
-    return f, m.squeeze(-1)
+        shift = m
+        ls = m.to(c.dtype) + c
+    if _grad(u, shift):
+        f = torch.exp(u - shift.unsqueeze(-1))
+    else:
+        f = u.sub_(shift.unsqueeze(-1)).exp_()
+    return f, ls
+
 
 
 class HyperbolicRF(RandomFeatureMap):
@@ -417,19 +450,35 @@ class HyperbolicRF(RandomFeatureMap):
     def feature_dim(self) -> int:
         return 2 * self.num_features
 
-    def _log_phi(self, xc: torch.Tensor) -> torch.Tensor:
-        c = -_sqnorm_half(xc) - 0.5 * math.log(2 * self.num_features)
-        u = self.projection(xc)
-        return torch.cat((u, -u), dim=-1) + c.unsqueeze(-1)
+    def _bias(self, xc: torch.Tensor) -> torch.Tensor:
+        return -_sqnorm_half(xc) - 0.5 * math.log(2 * self.num_features)
+
+    @staticmethod
+    def _pm(u: torch.Tensor) -> torch.Tensor:
+        """``[u, -u]`` along the last dim."""
+        if _grad(u):
+            return torch.cat((u, -u), dim=-1)
+        r = u.shape[-1]
+        out = u.new_empty(*u.shape[:-1], 2 * r)
+        out[..., :r] = u
+        torch.neg(u, out=out[..., r:])
+        return out
 
     def forward(self, x):
         xc, out_dtype = self._prepare("x", x)
-        u = self._log_phi(xc)
-        return torch.exp_(u).to(out_dtype) if not u.requires_grad else u.exp().to(out_dtype)
+        u = self._pm(self.projection(xc))
+        c = self._bias(xc).to(u.dtype).unsqueeze(-1)
+        if _grad(u, c):
+            return torch.exp(u + c).to(out_dtype)
+        return u.add_(c).exp_().to(out_dtype)
 
     def log_features(self, x, shared=False):
         xc, _ = self._prepare("x", x)
-        return _exp_stabilised(self._log_phi(xc), shared)
+        u = self.projection(xc)
+        with torch.no_grad():
+            lo, hi = torch.aminmax(u, dim=-1)
+            m = torch.maximum(hi, -lo)
+        return _exp_shifted(self._pm(u), m, self._bias(xc), shared)
 
 
 class TrigRF(RandomFeatureMap):
@@ -502,22 +551,41 @@ class TrigRF(RandomFeatureMap):
     def feature_dim(self) -> int:
         return 2 * self.num_features if self.variant == "sincos" else self.num_features
 
-    def log_features(self, x, shared=False):
+    def _scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bounded trigonometric part ``f`` (..., n, F) and per-row log scale (..., n)."""
         xc, _ = self._prepare("x", x)
+        r = self.num_features
         if self.variant == "sincos":
             u = self.projection(xc)
-            f = torch.cat((torch.sin(u), torch.cos(u)), dim=-1)
-            ls = _sqnorm_half(xc) - 0.5 * math.log(self.num_features)
+            if _grad(u):
+                f = torch.cat((torch.sin(u), torch.cos(u)), dim=-1)
+            else:
+                f = u.new_empty(*u.shape[:-1], 2 * r)
+                torch.sin(u, out=f[..., :r])
+                torch.cos(u, out=f[..., r:])
+            ls = _sqnorm_half(xc) - 0.5 * math.log(r)
         else:
             u = self.projection.affine(xc, col_bias=self.offsets)
-            f = torch.cos(u)
-            ls = _sqnorm_half(xc) + 0.5 * math.log(2.0 / self.num_features)
-        lead = f.shape[:-2]
-        ls = ls.expand(*lead, ls.shape[-1]) if ls.shape[:-1] != lead else ls
+            f = torch.cos(u) if _grad(u) else u.cos_()
+            ls = _sqnorm_half(xc) + 0.5 * math.log(2.0 / r)
+        lead = f.shape[:-1]
+        if ls.shape != lead:
+            ls = ls.expand(lead)
+        return f, ls
+
+    def forward(self, x):
+        _, out_dtype = self._prepare("x", x)
+        f, ls = self._scaled(x)
+        scale = torch.exp(ls).to(f.dtype).unsqueeze(-1)
+        return (f * scale if _grad(f, scale) else f.mul_(scale)).to(out_dtype)
+
+    def log_features(self, x, shared=False):
+        f, ls = self._scaled(x)
         if shared:
             with torch.no_grad():
                 m = ls.amax(-1, keepdim=True)
-            f = f * torch.exp(ls - m).unsqueeze(-1)
+            w = torch.exp(ls - m).to(f.dtype).unsqueeze(-1)
+            f = f * w if _grad(f, w) else f.mul_(w)
             ls = m
         return f, ls
 

@@ -151,10 +151,12 @@ class Projection(nn.Module):
             Added to every row (e.g. random phases).
         """
         u = self(x)
+        inplace = not (u.requires_grad and torch.is_grad_enabled())
         if row_bias is not None:
-            u = u + row_bias.unsqueeze(-1)
+            u = u.add_(row_bias.unsqueeze(-1)) if inplace else u + row_bias.unsqueeze(-1)
         if col_bias is not None:
-            u = u + col_bias.to(u.dtype).unsqueeze(-2)
+            b = col_bias.to(u.dtype).unsqueeze(-2)
+            u = u.add_(b) if inplace and u.shape == torch.broadcast_shapes(u.shape, b.shape) else u + b
         return u
 
 
@@ -184,32 +186,6 @@ class DenseProjection(Projection):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x, self._weight.to(x.dtype).mT)
-
-    def affine(
-        self,
-        x: torch.Tensor,
-        row_bias: torch.Tensor | None = None,
-        col_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        # Fold the biases into the GEMM by augmenting x with [row_bias, 1] and W with [1, col_bias]:
-        # one matmul writes the final pre-activation, saving full passes over the (n, r) output.
-        W = self._weight.to(x.dtype)
-        if row_bias is None and col_bias is None:
-            return torch.matmul(x, W.mT)
-        xs, ws = [x], [W]
-        if row_bias is not None:
-            xs.append(row_bias.unsqueeze(-1))
-            ws.append(W.new_ones(*W.shape[:-1], 1))
-        if col_bias is not None:
-            xs.append(x.new_ones(*x.shape[:-1], 1))
-            ws.append(col_bias.to(W.dtype).unsqueeze(-1))
-        if x.dim() - 2 < W.dim() - 2 or tuple(x.shape[:-2]) != tuple(
-            torch.broadcast_shapes(x.shape[:-2], W.shape[:-2])
-        ):
-            # x must be expanded anyway; concatenate after broadcasting the leading dims.
-            lead = torch.broadcast_shapes(x.shape[:-2], W.shape[:-2])
-            xs = [t.expand(*lead, *t.shape[-2:]) for t in xs]
-        return torch.matmul(torch.cat(xs, -1), torch.cat(ws, -1).mT)
 
 
 class HadamardProjection(Projection):

@@ -35,43 +35,50 @@ def prepare(
 def key_side(
     feature_map: FeatureMap,
     k: torch.Tensor,
-    v: torch.Tensor,
     initial_state: LinearAttentionState | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Key features with one shared scale, values augmented with a ones column, and the old state
-    rescaled to the common scale.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Key features with one shared scale, and the old state brought to a common scale.
 
-    Returns ``fk (..., m, F)``, ``v1 (..., m, dv+1)``, ``kv0 (..., F, dv+1) or None`` and the
-    common ``log_scale (..., 1, 1)``.
+    Returns ``fk (..., m, F)``; ``w (..., 1, 1)``, the factor by which this segment's key terms
+    must be multiplied (``None`` if 1); ``kv0 (..., F, dv+1)``, the rescaled initial state (or
+    ``None``); and the common ``log_scale (..., 1, 1)``.
     """
     fk, gk = feature_map.log_features(k, shared=True)  # gk: (..., 1)
     gk = gk.unsqueeze(-1)  # (..., 1, 1)
-    v1 = torch.cat((v, v.new_ones(*v.shape[:-1], 1)), dim=-1)
     if initial_state is None:
-        return fk, v1, None, gk
-    if initial_state.kv.shape[-2] != fk.shape[-1] or initial_state.kv.shape[-1] != v1.shape[-1]:
+        return fk, None, None, gk
+    if initial_state.kv.shape[-2] != fk.shape[-1]:
         raise ValueError(
             f"initial_state has kv of shape {tuple(initial_state.kv.shape)}, expected "
-            f"(..., {fk.shape[-1]}, {v1.shape[-1]}) for feature_dim={fk.shape[-1]} and dv={v.shape[-1]}"
+            f"(..., {fk.shape[-1]}, dv + 1) for a feature map with feature_dim={fk.shape[-1]}"
         )
     old_kv = initial_state.kv.to(fk.dtype)
-    old_ls = initial_state.log_scale.to(fk.dtype)
-    g = torch.maximum(gk, old_ls)
-    # The scales are stabilisers only: treat their choice as constant for autograd.
-    with torch.no_grad():
-        g = g.detach()
-    v1 = v1 * torch.exp(gk - g)
-    kv0 = old_kv * torch.exp(old_ls - g)
-    return fk, v1, kv0, g
+    old_ls = initial_state.log_scale.to(gk.dtype)
+    # The scales are stabilisers only: their choice is a constant for autograd.
+    g = torch.maximum(gk, old_ls).detach()
+    dt = fk.dtype
+    return fk, torch.exp(gk - g).to(dt), old_kv * torch.exp(old_ls - g).to(dt), g
 
 
-def normalise(out: torch.Tensor, positive: bool, eps: float) -> torch.Tensor:
-    """Split ``[num | den]`` (..., n, dv+1) and divide, guarding vanishing denominators.
+def check_state_dv(initial_state: LinearAttentionState | None, v: torch.Tensor) -> None:
+    if initial_state is not None and initial_state.kv.shape[-1] != v.shape[-1] + 1:
+        raise ValueError(
+            f"initial_state has kv of shape {tuple(initial_state.kv.shape)}, expected last dimension "
+            f"dv + 1 = {v.shape[-1] + 1} for v of shape {tuple(v.shape)}"
+        )
+
+
+def split(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[num | den]`` (..., n, dv+1) -> ``num`` (..., n, dv), ``den`` (..., n, 1)."""
+    return out[..., :-1], out[..., -1:]
+
+
+def normalise(num: torch.Tensor, den: torch.Tensor, positive: bool, eps: float) -> torch.Tensor:
+    """``num / den`` (num (..., n, dv), den (..., n, 1)), guarding vanishing denominators.
 
     Positive maps: a denominator can only vanish by underflow; it is clamped to the smallest normal
     number. Signed maps (trigonometric): ``den + 2 eps`` where ``|den| <= eps`` (the Performer guard).
     """
-    num, den = out[..., :-1], out[..., -1:]
     if positive:
         den = den.clamp_min(torch.finfo(den.dtype).tiny)
     else:

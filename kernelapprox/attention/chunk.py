@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..features import FeatureMap
-from ._common import key_side, normalise, prepare
+from ._common import check_state_dv, key_side, normalise, prepare, split
 from .state import LinearAttentionState
 
 
@@ -40,7 +40,11 @@ def chunk_linear_attention(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int (a number of tokens), got {chunk_size!r}")
     q, k, v, out_dtype, _ = prepare(q, k, v, feature_map, True, initial_state)
-    fk, v1, kv0, g = key_side(feature_map, k, v, initial_state)
+    check_state_dv(initial_state, v)
+    fk, w, kv0, g = key_side(feature_map, k, initial_state)
+    v1 = torch.cat((v, v.new_ones(*v.shape[:-1], 1)), dim=-1)
+    if w is not None:
+        v1 = v1 * w
     fq, _ = feature_map.log_features(q)
     lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v1.shape[:-2])
     n, Fd, dv1 = fq.shape[-2], fq.shape[-1], v1.shape[-1]
@@ -70,7 +74,7 @@ def chunk_linear_attention(
         outs.append(torch.matmul(fq_g, excl) + torch.matmul(A, v1_g))
         state = incl[..., -1, :, :]
     out = torch.cat(outs, dim=-3).reshape(*lead, nc * C, dv1)[..., :n, :]
-    out = normalise(out, feature_map.positive, eps).to(out_dtype)
+    out = normalise(*split(out), feature_map.positive, eps).to(out_dtype)
     if return_state:
         return out, LinearAttentionState(state, g.expand(*lead, 1, 1))
     return out

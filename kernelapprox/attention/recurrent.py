@@ -6,7 +6,7 @@ import torch
 
 from .._validation import check_floating, compute_dtype
 from ..features import FeatureMap
-from ._common import normalise
+from ._common import normalise, split
 from .state import LinearAttentionState
 
 
@@ -98,10 +98,11 @@ class RecurrentLinearAttention:
                     f"state has kv of shape {tuple(old.kv.shape)}, incompatible with this step's "
                     f"(..., {upd.shape[-2]}, {upd.shape[-1]})"
                 )
-            g = torch.maximum(old.log_scale.to(cdt), gk).detach()
-            kv = old.kv.to(cdt) * torch.exp(old.log_scale.to(cdt) - g) + upd * torch.exp(gk - g)
+            old_ls = old.log_scale.to(gk.dtype)
+            g = torch.maximum(old_ls, gk).detach()
+            kv = old.kv.to(cdt) * torch.exp(old_ls - g).to(cdt) + upd * torch.exp(gk - g).to(cdt)
         self.state = LinearAttentionState(kv, g.expand(*kv.shape[:-2], 1, 1))
         self.steps += 1
         fq, _ = self.feature_map.log_features(q)
-        out = normalise(torch.matmul(fq, kv), self.feature_map.positive, self.eps)
+        out = normalise(*split(torch.matmul(fq, kv)), self.feature_map.positive, self.eps)
         return out.squeeze(-2).to(out_dtype)

@@ -26,7 +26,7 @@ class LinearAttentionState:
     kv : Tensor, shape (..., F, dv + 1)
         ``[S | z]`` divided by ``exp(log_scale)``.
     log_scale : Tensor, shape (..., 1, 1)
-        Shared log scale.
+        Shared log scale (float64 for the random maps).
     """
 
     kv: torch.Tensor
@@ -35,12 +35,12 @@ class LinearAttentionState:
     @property
     def S(self) -> torch.Tensor:
         """:math:`S`, shape (..., F, dv)."""
-        return self.kv[..., :-1] * torch.exp(self.log_scale)
+        return self.kv[..., :-1] * torch.exp(self.log_scale).to(self.kv.dtype)
 
     @property
     def z(self) -> torch.Tensor:
         """:math:`z`, shape (..., F)."""
-        return (self.kv[..., -1:] * torch.exp(self.log_scale)).squeeze(-1)
+        return (self.kv[..., -1:] * torch.exp(self.log_scale).to(self.kv.dtype)).squeeze(-1)
 
     @property
     def feature_dim(self) -> int:

@@ -1,0 +1,922 @@
+r"""Monte Carlo machinery: error metrics, estimators with confidence intervals, batched drivers.
+
+Everything a study needs to measure how wrong a random-feature estimate is, and how sure the
+measurement is:
+
+* **error metrics** as plain functions on tensors (:func:`relative_error`, :func:`relative_rms`,
+  :func:`relative_frobenius`, :func:`max_abs_error`, :func:`attention_relative_error`,
+  :func:`total_variation`);
+* **estimators over S independent draws** with confidence intervals (:func:`mean_ci`: Student t;
+  :func:`variance_ci`: asymptotic normal from the fourth moment; :func:`quantile_ci`:
+  ``scipy.stats.bootstrap``);
+* **drivers** :func:`kernel_error` and :func:`attention_error` that evaluate ``S`` independent
+  projections of a feature map through its ``batch_shape`` (one batched matmul per chunk of draws,
+  memory bounded by ``max_bytes``; never a Python loop over single draws), and
+  :func:`batched_draws`, the generator they are built on.
+
+All statistics are computed in float64 by default.
+
+Examples
+--------
+>>> import torch, kernelapprox as ka
+>>> fm = ka.PositiveRF(dim=8, num_features=64, seed=0)
+>>> q, k = torch.randn(2, 16, 8, dtype=torch.float64).unbind(0)
+>>> q, k = q / 8**0.25, k / 8**0.25
+>>> res = ka.montecarlo.kernel_error(fm, q, k, draws=2000)
+>>> res["mse"].shape
+(16, 16)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from kernelapprox._validation import check_floating, check_positive_int
+
+__all__ = [
+    "relative_error",
+    "relative_rms",
+    "relative_frobenius",
+    "max_abs_error",
+    "attention_relative_error",
+    "total_variation",
+    "mean_ci",
+    "variance_ci",
+    "quantile_ci",
+    "batched_draws",
+    "kernel_error",
+    "attention_error",
+]
+
+_DEFAULT_BYTES = 256 * 2**20
+_METRIC_DIMS = (-2, -1)
+
+
+# ------------------------------------------------------------------------------------ metrics
+def _pair(name_a: str, a: object, name_b: str, b: object) -> tuple[torch.Tensor, torch.Tensor]:
+    check_floating(name_a, a)
+    check_floating(name_b, b)
+    try:
+        torch.broadcast_shapes(a.shape, b.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{name_a} {tuple(a.shape)} and {name_b} {tuple(b.shape)} do not broadcast"
+        ) from None
+    return a, b
+
+
+def _matrix(name: str, x: torch.Tensor) -> None:
+    if x.dim() < 2:
+        raise ValueError(f"{name} must have shape (..., n, m), got shape {tuple(x.shape)}")
+
+
+def relative_error(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    r"""Entrywise relative error :math:`|\hat K_{ij}-K_{ij}|/|K_{ij}|`.
+
+    Parameters
+    ----------
+    estimate : torch.Tensor
+        :math:`\hat K`, any shape broadcasting with ``exact`` (e.g. ``(S, ..., n, m)``).
+    exact : torch.Tensor
+        :math:`K`, e.g. ``(..., n, m)``.
+
+    Returns
+    -------
+    torch.Tensor
+        The broadcast shape. ``inf`` where ``exact`` is 0 and the estimate is not.
+
+    Examples
+    --------
+    >>> relative_error(torch.tensor([1.1, 1.8]), torch.tensor([1.0, 2.0]))
+    tensor([0.1000, 0.1000])
+    """
+    estimate, exact = _pair("estimate", estimate, "exact", exact)
+    return (estimate - exact).abs() / exact.abs()
+
+
+def relative_rms(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    r"""Root mean square of the entrywise relative error over a matrix,
+    :math:`\sqrt{\frac1{nm}\sum_{ij}(\hat K_{ij}-K_{ij})^2/K_{ij}^2}`.
+
+    Parameters
+    ----------
+    estimate : torch.Tensor
+        Shape ``(..., n, m)``.
+    exact : torch.Tensor
+        Shape broadcasting with ``estimate``, e.g. ``(n, m)``.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``(...)``: one value per matrix.
+
+    Examples
+    --------
+    >>> relative_rms(torch.tensor([[1.1, 1.8]]), torch.tensor([[1.0, 2.0]]))
+    tensor(0.1000)
+    """
+    estimate, exact = _pair("estimate", estimate, "exact", exact)
+    _matrix("estimate", estimate)
+    return ((estimate - exact) / exact).square().mean(dim=_METRIC_DIMS).sqrt()
+
+
+def relative_frobenius(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    r"""Relative Frobenius error of a matrix, :math:`\|\hat K-K\|_F/\|K\|_F`.
+
+    Parameters
+    ----------
+    estimate : torch.Tensor
+        Shape ``(..., n, m)``.
+    exact : torch.Tensor
+        Shape broadcasting with ``estimate``.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``(...)``.
+
+    Examples
+    --------
+    >>> relative_frobenius(torch.tensor([[3.0, 4.0]]), torch.tensor([[3.0, 3.0]]))
+    tensor(0.2357)
+    """
+    estimate, exact = _pair("estimate", estimate, "exact", exact)
+    _matrix("estimate", estimate)
+    num = torch.linalg.vector_norm(estimate - exact, dim=_METRIC_DIMS)
+    return num / torch.linalg.vector_norm(exact, dim=_METRIC_DIMS)
+
+
+def max_abs_error(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    r"""Largest absolute error over a matrix, :math:`\max_{ij}|\hat K_{ij}-K_{ij}|`.
+
+    Parameters
+    ----------
+    estimate : torch.Tensor
+        Shape ``(..., n, m)``.
+    exact : torch.Tensor
+        Shape broadcasting with ``estimate``.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``(...)``.
+
+    Examples
+    --------
+    >>> max_abs_error(torch.tensor([[1.0, 5.0]]), torch.tensor([[2.0, 3.0]]))
+    tensor(2.)
+    """
+    estimate, exact = _pair("estimate", estimate, "exact", exact)
+    _matrix("estimate", estimate)
+    return (estimate - exact).abs().amax(dim=_METRIC_DIMS)
+
+
+def attention_relative_error(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    r"""Relative Frobenius error of an attention output per row-set,
+    :math:`\|\hat O-O\|_F/\|O\|_F` over the ``(n, dv)`` block of one sequence (and head).
+
+    Parameters
+    ----------
+    estimate : torch.Tensor
+        :math:`\hat O`, shape ``(..., n, dv)``.
+    exact : torch.Tensor
+        :math:`O`, broadcasting with ``estimate``.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``(...)``.
+
+    Examples
+    --------
+    >>> attention_relative_error(torch.ones(4, 2) * 1.1, torch.ones(4, 2))
+    tensor(0.1000)
+    """
+    estimate, exact = _pair("estimate", estimate, "exact", exact)
+    _matrix("estimate", estimate)
+    num = torch.linalg.vector_norm(estimate - exact, dim=_METRIC_DIMS)
+    return num / torch.linalg.vector_norm(exact, dim=_METRIC_DIMS)
+
+
+def total_variation(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    r"""Total variation distance between attention rows,
+    :math:`\mathrm{TV}_i=\tfrac12\sum_j|\hat a_{ij}-a_{ij}|`.
+
+    The rows :math:`\hat a_i=\hat K_{i\cdot}/\sum_j\hat K_{ij}` sum to one; for non-positive
+    estimators (trigonometric features) they may have negative entries, and the distance may then
+    exceed 1.
+
+    Parameters
+    ----------
+    estimate : torch.Tensor
+        Normalised estimated attention weights, shape ``(..., n, m)``.
+    exact : torch.Tensor
+        Exact softmax weights, broadcasting with ``estimate``.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``(..., n)``: one distance per query row.
+
+    Examples
+    --------
+    >>> total_variation(torch.tensor([[0.5, 0.5]]), torch.tensor([[1.0, 0.0]]))
+    tensor([0.5000])
+    """
+    estimate, exact = _pair("estimate", estimate, "exact", exact)
+    return 0.5 * (estimate - exact).abs().sum(dim=-1)
+
+
+# --------------------------------------------------------------------------- estimators
+def _as_numpy(name: str, x: object) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().to(torch.float64).numpy()
+    arr = np.asarray(x, dtype=np.float64)
+    if arr.ndim == 0:
+        raise ValueError(f"{name} must hold draws along an axis, got a scalar")
+    return arr
+
+
+def _check_confidence(confidence: float) -> float:
+    if not isinstance(confidence, (int, float)) or not 0.0 < float(confidence) < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    return float(confidence)
+
+
+def mean_ci(
+    x: np.ndarray | torch.Tensor, *, axis: int = 0, confidence: float = 0.95
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    r"""Sample mean with its Student-t confidence interval.
+
+    .. math::
+
+        \bar x\pm t_{S-1,(1+c)/2}\,\frac{s}{\sqrt S},\qquad
+        s^2=\frac1{S-1}\sum_{d=1}^S(x_d-\bar x)^2 .
+
+    Valid for independent draws with finite variance (CLT); for heavy-tailed draws (positive
+    features at large norms) the interval can be too narrow at small S.
+
+    Parameters
+    ----------
+    x : array_like or torch.Tensor
+        Draws along ``axis`` (S >= 2 of them), any other shape.
+    axis : int, default 0
+        The draw axis.
+    confidence : float, default 0.95
+        Two-sided coverage.
+
+    Returns
+    -------
+    mean, se, low, high : numpy.ndarray
+        float64, shape of ``x`` without ``axis``.
+
+    Examples
+    --------
+    >>> m, se, lo, hi = mean_ci(np.array([1.0, 2.0, 3.0, 4.0]))
+    >>> float(m), bool(lo < 2.5 < hi)
+    (2.5, True)
+    """
+    from scipy import stats
+
+    confidence = _check_confidence(confidence)
+    arr = _as_numpy("x", x)
+    s = arr.shape[axis]
+    if s < 2:
+        raise ValueError(f"mean_ci needs at least 2 draws along axis {axis}, got {s}")
+    mean = arr.mean(axis=axis)
+    se = arr.std(axis=axis, ddof=1) / math.sqrt(s)
+    half = stats.t.ppf(0.5 + confidence / 2, df=s - 1) * se
+    return mean, se, mean - half, mean + half
+
+
+def variance_ci(
+    x: np.ndarray | torch.Tensor, *, axis: int = 0, confidence: float = 0.95
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    r"""Sample variance with an asymptotic normal confidence interval from the fourth moment.
+
+    With central moments :math:`m_2, m_4` of the S draws, :math:`s^2=\frac S{S-1}m_2` and
+
+    .. math::
+
+        \mathrm{se}(s^2)\approx\sqrt{\frac{m_4-m_2^2}{S}},\qquad
+        s^2\pm z_{(1+c)/2}\,\mathrm{se}(s^2).
+
+    This does not assume normal draws (the chi-square interval would, and is badly wrong for the
+    heavy-tailed estimates of random features); it needs a finite fourth moment and large S.
+
+    Parameters
+    ----------
+    x : array_like or torch.Tensor
+        Draws along ``axis`` (S >= 2).
+    axis : int, default 0
+    confidence : float, default 0.95
+
+    Returns
+    -------
+    variance, se, low, high : numpy.ndarray
+        float64, shape of ``x`` without ``axis``.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> var, se, lo, hi = variance_ci(rng.normal(size=100_000))
+    >>> bool(lo < 1.0 < hi)
+    True
+    """
+    from scipy import stats
+
+    confidence = _check_confidence(confidence)
+    arr = _as_numpy("x", x)
+    s = arr.shape[axis]
+    if s < 2:
+        raise ValueError(f"variance_ci needs at least 2 draws along axis {axis}, got {s}")
+    c = arr - arr.mean(axis=axis, keepdims=True)
+    m2 = np.mean(c**2, axis=axis)
+    m4 = np.mean(c**4, axis=axis)
+    var = m2 * s / (s - 1)
+    se = np.sqrt(np.maximum(m4 - m2**2, 0.0) / s)
+    half = stats.norm.ppf(0.5 + confidence / 2) * se
+    return var, se, var - half, var + half
+
+
+def quantile_ci(
+    x: np.ndarray | torch.Tensor,
+    q: float | Sequence[float],
+    *,
+    confidence: float = 0.95,
+    n_resamples: int = 999,
+    seed: int = 0,
+    batch: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    r"""Sample quantiles of a 1-D set of draws with bootstrap confidence intervals.
+
+    Percentile bootstrap (``scipy.stats.bootstrap(method="percentile")``) of
+    ``numpy.quantile(x, q)``; BCa is not used because its jackknife costs :math:`O(S^2)`.
+
+    Parameters
+    ----------
+    x : array_like or torch.Tensor
+        Shape ``(S,)``, the per-draw values (e.g. the relative Frobenius error of each draw).
+    q : float or sequence of float
+        Probabilities in [0, 1].
+    confidence : float, default 0.95
+    n_resamples : int, default 999
+    seed : int, default 0
+        Seed of the resampling.
+    batch : int, optional
+        Resamples evaluated at once (bounds memory to ``batch * S`` doubles); default keeps it
+        near 32 MB.
+
+    Returns
+    -------
+    quantiles, low, high : numpy.ndarray
+        Shape ``(len(q),)`` (or scalars' shape ``()`` for a float ``q``).
+
+    References
+    ----------
+    B. Efron and R. Tibshirani, *An Introduction to the Bootstrap*, Chapman & Hall, 1993, ch. 13.
+
+    Examples
+    --------
+    >>> x = np.random.default_rng(0).exponential(size=5000)
+    >>> med, lo, hi = quantile_ci(x, 0.5, n_resamples=199)
+    >>> bool(lo < np.log(2) < hi)
+    True
+    """
+    from scipy import stats
+
+    confidence = _check_confidence(confidence)
+    n_resamples = check_positive_int("n_resamples", n_resamples)
+    arr = _as_numpy("x", x)
+    if arr.ndim != 1:
+        raise ValueError(f"quantile_ci needs a 1-D array of draws, got shape {arr.shape}")
+    if arr.size < 2:
+        raise ValueError(f"quantile_ci needs at least 2 draws, got {arr.size}")
+    scalar = np.ndim(q) == 0
+    probs = np.atleast_1d(np.asarray(q, dtype=np.float64))
+    if np.any((probs < 0) | (probs > 1)) or not np.all(np.isfinite(probs)):
+        raise ValueError(f"q must be probabilities in [0, 1], got {q!r}")
+    point = np.quantile(arr, probs)
+    if batch is None:
+        batch = max(1, int(4 * 2**20 // arr.size))
+
+    def stat(a: np.ndarray, axis: int) -> np.ndarray:
+        # (len(q), resamples): scipy wants the resample axis last
+        return np.quantile(a, probs, axis=axis)
+
+    if np.all(arr == arr[0]):
+        low = high = point
+    else:
+        res = stats.bootstrap(
+            (arr,),
+            stat,
+            vectorized=True,
+            n_resamples=n_resamples,
+            batch=batch,
+            confidence_level=confidence,
+            method="percentile",
+            rng=np.random.default_rng(seed),
+        )
+        low = np.asarray(res.confidence_interval.low, dtype=np.float64).reshape(probs.shape)
+        high = np.asarray(res.confidence_interval.high, dtype=np.float64).reshape(probs.shape)
+    if scalar:
+        return point[0], low[0], high[0]
+    return point, low, high
+
+
+class _PowerSums:
+    """Streaming sums of (x - shift)^p, p = 1..4, over draws (axis 0 of each update), float64."""
+
+    def __init__(self, shift: torch.Tensor) -> None:
+        self.shift = shift.to(torch.float64)
+        self.count = 0
+        self.sums = [torch.zeros_like(self.shift) for _ in range(4)]
+
+    def update(self, x: torch.Tensor) -> None:
+        y = x.to(torch.float64) - self.shift
+        self.count += y.shape[0]
+        p = y
+        for i in range(4):
+            self.sums[i] += p.sum(0)
+            if i < 3:
+                p = p * y
+
+    def raw(self, p: int) -> np.ndarray:
+        return (self.sums[p - 1] / self.count).cpu().numpy()
+
+    def summary(self, confidence: float) -> dict[str, np.ndarray]:
+        """Mean, bias (mean - shift), variance and MSE (mean of (x - shift)^2), each with a
+        standard error and a confidence interval."""
+        from scipy import stats
+
+        s = self.count
+        e1, e2, e3, e4 = (self.raw(p) for p in (1, 2, 3, 4))
+        m2 = np.maximum(e2 - e1**2, 0.0)
+        m4 = np.maximum(e4 - 4 * e1 * e3 + 6 * e1**2 * e2 - 3 * e1**4, 0.0)
+        shift = self.shift.cpu().numpy()
+        t = stats.t.ppf(0.5 + confidence / 2, df=max(s - 1, 1))
+        z = stats.norm.ppf(0.5 + confidence / 2)
+        out: dict[str, np.ndarray] = {}
+        with np.errstate(invalid="ignore", divide="ignore"):
+            var = m2 * s / max(s - 1, 1)
+            bias_se = np.sqrt(var / s)
+            var_se = np.sqrt(np.maximum(m4 - m2**2, 0.0) / s)
+            mse_se = np.sqrt(np.maximum(e4 - e2**2, 0.0) / max(s - 1, 1))
+        out["mean"] = shift + e1
+        out["mean_ci"] = np.stack([shift + e1 - t * bias_se, shift + e1 + t * bias_se])
+        out["bias"] = e1
+        out["bias_se"] = bias_se
+        out["bias_ci"] = np.stack([e1 - t * bias_se, e1 + t * bias_se])
+        out["variance"] = var
+        out["variance_se"] = var_se
+        out["variance_ci"] = np.stack([var - z * var_se, var + z * var_se])
+        out["mse"] = e2
+        out["mse_se"] = mse_se
+        out["mse_ci"] = np.stack([e2 - t * mse_se, e2 + t * mse_se])
+        return out
+
+
+# ------------------------------------------------------------------------------- drivers
+def _chunk_seed(seed: int, index: int) -> int:
+    state = np.random.SeedSequence([seed, index]).generate_state(2, dtype=np.uint32)
+    return int(state[0]) << 31 ^ int(state[1])
+
+
+def _clone_kwargs(fm: torch.nn.Module) -> dict:
+    kw: dict = {"sampler": fm.sampler}
+    if hasattr(fm, "variant"):
+        kw["variant"] = fm.variant
+    return kw
+
+
+def batched_draws(
+    fm: torch.nn.Module,
+    draws: int,
+    *,
+    seed: int = 0,
+    chunk_size: int,
+    extra_dims: int = 0,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str | None = None,
+) -> Iterator[torch.nn.Module]:
+    r"""Yield copies of a random feature map holding ``chunk_size`` independent projections each.
+
+    Each copy has ``fm``'s class, ``dim``, ``num_features``, sampler and ``variant``, and
+    ``batch_shape = (c, 1, ..., 1)`` (``extra_dims`` ones, so that the draw axis goes in front of
+    an input's own leading dimensions); ``c = chunk_size`` except possibly for the last chunk.
+    Chunk ``i`` is drawn from the seed ``SeedSequence([seed, i])``, so results are reproducible
+    for a given ``(seed, chunk_size)``. The draws of ``fm`` itself are not used.
+
+    Parameters
+    ----------
+    fm : RandomFeatureMap
+        The estimator to copy (``fm.is_random`` must be true).
+    draws : int
+        Total number S of independent projections.
+    seed : int, default 0
+    chunk_size : int
+        Draws per chunk.
+    extra_dims : int, default 0
+        Number of leading (batch) dimensions of the inputs the copies will see.
+    dtype : torch.dtype, default torch.float64
+    device : optional
+        Where the projections live.
+
+    Yields
+    ------
+    RandomFeatureMap
+        With ``batch_shape == (c,) + (1,) * extra_dims``; ``copy(x)`` for ``x`` of shape
+        ``(..., n, d)`` gives ``(c, ..., n, feature_dim)``.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> fm = ka.TrigRF(dim=4, num_features=8, seed=0)
+    >>> [c.batch_shape for c in batched_draws(fm, 5, chunk_size=2)]
+    [(2,), (2,), (1,)]
+    """
+    draws = check_positive_int("draws", draws)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    if not getattr(fm, "is_random", False):
+        raise ValueError(f"batched_draws needs a random feature map, got {type(fm).__name__}")
+    kw = _clone_kwargs(fm)
+    current = None
+    for index, start in enumerate(range(0, draws, chunk_size)):
+        c = min(chunk_size, draws - start)
+        s = _chunk_seed(seed, index)
+        if current is None or current.batch_shape[0] != c:
+            current = type(fm)(
+                fm.dim,
+                fm.num_features,
+                seed=s,
+                batch_shape=(c,) + (1,) * extra_dims,
+                dtype=dtype,
+                device=device,
+                **kw,
+            )
+        else:
+            current.redraw(seed=s)
+        yield current
+
+
+def _auto_chunk(fm: torch.nn.Module, per_row: int, per_pair: int, chunk_size, max_bytes) -> int:
+    if chunk_size is not None:
+        return check_positive_int("chunk_size", chunk_size)
+    max_bytes = check_positive_int("max_bytes", max_bytes)
+    # float64 bytes per draw: features of all rows (x3 for the log-domain intermediates),
+    # the projection, and the (n, m) products (x4: estimate, error, powers).
+    per_draw = 8 * (3 * per_row * fm.feature_dim + fm.num_features * fm.dim + 4 * per_pair)
+    return max(1, int(max_bytes // per_draw))
+
+
+def _check_common(fm, q, k, draws, seed, confidence, quantiles):
+    check_floating("q", q)
+    check_floating("k", k)
+    if getattr(fm, "dim", None) is None:
+        raise TypeError(f"fm must be a kernelapprox feature map, got {type(fm).__name__}")
+    for name, x in (("q", q), ("k", k)):
+        if x.dim() < 2 or x.shape[-1] != fm.dim:
+            raise ValueError(
+                f"{name} must have shape (..., n, {fm.dim}) for a feature map with dim={fm.dim}, "
+                f"got {tuple(x.shape)}"
+            )
+    draws = check_positive_int("draws", draws)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    _check_confidence(confidence)
+    probs = np.atleast_1d(np.asarray(quantiles, dtype=np.float64))
+    if probs.ndim != 1 or np.any((probs < 0) | (probs > 1)):
+        raise ValueError(f"quantiles must be probabilities in [0, 1], got {quantiles!r}")
+    if getattr(fm, "is_random", False) and draws < 2:
+        raise ValueError(f"draws must be >= 2 for a random feature map, got {draws}")
+    return draws, probs
+
+
+def _summary_frame(per_draw: dict[str, np.ndarray], probs, confidence, n_resamples, seed):
+    import pandas as pd
+
+    rows = []
+    for name, values in per_draw.items():
+        finite = np.isfinite(values)
+        # non-finite draws (a trigonometric denominator that hit 0) are counted, not averaged
+        row: dict = {"metric": name, "draws": values.size, "nonfinite": int((~finite).sum())}
+        values = values[finite]
+        if values.size >= 2 and np.ptp(values) > 0:
+            mean, se, lo, hi = mean_ci(values, confidence=confidence)
+            qs, qlo, qhi = quantile_ci(
+                values, probs, confidence=confidence, n_resamples=n_resamples, seed=seed
+            )
+        else:
+            mean, se, lo, hi = values.mean(), 0.0, values.mean(), values.mean()
+            qs = qlo = qhi = np.full(probs.shape, values.mean())
+        row.update(mean=float(mean), mean_se=float(se), mean_low=float(lo), mean_high=float(hi))
+        for p, v, a, b in zip(probs, qs, qlo, qhi, strict=True):
+            row[f"q{p:g}"] = float(v)
+            row[f"q{p:g}_low"] = float(a)
+            row[f"q{p:g}_high"] = float(b)
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("metric")
+
+
+def _entry_frame(stats_: dict[str, np.ndarray], exact: np.ndarray, last: tuple[str, str]):
+    import pandas as pd
+
+    names = [f"b{i}" for i in range(exact.ndim - 2)] + list(last)
+    idx = pd.MultiIndex.from_tuples(list(np.ndindex(exact.shape)), names=names)
+    cols = {"exact": exact.ravel()}
+    for key, val in stats_.items():
+        if key.endswith("_ci"):
+            cols[key[:-3] + "_low"] = np.asarray(val[0]).ravel()
+            cols[key[:-3] + "_high"] = np.asarray(val[1]).ravel()
+        else:
+            cols[key] = np.asarray(val).ravel()
+    return pd.DataFrame(cols, index=idx)
+
+
+def kernel_error(
+    fm: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    draws: int = 10_000,
+    *,
+    seed: int = 0,
+    chunk_size: int | None = None,
+    max_bytes: int = _DEFAULT_BYTES,
+    confidence: float = 0.95,
+    quantiles: Sequence[float] = (0.5, 0.9, 0.99),
+    n_resamples: int = 999,
+    dtype: torch.dtype = torch.float64,
+    as_frame: bool = False,
+) -> dict:
+    r"""Monte Carlo error of a kernel estimator over S independent projections.
+
+    For draws :math:`d=1..S` of the projection, :math:`\hat K^{(d)}` = ``copy.kernel(q, k)`` and
+    :math:`e^{(d)}=\hat K^{(d)}-K` with :math:`K=e^{qk^\top}`; per entry
+
+    .. math::
+
+        \overline{K}=K+\bar e,\quad \mathrm{bias}=\bar e\pm t\frac{s_e}{\sqrt S},\quad
+        \mathrm{MSE}=\overline{e^2}\pm t\frac{s_{e^2}}{\sqrt S},\quad
+        \mathrm{Var}=s_e^2\pm z\sqrt{\frac{m_4-m_2^2}{S}},
+
+    accumulated as streaming power sums (float64) chunk by chunk, plus per-draw scalar metrics
+    (relative Frobenius, relative RMS, max absolute and max relative error over the whole
+    ``(..., n, m)`` block) summarised by their mean (t-interval) and quantiles (bootstrap
+    intervals). The theory's ``ka.theory.mse(fm, q, k)`` is what ``mse`` estimates.
+
+    Draws are evaluated ``chunk`` at a time through ``batch_shape=(chunk, 1, ...)``: one batched
+    matmul per chunk, memory about ``max_bytes``. S = 1e5 draws of a 64 x 64 kernel take seconds
+    on a CPU.
+
+    Parameters
+    ----------
+    fm : FeatureMap
+        The estimator. Its class, ``dim``, ``num_features``, sampler and ``variant`` are used; its
+        own projection is not (fresh draws from ``seed``). A deterministic map (elu, relu) is
+        evaluated once: bias = its deterministic error, variance 0.
+    q : torch.Tensor
+        Shape ``(..., n, d)``.
+    k : torch.Tensor
+        Shape ``(..., m, d)``.
+    draws : int, default 10_000
+        S, the number of independent projections.
+    seed : int, default 0
+    chunk_size : int, optional
+        Draws per batched evaluation; default from ``max_bytes``.
+    max_bytes : int, default 256 MiB
+    confidence : float, default 0.95
+    quantiles : sequence of float, default (0.5, 0.9, 0.99)
+        Quantiles of the per-draw metrics to report.
+    n_resamples : int, default 999
+        Bootstrap resamples per metric.
+    dtype : torch.dtype, default torch.float64
+        Compute dtype of inputs and projections.
+    as_frame : bool, default False
+        Return a per-entry ``pandas.DataFrame`` (index ``(..., i, j)``) with columns ``exact``,
+        ``mean``, ``mean_low``, ``mean_high``, ``bias``, ..., ``mse_high`` instead of the dict.
+
+    Returns
+    -------
+    dict
+        ``draws`` (int), ``exact`` (``(..., n, m)`` ndarray), ``mean``, ``mean_ci``
+        (``(2, ..., n, m)``: low, high), ``bias``, ``bias_se``, ``bias_ci``, ``variance``,
+        ``variance_se``, ``variance_ci``, ``mse``, ``mse_se``, ``mse_ci``, ``relative_mse``
+        (``mse / exact**2``), and ``summary``: a ``pandas.DataFrame`` indexed by metric
+        (``relative_frobenius``, ``relative_rms``, ``max_abs_error``, ``max_relative_error``) with
+        columns ``mean``, ``mean_se``, ``mean_low``, ``mean_high`` and ``q<p>``, ``q<p>_low``,
+        ``q<p>_high`` per quantile. ``per_draw`` holds the (S,) arrays of those metrics.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For bad shapes, dtypes, ``draws < 2`` or a feature map built from a given projection
+        (its sampler cannot draw).
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> fm = ka.TrigRF(dim=4, num_features=32, seed=0)
+    >>> q, k = torch.randn(2, 8, 4, dtype=torch.float64).unbind(0)
+    >>> res = ka.montecarlo.kernel_error(fm, q / 2, k / 2, draws=1000, quantiles=(0.5,))
+    >>> list(res["summary"].columns[:4])
+    ['draws', 'mean', 'mean_se', 'mean_low']
+    """
+    from kernelapprox.exact import softmax_kernel
+
+    draws, probs = _check_common(fm, q, k, draws, seed, confidence, quantiles)
+    q = q.detach().to(dtype)
+    k = k.detach().to(dtype)
+    exact = softmax_kernel(q, k)
+    extra = max(q.dim(), k.dim()) - 2
+    n, m = q.shape[-2], k.shape[-2]
+    lead = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+
+    acc = _PowerSums(exact)
+    per_draw: dict[str, list[np.ndarray]] = {
+        "relative_frobenius": [],
+        "relative_rms": [],
+        "max_abs_error": [],
+        "max_relative_error": [],
+    }
+
+    def consume(est: torch.Tensor) -> None:
+        acc.update(est)
+        flat = est.reshape(est.shape[0], -1, m)  # the whole (..., n, m) block as one matrix
+        ex = exact.reshape(1, -1, m)
+        per_draw["relative_frobenius"].append(relative_frobenius(flat, ex).cpu().numpy())
+        per_draw["relative_rms"].append(relative_rms(flat, ex).cpu().numpy())
+        per_draw["max_abs_error"].append(max_abs_error(flat, ex).cpu().numpy())
+        rel = relative_error(flat, ex).amax(dim=(-2, -1))
+        per_draw["max_relative_error"].append(rel.cpu().numpy())
+
+    if getattr(fm, "is_random", False):
+        chunk = _auto_chunk(fm, lead * (n + m), lead * n * m, chunk_size, max_bytes)
+        for copy in batched_draws(
+            fm, draws, seed=seed, chunk_size=chunk, extra_dims=extra, dtype=dtype, device=q.device
+        ):
+            consume(copy.kernel(q, k))
+    else:
+        draws = 1
+        consume(fm.kernel(q, k).to(dtype).unsqueeze(0))
+
+    out = acc.summary(confidence)
+    if draws == 1:
+        for key in ("bias_se", "variance", "variance_se", "mse_se"):
+            out[key] = np.zeros_like(out["bias"])
+        for key, centre in (("mean_ci", "mean"), ("bias_ci", "bias"), ("mse_ci", "mse")):
+            out[key] = np.stack([out[centre], out[centre]])
+        out["variance_ci"] = np.zeros((2,) + out["bias"].shape)
+    exact_np = exact.cpu().numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["relative_mse"] = out["mse"] / exact_np**2
+    if as_frame:
+        return _entry_frame(out, exact_np, ("i", "j"))
+    flat = {key: np.concatenate(val) for key, val in per_draw.items()}
+    out.update(
+        draws=draws,
+        exact=exact_np,
+        per_draw=flat,
+        summary=_summary_frame(flat, probs, confidence, n_resamples, seed),
+    )
+    return out
+
+
+def attention_error(
+    fm: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    draws: int = 10_000,
+    *,
+    causal: bool = False,
+    seed: int = 0,
+    chunk_size: int | None = None,
+    max_bytes: int = _DEFAULT_BYTES,
+    confidence: float = 0.95,
+    quantiles: Sequence[float] = (0.5, 0.9, 0.99),
+    n_resamples: int = 999,
+    dtype: torch.dtype = torch.float64,
+    as_frame: bool = False,
+) -> dict:
+    r"""Monte Carlo error of random-feature attention over S independent projections.
+
+    Per draw, :math:`\hat K` = ``copy.kernel(q, k)`` (masked to :math:`j\le i` if ``causal``),
+    :math:`\hat a_{ij}=\hat K_{ij}/\sum_l\hat K_{il}` and :math:`\hat o_i=\sum_j\hat a_{ij}v_j`
+    (the same function of the features as :func:`kernelapprox.linear_attention`, evaluated through
+    the kernel matrix so that the attention rows are available). Against the exact
+    :math:`o_i=\sum_jA_{ij}v_j` it reports per output coordinate the mean of :math:`\hat o`
+    (t-interval), bias, variance (with the fourth-moment standard error, the quantity
+    :func:`kernelapprox.theory.attention_variance` approximates) and MSE, and per draw
+    the relative error :math:`\|\hat O-O\|_F/\|O\|_F` over the whole block and the mean and max
+    over rows of :math:`\mathrm{TV}_i=\frac12\sum_j|\hat a_{ij}-A_{ij}|`.
+
+    For non-positive maps (trigonometric) the denominator :math:`\sum_j\hat K_{ij}` can be near 0
+    and :math:`\hat o` then has no finite variance: expect large, unstable variance estimates and
+    look at the quantiles.
+
+    Parameters
+    ----------
+    fm : FeatureMap
+        The estimator (its own projection is not used; see :func:`kernel_error`).
+    q : torch.Tensor
+        Shape ``(..., n, d)``.
+    k : torch.Tensor
+        Shape ``(..., m, d)``.
+    v : torch.Tensor
+        Shape ``(..., m, dv)``.
+    draws : int, default 10_000
+    causal : bool, default False
+        Row i attends to keys j <= i (n == m).
+    seed, chunk_size, max_bytes, confidence, quantiles, n_resamples, dtype, as_frame
+        As in :func:`kernel_error`; the per-entry frame is indexed by ``(..., i, c)``.
+
+    Returns
+    -------
+    dict
+        ``draws``, ``exact`` (``(..., n, dv)``), ``mean``, ``mean_ci``, ``bias``, ``bias_se``,
+        ``bias_ci``, ``variance``, ``variance_se``, ``variance_ci``, ``mse``, ``mse_se``,
+        ``mse_ci`` (each ``(..., n, dv)``, CIs with a leading axis of 2), ``per_draw`` and
+        ``summary`` over the metrics ``attention_relative_error``, ``mean_total_variation``,
+        ``max_total_variation``.
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> fm = ka.PositiveRF(dim=4, num_features=64, seed=0)
+    >>> q, k, v = torch.randn(3, 8, 4, dtype=torch.float64).unbind(0)
+    >>> res = ka.montecarlo.attention_error(fm, q / 2, k / 2, v, draws=1000, quantiles=(0.5,))
+    >>> res["variance"].shape
+    (8, 4)
+    """
+    from kernelapprox.exact import check_qkv, softmax_attention
+
+    draws, probs = _check_common(fm, q, k, draws, seed, confidence, quantiles)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_qkv(q, k, v, causal=causal)
+    q = q.detach().to(dtype)
+    k = k.detach().to(dtype)
+    v = v.detach().to(dtype)
+    n, m, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    extra = max(q.dim(), k.dim(), v.dim()) - 2
+    lead = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    exact = softmax_attention(q, k, v, causal=causal)
+    logits = q @ k.mT
+    mask = None
+    if causal:
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1)
+        logits = logits.masked_fill(mask, -math.inf)
+    weights = torch.softmax(logits, dim=-1)
+
+    acc = _PowerSums(exact)
+    per_draw: dict[str, list[np.ndarray]] = {
+        "attention_relative_error": [],
+        "mean_total_variation": [],
+        "max_total_variation": [],
+    }
+
+    def consume(kh: torch.Tensor) -> None:
+        if mask is not None:
+            kh = kh.masked_fill(mask, 0.0)
+        a = kh / kh.sum(dim=-1, keepdim=True)
+        out = a @ v
+        acc.update(out)
+        s = out.shape[0]
+        err = attention_relative_error(out.reshape(s, -1, dv), exact.reshape(1, -1, dv))
+        tv = total_variation(a, weights).reshape(s, -1)
+        per_draw["attention_relative_error"].append(err.cpu().numpy())
+        per_draw["mean_total_variation"].append(tv.mean(-1).cpu().numpy())
+        per_draw["max_total_variation"].append(tv.amax(-1).cpu().numpy())
+
+    if getattr(fm, "is_random", False):
+        chunk = _auto_chunk(fm, lead * (n + m), lead * n * (m + dv), chunk_size, max_bytes)
+        for copy in batched_draws(
+            fm, draws, seed=seed, chunk_size=chunk, extra_dims=extra, dtype=dtype, device=q.device
+        ):
+            consume(copy.kernel(q, k))
+    else:
+        draws = 1
+        consume(fm.kernel(q, k).to(dtype).unsqueeze(0))
+
+    out = acc.summary(confidence)
+    if draws == 1:
+        for key in ("bias_se", "variance", "variance_se", "mse_se"):
+            out[key] = np.zeros_like(out["bias"])
+        for key, centre in (("mean_ci", "mean"), ("bias_ci", "bias"), ("mse_ci", "mse")):
+            out[key] = np.stack([out[centre], out[centre]])
+        out["variance_ci"] = np.zeros((2,) + out["bias"].shape)
+    exact_np = exact.cpu().numpy()
+    if as_frame:
+        return _entry_frame(out, exact_np, ("i", "c"))
+    flat = {key: np.concatenate(val) for key, val in per_draw.items()}
+    out.update(
+        draws=draws,
+        exact=exact_np,
+        per_draw=flat,
+        summary=_summary_frame(flat, probs, confidence, n_resamples, seed),
+    )
+    return out

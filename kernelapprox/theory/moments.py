@@ -1,0 +1,1133 @@
+r"""Pointwise bias, variance and MSE of every estimator of :math:`\mathrm{SM}(x, y) = e^{x^\top y}`.
+
+Each random map estimates :math:`\mathrm{SM}(x, y)` by :math:`\hat K = \varphi(x)^\top\varphi(y)
+= \frac1r\sum_{i=1}^r X_i`, an average of ``r = num_features`` per-projection terms
+:math:`X_i` (one per row :math:`w_i` of the projection). This module gives, in closed form and in
+float64, the mean, variance and MSE of every entry of ``fm.kernel(q, k)``:
+
+==================== ============================================================= ===================
+estimator            per-projection term :math:`X_i`                                feature coordinates
+==================== ============================================================= ===================
+trig sin/cos         :math:`C\cos(w_i^\top\Delta)`                                  ``2r``
+trig offset          :math:`2C\cos(w_i^\top x+b_i)\cos(w_i^\top y+b_i)`             ``r``
+positive (FAVOR+)    :math:`\Lambda\, e^{w_i^\top z}`                               ``r``
+hyperbolic           :math:`\Lambda\cosh(w_i^\top z)`                               ``2r``
+==================== ============================================================= ===================
+
+Notation (``estimators.md`` §0): :math:`z = x+y`, :math:`\Delta = x-y`, :math:`t=\|z\|^2`,
+:math:`s=\|\Delta\|^2`, :math:`\Lambda=e^{-(\|x\|^2+\|y\|^2)/2}`, :math:`C = 1/\Lambda`, so that
+:math:`\mathrm{SM}=\Lambda e^{t/2} = C e^{-s/2}`.
+
+General structure (DERIVED, elementary). With :math:`\mu = E X_i`, :math:`m_2 = E X_i^2` and, for
+two distinct rows of the same orthogonal block, :math:`p_2 = E X_iX_j`,
+
+.. math::
+
+    \mathrm{bias} = \mu - \mathrm{SM},\qquad
+    \mathrm{Var}\,\hat K = \frac{m_2-\mu^2}{r} + \frac{P}{r^2}\,(p_2-\mu^2),\qquad
+    \mathrm{MSE} = \mathrm{bias}^2 + \mathrm{Var}\,\hat K,
+
+where :math:`P` is the number of *ordered* pairs :math:`(i\ne j)` of rows in the same block
+(:func:`orf_pair_count`): :math:`P = 0` for iid rows, and for ``r = b d + r'`` block-orthogonal
+rows (``b`` full blocks, one partial block of ``r'`` rows), :math:`P = b\,d(d-1) + r'(r'-1)`.
+Rows of different blocks are independent. For a single block this is Performer's
+:math:`\frac{m-1}{m}` factor; the partial-block count is DERIVED here and checked by Monte Carlo.
+
+The ingredients, for :math:`\omega \sim \mathcal N(0, I_d)` (iid rows and χ-norm ORF rows are
+marginally Gaussian):
+
+* :math:`E e^{\omega^\top a} = e^{\|a\|^2/2}`, :math:`E\cos(\omega^\top a) = e^{-\|a\|^2/2}`
+  (Gaussian MGF) — this gives Performer Lemma 2 [SOURCE] and the offset variance of
+  Sutherland–Schneider [DERIVED, MC ✓].
+* Two distinct rows of one χ-norm ORF block: :math:`w_i \pm w_j = \rho u` with
+  :math:`\rho^2\sim\chi^2_{2d}` independent of :math:`u` uniform on :math:`S^{d-1}`; averaging
+  :math:`E_u e^{\rho u^\top a} = {}_0F_1(;\tfrac d2;\rho^2\|a\|^2/4)` over
+  :math:`E\rho^{2k} = 2^k(d)_k` gives
+
+  .. math::
+
+      E\, e^{(w_i\pm w_j)^\top a} = {}_1F_1\!\big(d;\tfrac d2;\tfrac{\|a\|^2}{2}\big),\qquad
+      E\cos\big((w_i\pm w_j)^\top a\big) = {}_1F_1\!\big(d;\tfrac d2;-\tfrac{\|a\|^2}{2}\big)
+
+  [DERIVED; ``estimators.md`` §3d, MC ✓]. Since :math:`w_i` and :math:`-w_j` are also an
+  orthogonal pair, :math:`E\cosh(w_i^\top z)\cosh(w_j^\top z) = {}_1F_1(d;\tfrac d2;\tfrac t2)`
+  — the hyperbolic pair moment equals the positive one — and the random phases of the offset
+  variant average out of :math:`E X_iX_j`, leaving the sin/cos pair moment.
+* Fixed-norm ORF (rows of norm :math:`\sqrt d`, Yu's ORF′ / Performer's SMREG):
+  :math:`E e^{w^\top a} = {}_0F_1(;\tfrac d2;\tfrac{d\|a\|^2}{4})` and
+  :math:`\|w_i \pm w_j\|^2 = 2d`, so :math:`E e^{(w_i\pm w_j)^\top a} = {}_0F_1(;\tfrac d2;
+  \tfrac{d\|a\|^2}{2})` (:math:`a \to ia` for cosines, a normalised Bessel function) [DERIVED,
+  MC ✓]. The estimator is biased: it estimates SMREG (positive/hyperbolic,
+  :func:`smreg_kernel`) or a Bessel kernel (trig, :func:`fixed_norm_trig_kernel`).
+
+Numerics. Every quantity is computed in float64 from a log-scale and an :math:`O(1)` bracket, so
+the result is ``inf`` only where the true value overflows float64. :math:`s` and :math:`t` are
+recomputed from the coordinates where :math:`x\approx\pm y` (no cancellation), the ORF pair
+excesses :math:`{}_1F_1(d;\tfrac d2;z) - e^{2z}` are summed as series where they would cancel,
+and :math:`{}_0F_1` uses the Bessel forms (``scipy.special.ive``/``jv``) with a series or an
+``mpmath`` fallback where ``scipy.special.hyp0f1`` is inaccurate (large ``d``, negative
+argument). ``scipy.special.hyp1f1(d, d/2, z)`` was checked against mpmath to 1e-11 relative for
+``d`` up to 1024 and :math:`-3000 \le z \le 600` (``tests/test_theory_moments.py``).
+
+Inputs and outputs. ``q`` of shape ``(..., n, d)`` and ``k`` of shape ``(..., m, d)`` (NumPy
+arrays or torch tensors; leading dimensions broadcast) give ``(..., n, m)`` arrays, like
+``fm.kernel(q, k)``. NumPy in → NumPy float64 out; a torch tensor in → a float64 torch tensor
+on the input's device.
+
+Structured (SORF) and QMC projections have no closed form here: :func:`bias`, :func:`variance`,
+:func:`mse` raise ``NotImplementedError`` pointing to :func:`kernelapprox.montecarlo.kernel_error`.
+
+References
+----------
+.. [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
+   arXiv:2009.14794 (Lemma 2, eq. 8; Theorem 2, eq. 10; SMREG §2.3).
+.. [Yu16] F. X. Yu, A. T. Suresh, K. Choromanski, D. Holtmann-Rice, S. Kumar. "Orthogonal Random
+   Features", NeurIPS 2016, arXiv:1610.09072 (Lemma 1; ORF′ eq. 4).
+.. [SS15] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015,
+   arXiv:1506.02785.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from scipy.special import gammaln, hyp0f1, hyp1f1, ive, jv
+
+__all__ = [
+    "KINDS",
+    "Moments",
+    "orf_pair_count",
+    "estimator_moments",
+    "trig_sincos_mse",
+    "trig_offset_mse",
+    "positive_mse",
+    "hyperbolic_mse",
+    "trig_bias",
+    "positive_bias",
+    "hyperbolic_bias",
+    "smreg_kernel",
+    "fixed_norm_trig_kernel",
+    "performer_theorem2_bound",
+    "deterministic_error",
+    "feature_map_kind",
+    "bias",
+    "variance",
+    "mse",
+    "relative_mse",
+]
+
+#: Estimator kinds understood by the low-level functions.
+KINDS = ("trig_sincos", "trig_offset", "positive", "hyperbolic")
+_ORTHOGONAL = (None, "chi", "fixed")
+
+_NO_CLOSED_FORM = (
+    "no closed form for the {name!r} sampler ({what}): its rows are dependent in a way this module "
+    "does not model, and using the iid formula would be silently wrong; estimate the error by "
+    "Monte Carlo with ka.montecarlo.kernel_error(fm, q, k, draws=...)"
+)
+
+
+class Moments(NamedTuple):
+    """Bias, variance and MSE of every kernel entry, each of shape ``(..., n, m)``."""
+
+    bias: Any
+    variance: Any
+    mse: Any
+
+
+# ----------------------------------------------------------------------------------------------
+# input handling
+# ----------------------------------------------------------------------------------------------
+
+
+def _to_numpy(name: str, x: object) -> tuple[np.ndarray, torch.device | None]:
+    if isinstance(x, torch.Tensor):
+        if x.is_complex() or not x.is_floating_point():
+            raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
+        return x.detach().to("cpu", torch.float64).numpy(), x.device
+    try:
+        a = np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real array or torch tensor, got {type(x).__name__}") from None
+    return a, None
+
+
+def _prepare(q: object, k: object) -> tuple[np.ndarray, np.ndarray, torch.device | None]:
+    qa, dq = _to_numpy("q", q)
+    ka, dk = _to_numpy("k", k)
+    for name, a in (("q", qa), ("k", ka)):
+        if a.ndim < 2:
+            raise ValueError(f"{name} must have shape (..., n, d) with at least 2 dimensions, got {a.shape}")
+    if qa.shape[-1] != ka.shape[-1]:
+        raise ValueError(f"q and k must have the same last dimension d, got {qa.shape[-1]} and {ka.shape[-1]}")
+    try:
+        np.broadcast_shapes(qa.shape[:-2], ka.shape[:-2])
+    except ValueError:
+        raise ValueError(
+            f"leading dimensions of q {qa.shape[:-2]} and k {ka.shape[:-2]} do not broadcast"
+        ) from None
+    device = dq if dq is not None else dk
+    return qa, ka, device
+
+
+def _out(a: np.ndarray, device: torch.device | None):
+    if device is None:
+        return a
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+class _Geometry(NamedTuple):
+    nx: np.ndarray  # |x|^2, shape (..., n, m) after broadcasting
+    ny: np.ndarray  # |y|^2
+    xy: np.ndarray  # x.y
+    s: np.ndarray  # |x - y|^2
+    t: np.ndarray  # |x + y|^2
+    d: int
+
+
+def _geometry(q: np.ndarray, k: np.ndarray) -> _Geometry:
+    """Pairwise |x|^2, |y|^2, x.y, |x-y|^2, |x+y|^2, recomputing s and t exactly where they cancel."""
+    nq = np.einsum("...i,...i->...", q, q)[..., :, None]
+    nk = np.einsum("...i,...i->...", k, k)[..., None, :]
+    xy = np.matmul(q, np.swapaxes(k, -1, -2))
+    shape = np.broadcast_shapes(nq.shape, nk.shape, xy.shape)
+    nx, ny, xy = (np.broadcast_to(a, shape).copy() for a in (nq, nk, xy))
+    s = nx + ny - 2 * xy
+    t = nx + ny + 2 * xy
+    lead = shape[:-2]
+    qb = np.broadcast_to(q, lead + q.shape[-2:])
+    kb = np.broadcast_to(k, lead + k.shape[-2:])
+    for arr, sign in ((s, -1.0), (t, 1.0)):
+        bad = arr < 1e-3 * (nx + ny)
+        if bad.any():
+            idx = np.nonzero(bad)
+            xi = qb[idx[:-1]]
+            yj = kb[idx[:-2] + (idx[-1],)]
+            diff = xi + sign * yj
+            arr[idx] = np.einsum("...i,...i->...", diff, diff)
+    np.maximum(s, 0.0, out=s)
+    np.maximum(t, 0.0, out=t)
+    return _Geometry(nx, ny, xy, s, t, int(q.shape[-1]))
+
+
+def _check_r(num_features: object) -> int:
+    if isinstance(num_features, bool) or not isinstance(num_features, (int, np.integer)):
+        raise TypeError(f"num_features must be a positive int, got {num_features!r}")
+    if num_features <= 0:
+        raise ValueError(f"num_features must be a positive int, got {num_features}")
+    return int(num_features)
+
+
+def _check_orthogonal(orthogonal: object) -> str | None:
+    if orthogonal not in _ORTHOGONAL:
+        raise ValueError(f"orthogonal must be None, 'chi' or 'fixed', got {orthogonal!r}")
+    return orthogonal  # type: ignore[return-value]
+
+
+def orf_pair_count(num_features: int, dim: int) -> int:
+    r"""Number :math:`P` of ordered pairs :math:`(i \ne j)` of rows in the same orthogonal block.
+
+    ``r = num_features`` rows in ``ceil(r/d)`` blocks of ``d`` rows, the last keeping
+    ``r' = r - b d`` rows (``b = r // d``): :math:`P = b\,d(d-1) + r'(r'-1)` [DERIVED]. The
+    covariance term of an ORF estimator carries the factor :math:`P/r^2`, which is
+    :math:`(r-1)/r` for a single block (Performer's :math:`\frac{m-1}{m}`).
+
+    Parameters
+    ----------
+    num_features : int
+        ``r``, the number of projections.
+    dim : int
+        ``d``, the block size.
+
+    Returns
+    -------
+    int
+
+    Examples
+    --------
+    >>> orf_pair_count(6, 4)  # one full block (12 pairs) + a block of 2 rows (2 pairs)
+    14
+    """
+    r = _check_r(num_features)
+    d = _check_r(dim)
+    b, rp = divmod(r, d)
+    return b * d * (d - 1) + rp * (rp - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# special functions
+# ----------------------------------------------------------------------------------------------
+
+_SERIES_TERMS = 220
+
+
+def _pair_excess(d: int, z: np.ndarray) -> np.ndarray:
+    r""":math:`{}_1F_1(d;\tfrac d2;z) - e^{2z}` elementwise (float64).
+
+    This is :math:`E e^{(w_i+w_j)^\top a} - E_{\rm iid}[\cdot]` at :math:`z = \|a\|^2/2` (or the
+    cosine version at :math:`z=-\|a\|^2/2`). Series :math:`\sum_{k\ge2} c_k z^k/k!` with
+    :math:`c_k = (d)_k/(d/2)_k - 2^k \le 0` where it would cancel (``|z| <= 1``) and for
+    ``0 < z <= 35`` (all terms of one sign: stable); ``hyp1f1(d, d/2, z) - exp(2z)`` elsewhere.
+    """
+    z = np.asarray(z, dtype=np.float64)
+    out = np.empty_like(z)
+    use_series = (np.abs(z) <= 1.0) | ((z > 0) & (z <= 35.0))
+    if use_series.any():
+        zs = z[use_series]
+        j = np.arange(_SERIES_TERMS - 1, dtype=np.float64)
+        logprod = np.concatenate(([0.0], np.cumsum(np.log1p(-j / (d + 2.0 * j)))))
+        coef = np.expm1(logprod)  # c_k / 2^k, k = 0.._SERIES_TERMS-1 (c_0 = c_1 = 0)
+        w = 2.0 * zs
+        term = np.ones_like(w)
+        acc = np.zeros_like(w)
+        for kk in range(_SERIES_TERMS):
+            if kk >= 2:
+                acc += coef[kk] * term
+                if kk > 4.0 * np.max(np.abs(w), initial=0.0) + 20 and np.all(
+                    np.abs(coef[kk] * term) <= 1e-18 * np.abs(acc)
+                ):
+                    break
+            term = term * w / (kk + 1)
+        out[use_series] = acc
+    rest = ~use_series
+    if rest.any():
+        zr = z[rest]
+        out[rest] = hyp1f1(d, d / 2.0, zr) - np.exp(2.0 * zr)
+    return out
+
+
+def _log_hyp0f1_pos(b: float, x: np.ndarray) -> np.ndarray:
+    r""":math:`\log {}_0F_1(;b;x)` for ``x >= 0`` without overflow.
+
+    ``log(hyp0f1)`` where finite; else :math:`\log\Gamma(b) + \tfrac{1-b}{2}\log x +
+    \log I_{b-1}^{(e)}(2\sqrt x) + 2\sqrt x` with the exponentially scaled Bessel ``ive``.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    out = np.zeros_like(x)
+    pos = x > 0
+    if pos.any():
+        xp = x[pos]
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            v = np.where(xp < 1e5, hyp0f1(b, np.minimum(xp, 1e5)), np.inf)
+            good = np.isfinite(v) & (v > 0)
+            res = np.log(np.where(good, v, 1.0))
+            if (~good).any():
+                xb = xp[~good]
+                res[~good] = (
+                    gammaln(b) + 0.5 * (1.0 - b) * np.log(xb) + np.log(ive(b - 1.0, 2.0 * np.sqrt(xb))) + 2.0 * np.sqrt(xb)
+                )
+        out[pos] = res
+    return out
+
+
+def _hyp0f1_neg(b: float, x: np.ndarray) -> np.ndarray:
+    r""":math:`{}_0F_1(;b;x)` for ``x <= 0`` (bounded by 1 in absolute value).
+
+    ``scipy.special.hyp0f1`` returns nan/inf for large ``b`` here, so: the power series where it is
+    free of cancellation (``|x| <= 3.45 b``: at most ~3 digits lost), else
+    :math:`\Gamma(b)\,y^{(1-b)/2} J_{b-1}(2\sqrt y)` (``y=-x``) where ``jv`` does not underflow,
+    else ``mpmath.hyp0f1``.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    y = -x
+    out = np.empty_like(x)
+    ser = y <= 3.45 * b
+    if ser.any():
+        ys = y[ser]
+        term = np.ones_like(ys)
+        acc = np.ones_like(ys)
+        for kk in range(1, 400):
+            term = term * (-ys) / ((b + kk - 1.0) * kk)
+            acc += term
+            if np.all(np.abs(term) <= 1e-18 * np.maximum(np.abs(acc), 1e-300)):
+                break
+        out[ser] = acc
+    rest = ~ser
+    if rest.any():
+        yr = y[rest]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            J = jv(b - 1.0, 2.0 * np.sqrt(yr))
+            val = np.sign(J) * np.exp(gammaln(b) + 0.5 * (1.0 - b) * np.log(yr) + np.log(np.abs(J)))
+        ok = np.isfinite(val) & (np.abs(J) > 1e-280)
+        if (~ok).any():
+            import mpmath
+
+            with mpmath.workdps(30):
+                fb = mpmath.mpf(b)
+
+                def f(v: float) -> float:
+                    try:
+                        return float(mpmath.hyp0f1(fb, -v, maxprec=100000))
+                    except (ValueError, ZeroDivisionError):  # at a zero of the Bessel function
+                        return 0.0
+
+                uniq, inv = np.unique(yr[~ok], return_inverse=True)
+                val[~ok] = np.array([f(float(v)) for v in uniq])[inv]
+        out[rest] = val
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# core: log-variance and relative bias of each estimator
+# ----------------------------------------------------------------------------------------------
+
+
+class _Components(NamedTuple):
+    """``Var(K^) = exp(scale) * (v1 / r + P(r)/r^2 * cv)``; relative bias ``rbias``; ``xy = log SM``."""
+
+    scale: np.ndarray  # log of the common scale factor
+    v1: np.ndarray  # per-projection variance / exp(scale)
+    cv: np.ndarray  # same-block pair covariance / exp(scale) (0 for iid rows)
+    rbias: np.ndarray  # (E K^ - SM) / SM
+    xy: np.ndarray  # log SM = x.y
+
+
+class _Core(NamedTuple):
+    logvar: np.ndarray  # log Var(K^) (-inf where the variance is 0)
+    rbias: np.ndarray  # (E K^ - SM) / SM
+    xy: np.ndarray  # log SM
+
+
+def _log_pos(scale_log: np.ndarray, bracket: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return scale_log + np.log(np.maximum(bracket, 0.0))
+
+
+def _components(kind: str, geo: _Geometry, orthogonal: str | None) -> _Components:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    d = geo.d
+    s, t = geo.s, geo.t
+    cv = np.zeros_like(s)
+    if orthogonal != "fixed":
+        rbias = np.zeros_like(s)
+        if kind in ("positive", "hyperbolic"):
+            # Var X = Lambda^2 e^{2t} * v1,  Lambda^2 e^{2t} = exp(-(|x|^2+|y|^2) + 2t)
+            scale = -(geo.nx + geo.ny) + 2.0 * t
+            if kind == "positive":
+                v1 = -np.expm1(-t)  # (e^{2t} - e^t) / e^{2t}
+            else:
+                v1 = 0.5 * np.expm1(-t) ** 2  # (e^t - 1)^2 / (2 e^{2t})
+            if orthogonal == "chi":
+                # same-block pair covariance Lambda^2 (1F1(d; d/2; t/2) - e^t), scaled by e^{-2t}
+                small = t <= 70.0
+                if small.any():
+                    cv[small] = _pair_excess(d, 0.5 * t[small]) * np.exp(-2.0 * t[small])
+                big = ~small
+                if big.any():
+                    # |cv| <= e^{-t}: below double precision relative to v1 here, kept for completeness
+                    tb = t[big]
+                    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                        rho = np.exp(np.log(hyp1f1(d, d / 2.0, np.minimum(tb, 1400.0) / 2.0)) - tb)
+                    rho = np.where(np.isfinite(rho), rho, 0.0)
+                    cv[big] = -np.exp(-tb) * (1.0 - rho)
+        else:
+            # Var X = C^2 * v1, C^2 = exp(|x|^2 + |y|^2)
+            scale = geo.nx + geo.ny
+            v1 = 0.5 * np.expm1(-s) ** 2
+            if kind == "trig_offset":
+                v1 = v1 + 0.5  # 1 + e^{-2s}/2 - e^{-s} = (1 - e^{-s})^2/2 + 1/2
+            if orthogonal == "chi":
+                cv = _pair_excess(d, -0.5 * s)
+        return _Components(scale, v1, cv, rbias, geo.xy)
+
+    # fixed-norm ORF (rows of norm sqrt(d)): 0F1 moments, biased
+    b = d / 2.0
+    if kind in ("positive", "hyperbolic"):
+        l1 = _log_hyp0f1_pos(b, d * t / 4.0)  # mean / Lambda
+        l2 = _log_hyp0f1_pos(b, d * t / 2.0)  # pair moment / Lambda^2
+        l4 = _log_hyp0f1_pos(b, d * t)  # E e^{2 w.z}
+        rbias = np.expm1(l1 - 0.5 * t)  # SMREG / SM - 1
+        scale = -(geo.nx + geo.ny) + l4
+        mu2 = np.exp(2.0 * l1 - l4)
+        m2 = np.ones_like(t) if kind == "positive" else 0.5 * (np.exp(-l4) + 1.0)
+        v1 = m2 - mu2
+        cv = np.exp(l2 - l4) - mu2
+    else:
+        F1 = _hyp0f1_neg(b, -d * s / 4.0)  # mean / C
+        F2 = _hyp0f1_neg(b, -d * s / 2.0)  # pair moment / C^2
+        F4 = _hyp0f1_neg(b, -d * s)  # E cos(2 w.Delta)
+        with np.errstate(divide="ignore", over="ignore"):
+            rbias = np.sign(F1) * np.exp(np.log(np.abs(F1)) + 0.5 * s) - 1.0
+        scale = geo.nx + geo.ny
+        m2 = 0.5 * (1.0 + F4)
+        if kind == "trig_offset":
+            m2 = m2 + 0.5
+        v1 = m2 - F1 * F1
+        cv = F2 - F1 * F1
+    return _Components(scale, v1, cv, rbias, geo.xy)
+
+
+def _core(kind: str, geo: _Geometry, r: int, orthogonal: str | None) -> _Core:
+    c = _components(kind, geo, orthogonal)
+    P = 0 if orthogonal is None else orf_pair_count(r, geo.d)
+    g = c.v1 / r + (P / (r * r)) * c.cv
+    return _Core(_log_pos(c.scale, g), c.rbias, c.xy)
+
+
+def _finish(core: _Core, what: str) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        if what == "variance":
+            return np.exp(core.logvar)
+        if what == "bias":
+            out = core.rbias * np.exp(core.xy)
+            return np.where(core.rbias == 0.0, 0.0, out)
+        rel = np.exp(core.logvar - 2.0 * core.xy) + core.rbias**2
+        if what == "relative_mse":
+            return rel
+        if what == "mse":
+            with np.errstate(divide="ignore"):
+                return np.exp(np.log(rel) + 2.0 * core.xy)
+    raise ValueError(what)  # pragma: no cover
+
+
+def estimator_moments(
+    kind: str,
+    q: Any,
+    k: Any,
+    num_features: int,
+    *,
+    orthogonal: str | None = None,
+) -> Moments:
+    r"""Bias, variance and MSE of every entry of a random-feature estimate of :math:`e^{q^\top k}`.
+
+    See the module docstring for the formulas; the per-estimator functions
+    (:func:`positive_mse`, ...) document each one.
+
+    Parameters
+    ----------
+    kind : {"trig_sincos", "trig_offset", "positive", "hyperbolic"}
+        The estimator (``TrigRF(variant="sincos")``, ``TrigRF(variant="offset")``, ``PositiveRF``,
+        ``HyperbolicRF``).
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+    num_features : int
+        ``r``, the number of random projections.
+    orthogonal : {None, "chi", "fixed"}, default None
+        ``None``: iid Gaussian rows; ``"chi"``: block-orthogonal rows with χ norms;
+        ``"fixed"``: block-orthogonal rows of norm :math:`\sqrt d`.
+
+    Returns
+    -------
+    Moments
+        ``(bias, variance, mse)``, each of shape ``(..., n, m)``, float64.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[0.3, -0.2, 0.1, 0.4]]); y = np.array([[0.1, 0.2, -0.3, 0.2]])
+    >>> m = estimator_moments("positive", x, y, 8, orthogonal="chi")
+    >>> bool(m.bias[0, 0] == 0.0 and m.mse[0, 0] < positive_mse(x, y, 8)[0, 0])
+    True
+    """
+    r = _check_r(num_features)
+    orthogonal = _check_orthogonal(orthogonal)
+    qa, ka, dev = _prepare(q, k)
+    core = _core(kind, _geometry(qa, ka), r, orthogonal)
+    return Moments(*(_out(_finish(core, w), dev) for w in ("bias", "variance", "mse")))
+
+
+def _mse_of(kind: str, q: Any, k: Any, num_features: int, orthogonal: str | None) -> Any:
+    r = _check_r(num_features)
+    orthogonal = _check_orthogonal(orthogonal)
+    qa, ka, dev = _prepare(q, k)
+    return _out(_finish(_core(kind, _geometry(qa, ka), r, orthogonal), "mse"), dev)
+
+
+def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
+    r"""MSE of ``TrigRF(variant="sincos")``: ``r`` projections, ``2r`` feature coordinates.
+
+    .. math::
+
+        \mathrm{MSE} = \frac{e^{\|x\|^2+\|y\|^2}}{2r}\big(1-e^{-s}\big)^2
+        + \frac{P}{r^2}\,e^{\|x\|^2+\|y\|^2}\Big[{}_1F_1\big(d;\tfrac d2;-\tfrac s2\big) - e^{-s}\Big]
+
+    with :math:`s = \|x-y\|^2` and :math:`P` = :func:`orf_pair_count` (0 for iid rows).
+
+    * iid (``orthogonal=None``): Performer Lemma 2, eq. (8) [SOURCE]; Yu et al. Lemma 1.
+    * ``"chi"``: exact χ-norm ORF closed form, several blocks and a partial last block [DERIVED,
+      MC ✓]. For large :math:`s` the ORF term is *positive* (ORF is worse than iid far from
+      :math:`x=y`, since :math:`{}_1F_1(d;\tfrac d2;-\tfrac s2)` decays only like
+      :math:`e^{-s/2}\mathrm{poly}(s)` or :math:`s^{-d}`).
+    * ``"fixed"``: rows of norm :math:`\sqrt d`; biased (mean
+      :math:`C\,{}_0F_1(;\tfrac d2;-\tfrac{ds}4)`, :func:`fixed_norm_trig_kernel`); MSE =
+      bias² + :math:`\frac{C^2}{r}\big[\tfrac{1+F(-ds)}2-F(-\tfrac{ds}4)^2\big]
+      +\frac{P}{r^2}C^2\big[F(-\tfrac{ds}2)-F(-\tfrac{ds}4)^2\big]`, :math:`F={}_0F_1(;\tfrac d2;\cdot)`
+      [DERIVED, MC ✓].
+
+    Parameters
+    ----------
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+    num_features : int
+        ``r``, the number of projections :math:`w_1..w_r`.
+    orthogonal : {None, "chi", "fixed"}, default None
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    References
+    ----------
+    Choromanski et al. 2021 (arXiv:2009.14794) Lemma 2; Yu et al. 2016 (arXiv:1610.09072) Lemma 1.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.zeros((1, 3)); float(trig_sincos_mse(x, x, 16)[0, 0])  # exact at x = y
+    0.0
+    """
+    return _mse_of("trig_sincos", q, k, num_features, orthogonal)
+
+
+def trig_offset_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
+    r"""MSE of ``TrigRF(variant="offset")``: ``r`` projections, ``r`` feature coordinates.
+
+    .. math::
+
+        \mathrm{MSE} = \frac{e^{\|x\|^2+\|y\|^2}}{r}\Big[1+\tfrac12e^{-2s}-e^{-s}\Big]
+        + \frac{P}{r^2}\,e^{\|x\|^2+\|y\|^2}\Big[{}_1F_1\big(d;\tfrac d2;-\tfrac s2\big) - e^{-s}\Big]
+
+    * iid: the Sutherland–Schneider variance of the :math:`\breve z` features transported to SM
+      (``estimators.md`` §1b) [DERIVED, MC ✓]. It exceeds the sin/cos MSE at equal ``r`` by
+      :math:`\frac{C^2}{2r}` — never zero, even at ``x = y``.
+    * ``"chi"``: the phases :math:`b_i` are independent, so
+      :math:`E X_iX_j = C^2 E\cos(w_i^\top\Delta)\cos(w_j^\top\Delta)`: the same pair term as
+      sin/cos [DERIVED, MC ✓].
+    * ``"fixed"``: as for sin/cos with :math:`m_2 = C^2[1+\tfrac12 F(-ds)]` [DERIVED, MC ✓].
+
+    Parameters
+    ----------
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+    num_features : int
+    orthogonal : {None, "chi", "fixed"}, default None
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    References
+    ----------
+    Sutherland & Schneider 2015 (arXiv:1506.02785) §2 (recalled form, re-derived here).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.zeros((1, 3)); float(trig_offset_mse(x, x, 10)[0, 0])  # 1/(2r) at x = y = 0
+    0.05
+    """
+    return _mse_of("trig_offset", q, k, num_features, orthogonal)
+
+
+def positive_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
+    r"""MSE of ``PositiveRF`` (FAVOR+): ``r`` projections, ``r`` feature coordinates.
+
+    .. math::
+
+        \mathrm{MSE} = \frac{\Lambda^2}{r}\big(e^{2t}-e^{t}\big)
+        + \frac{P}{r^2}\,\Lambda^2\Big[{}_1F_1\big(d;\tfrac d2;\tfrac t2\big) - e^{t}\Big],
+        \qquad \Lambda = e^{-(\|x\|^2+\|y\|^2)/2},\ t = \|x+y\|^2 .
+
+    * iid: Performer Lemma 2, eq. (8): :math:`\frac1r e^{\|x+y\|^2}\mathrm{SM}^2(1-e^{-\|x+y\|^2})`
+      [SOURCE]. Relative MSE :math:`(e^t-1)/r`.
+    * ``"chi"``: exact χ-norm ORF [DERIVED, MC ✓]; the pair term is :math:`\le 0` (ORF always
+      helps), consistent with Performer Theorem 2 (:func:`performer_theorem2_bound`).
+    * ``"fixed"``: estimates SMREG (:func:`smreg_kernel`); bias
+      :math:`\Lambda\,{}_0F_1(;\tfrac d2;\tfrac{dt}4) - \mathrm{SM}`, variance
+      :math:`\frac{\Lambda^2}{r}[F(dt) - F(\tfrac{dt}4)^2] + \frac{P}{r^2}\Lambda^2[F(\tfrac{dt}2) -
+      F(\tfrac{dt}4)^2]` [DERIVED, MC ✓].
+
+    The per-projection term :math:`\Lambda e^{w^\top z}` is log-normal: heavy right tail, so
+    Monte Carlo estimates of this MSE converge slowly at large :math:`t`.
+
+    Parameters
+    ----------
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+    num_features : int
+    orthogonal : {None, "chi", "fixed"}, default None
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    References
+    ----------
+    Choromanski et al. 2021 (arXiv:2009.14794) Lemma 2, Theorem 2.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[0.5, 0.0]]); y = -x
+    >>> float(positive_mse(x, y, 4)[0, 0])  # exact at x = -y
+    0.0
+    """
+    return _mse_of("positive", q, k, num_features, orthogonal)
+
+
+def hyperbolic_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
+    r"""MSE of ``HyperbolicRF``: ``r`` projections, ``2r`` feature coordinates.
+
+    .. math::
+
+        \mathrm{MSE} = \frac{\Lambda^2}{2r}\big(e^{t}-1\big)^2
+        + \frac{P}{r^2}\,\Lambda^2\Big[{}_1F_1\big(d;\tfrac d2;\tfrac t2\big) - e^{t}\Big]
+
+    * iid: Performer Lemma 2: :math:`\tfrac12(1-e^{-t})` times the positive MSE [SOURCE].
+    * ``"chi"``: :math:`\cosh a\cosh b = \tfrac12[\cosh(a+b)+\cosh(a-b)]` and
+      :math:`w_i - w_j \stackrel d= w_i + w_j` for an orthogonal pair, so the pair moment is the
+      positive one, :math:`\Lambda^2{}_1F_1(d;\tfrac d2;\tfrac t2)` [DERIVED, MC ✓].
+    * ``"fixed"``: mean SMREG, :math:`m_2 = \Lambda^2\,\tfrac{1+F(dt)}2`, pair moment
+      :math:`\Lambda^2F(\tfrac{dt}2)` [DERIVED, MC ✓].
+
+    Parameters
+    ----------
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+    num_features : int
+    orthogonal : {None, "chi", "fixed"}, default None
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    References
+    ----------
+    Choromanski et al. 2021 (arXiv:2009.14794) Lemma 2.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[0.3, 0.1]]); y = np.array([[0.2, -0.4]])
+    >>> bool(hyperbolic_mse(x, y, 4)[0, 0] < positive_mse(x, y, 8)[0, 0])
+    True
+    """
+    return _mse_of("hyperbolic", q, k, num_features, orthogonal)
+
+
+def _bias_of(kind: str, q: Any, k: Any, orthogonal: str | None) -> Any:
+    orthogonal = _check_orthogonal(orthogonal)
+    qa, ka, dev = _prepare(q, k)
+    return _out(_finish(_core(kind, _geometry(qa, ka), 1, orthogonal), "bias"), dev)
+
+
+def trig_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
+    r"""Bias :math:`E\hat K - e^{q^\top k}` of ``TrigRF`` (both variants); independent of ``r``.
+
+    Zero for iid and χ-norm ORF rows; for fixed-norm ORF
+    :math:`C\big({}_0F_1(;\tfrac d2;-\tfrac{ds}4) - e^{-s/2}\big)` [DERIVED, MC ✓]
+    (:func:`fixed_norm_trig_kernel` minus SM).
+
+    Parameters
+    ----------
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+    orthogonal : {None, "chi", "fixed"}, default None
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[0.4, 0.0, 0.0]]); y = np.array([[-0.4, 0.0, 0.0]])
+    >>> float(trig_bias(x, y)[0, 0])
+    0.0
+    """
+    return _bias_of("trig_sincos", q, k, orthogonal)
+
+
+def positive_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
+    r"""Bias of ``PositiveRF``; independent of ``r``: zero unless ``orthogonal="fixed"``.
+
+    Fixed-norm ORF estimates SMREG: bias :math:`\Lambda\,{}_0F_1(;\tfrac d2;\tfrac{dt}4) -
+    e^{x^\top y} \le 0` (Performer Theorem 1: SMREG ≤ SM for :math:`d\ge2`) [DERIVED, MC ✓].
+
+    Parameters
+    ----------
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+    orthogonal : {None, "chi", "fixed"}, default None
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[0.5, 0.5, 0.0, 0.0]])
+    >>> bool(positive_bias(x, x, orthogonal="fixed")[0, 0] < 0)
+    True
+    """
+    return _bias_of("positive", q, k, orthogonal)
+
+
+def hyperbolic_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
+    r"""Bias of ``HyperbolicRF``: the same as :func:`positive_bias` (:math:`\cosh` is even).
+
+    Parameters
+    ----------
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+    orthogonal : {None, "chi", "fixed"}, default None
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[0.5, 0.5, 0.0, 0.0]])
+    >>> bool(hyperbolic_bias(x, x, orthogonal="fixed")[0, 0] == positive_bias(x, x, orthogonal="fixed")[0, 0])
+    True
+    """
+    return _bias_of("hyperbolic", q, k, orthogonal)
+
+
+def smreg_kernel(q: Any, k: Any) -> Any:
+    r"""The regularised softmax kernel SMREG estimated by fixed-norm (:math:`\sqrt d`) ORF positive features.
+
+    .. math::
+
+        \mathrm{SMREG}(x,y) = \Lambda\sum_k\frac{(t/2)^k}{k!}\frac{d^k}{d(d+2)\cdots(d+2k-2)}
+        = e^{-(\|x\|^2+\|y\|^2)/2}\;{}_0F_1\!\big(;\tfrac d2;\tfrac{d\,\|x+y\|^2}{4}\big)
+
+    The series is Performer §2.3 / eqs. (21)–(29) [SOURCE]; the :math:`{}_0F_1` closed form is
+    [DERIVED, MC ✓] (it is :math:`E e^{\sqrt d\,u^\top z}` for :math:`u` uniform on the sphere).
+
+    Parameters
+    ----------
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    References
+    ----------
+    Choromanski et al. 2021 (arXiv:2009.14794) §2.3, Theorem 1.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.zeros((1, 4)); float(smreg_kernel(x, x)[0, 0])
+    1.0
+    """
+    qa, ka, dev = _prepare(q, k)
+    geo = _geometry(qa, ka)
+    l1 = _log_hyp0f1_pos(geo.d / 2.0, geo.d * geo.t / 4.0)
+    with np.errstate(over="ignore"):
+        return _out(np.exp(-0.5 * (geo.nx + geo.ny) + l1), dev)
+
+
+def fixed_norm_trig_kernel(q: Any, k: Any) -> Any:
+    r"""The kernel estimated by trig features with fixed-norm (:math:`\sqrt d`) ORF rows.
+
+    .. math::
+
+        E\hat K = e^{(\|x\|^2+\|y\|^2)/2}\;{}_0F_1\!\big(;\tfrac d2;-\tfrac{d\,\|x-y\|^2}{4}\big)
+        = e^{(\|x\|^2+\|y\|^2)/2}\;\Gamma(\tfrac d2)\Big(\tfrac{\sqrt d\,\|x-y\|}{2}\Big)^{1-d/2}
+        J_{d/2-1}(\sqrt d\,\|x-y\|)
+
+    a Bessel kernel instead of :math:`e^{(\|x\|^2+\|y\|^2)/2}e^{-\|x-y\|^2/2}` [DERIVED, MC ✓;
+    consistent with the abstract of Demni & Kadri, arXiv:2310.07370].
+
+    Parameters
+    ----------
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.ones((1, 4)) / 4; float(fixed_norm_trig_kernel(x, x)[0, 0]) == float(np.exp(0.25))
+    True
+    """
+    qa, ka, dev = _prepare(q, k)
+    geo = _geometry(qa, ka)
+    F1 = _hyp0f1_neg(geo.d / 2.0, -geo.d * geo.s / 4.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.exp(0.5 * (geo.nx + geo.ny)) * F1
+    return _out(np.where(F1 == 0.0, 0.0, out), dev)
+
+
+def performer_theorem2_bound(q: Any, k: Any, num_features: int) -> Any:
+    r"""Performer Theorem 2 upper bound on the MSE of positive features with (χ-norm) ORF.
+
+    .. math::
+
+        \mathrm{MSE}(\widehat{\mathrm{SM}}^{\rm ort+}_m) \le \mathrm{MSE}(\widehat{\mathrm{SM}}^{+}_m)
+        - \frac{2(m-1)}{m(d+2)}\Big(\mathrm{SM}(x,y) - e^{-\frac{\|x\|^2+\|y\|^2}{2}}\Big)^2
+
+    stated for :math:`m \le d` [SOURCE: arXiv:2009.14794, Theorem 2, eq. (10)]. Compare with the
+    exact value ``positive_mse(q, k, m, orthogonal="chi")``.
+
+    Parameters
+    ----------
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+    num_features : int
+        ``m <= d`` (one orthogonal block), as in the theorem.
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    Raises
+    ------
+    ValueError
+        If ``num_features > d`` (the theorem does not cover several blocks).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[0.3, 0.2, -0.1, 0.2]]); y = np.array([[0.1, 0.4, 0.2, -0.2]])
+    >>> bool(positive_mse(x, y, 4, orthogonal="chi")[0, 0] <= performer_theorem2_bound(x, y, 4)[0, 0])
+    True
+    """
+    r = _check_r(num_features)
+    qa, ka, dev = _prepare(q, k)
+    d = qa.shape[-1]
+    if r > d:
+        raise ValueError(f"num_features={r} > d={d}: Performer Theorem 2 is stated for m <= d (one block)")
+    geo = _geometry(qa, ka)
+    iid = _finish(_core("positive", geo, r, None), "mse")
+    with np.errstate(over="ignore", invalid="ignore"):
+        lam = np.exp(-0.5 * (geo.nx + geo.ny))
+        corr = 2.0 * (r - 1) / (r * (d + 2.0)) * (np.exp(geo.xy) - lam) ** 2
+    return _out(iid - corr, dev)
+
+
+# ----------------------------------------------------------------------------------------------
+# feature-map dispatch
+# ----------------------------------------------------------------------------------------------
+
+
+def feature_map_kind(fm: Any) -> tuple[str, str | None]:
+    """``(kind, orthogonal)`` of a feature map, or ``("deterministic", None)`` for elu/relu.
+
+    Raises ``NotImplementedError`` for samplers without a closed form (``structured``, ``qmc``,
+    projections of unknown provenance) and ``TypeError`` for objects that are not feature maps.
+    """
+    from kernelapprox.features import EluFeatures, HyperbolicRF, PositiveRF, ReluFeatures, TrigRF
+
+    if isinstance(fm, (EluFeatures, ReluFeatures)):
+        return "deterministic", None
+    if isinstance(fm, TrigRF):
+        kind = "trig_sincos" if fm.variant == "sincos" else "trig_offset"
+    elif isinstance(fm, PositiveRF):
+        kind = "positive"
+    elif isinstance(fm, HyperbolicRF):
+        kind = "hyperbolic"
+    else:
+        raise TypeError(
+            "fm must be a kernelapprox feature map (TrigRF, PositiveRF, HyperbolicRF, EluFeatures, "
+            f"ReluFeatures), got {type(fm).__name__}"
+        )
+    name = getattr(fm.sampler, "name", None)
+    if name == "gaussian":
+        return kind, None
+    if name == "orthogonal":
+        return kind, _check_orthogonal(fm.sampler.norms)
+    what = {
+        "structured": "SORF rows are biased (Yu et al. 2016 Thm 3)",
+        "qmc": "rows are negatively dependent low-discrepancy points",
+        "given": "the projection was supplied by the caller, its distribution is unknown",
+    }.get(name, "unknown sampler")
+    raise NotImplementedError(_NO_CLOSED_FORM.format(name=name, what=what))
+
+
+def deterministic_error(fm: Any, q: Any, k: Any) -> Any:
+    r"""Error :math:`\varphi(q)^\top\varphi(k) - e^{q^\top k}` of a deterministic map (elu+1, ReLU).
+
+    These maps are not random: the error is a pure bias (variance 0), computed in float64.
+
+    Parameters
+    ----------
+    fm : EluFeatures or ReluFeatures
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> x = torch.zeros(1, 3, dtype=torch.float64)
+    >>> float(deterministic_error(ka.EluFeatures(3), x, x)[0, 0])  # (1,1,1).(1,1,1) - e^0
+    2.0
+    """
+    from kernelapprox.features import EluFeatures, ReluFeatures
+
+    if not isinstance(fm, (EluFeatures, ReluFeatures)):
+        raise TypeError(f"fm must be EluFeatures or ReluFeatures, got {type(fm).__name__}")
+    qa, ka, dev = _prepare(q, k)
+    if qa.shape[-1] != fm.dim:
+        raise ValueError(f"q has last dimension {qa.shape[-1]}, expected fm.dim={fm.dim}")
+    qt, kt = torch.from_numpy(qa), torch.from_numpy(ka)
+    est = torch.matmul(fm(qt), fm(kt).mT).numpy()
+    with np.errstate(over="ignore"):
+        exact = np.exp(np.matmul(qa, np.swapaxes(ka, -1, -2)))
+    return _out(est - exact, dev)
+
+
+def _dispatch(fm: Any, q: Any, k: Any, what: str) -> Any:
+    kind, orthogonal = feature_map_kind(fm)
+    if kind == "deterministic":
+        err = deterministic_error(fm, q, k)
+        if what == "bias":
+            return err
+        if what == "variance":
+            return err * 0.0
+        if what == "mse":
+            return err**2
+        qa, ka, _ = _prepare(q, k)
+        with np.errstate(over="ignore"):
+            sm = np.exp(np.matmul(qa, np.swapaxes(ka, -1, -2)))
+        rel = (np.asarray(err.cpu() if isinstance(err, torch.Tensor) else err) / sm) ** 2
+        return _out(rel, err.device if isinstance(err, torch.Tensor) else None)
+    qa, ka, dev = _prepare(q, k)
+    if qa.shape[-1] != fm.dim:
+        raise ValueError(f"q has last dimension {qa.shape[-1]}, expected fm.dim={fm.dim}")
+    core = _core(kind, _geometry(qa, ka), int(fm.num_features), orthogonal)
+    return _out(_finish(core, what), dev)
+
+
+def bias(fm: Any, q: Any, k: Any) -> Any:
+    r"""Bias :math:`E\hat K - e^{q^\top k}` of every entry of ``fm.kernel(q, k)``.
+
+    Zero for iid and χ-norm ORF random maps; :func:`positive_bias` / :func:`trig_bias` for
+    fixed-norm ORF; :func:`deterministic_error` for elu/relu.
+
+    Parameters
+    ----------
+    fm : FeatureMap
+        ``TrigRF``, ``PositiveRF``, ``HyperbolicRF`` (sampler ``gaussian`` or ``orthogonal``),
+        ``EluFeatures`` or ``ReluFeatures``.
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    Raises
+    ------
+    NotImplementedError
+        For ``structured``/``qmc`` samplers (no closed form; use ``ka.montecarlo.kernel_error``).
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> fm = ka.PositiveRF(4, 8, sampler="orthogonal", seed=0)
+    >>> x = torch.full((1, 4), 0.2, dtype=torch.float64)
+    >>> float(bias(fm, x, x)[0, 0])
+    0.0
+    """
+    return _dispatch(fm, q, k, "bias")
+
+
+def variance(fm: Any, q: Any, k: Any) -> Any:
+    r"""Variance of every entry of ``fm.kernel(q, k)`` over the draw of the projection.
+
+    Reads ``type(fm)``, ``fm.variant``, ``fm.num_features``, ``fm.dim``, ``fm.sampler.name`` and
+    ``fm.sampler.norms``; see :func:`trig_sincos_mse`, :func:`trig_offset_mse`,
+    :func:`positive_mse`, :func:`hyperbolic_mse` for the formulas. 0 for elu/relu.
+
+    Parameters
+    ----------
+    fm : FeatureMap
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    Raises
+    ------
+    NotImplementedError
+        For ``structured``/``qmc`` samplers (no closed form; use ``ka.montecarlo.kernel_error``).
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> fm = ka.TrigRF(4, 16, seed=0)
+    >>> x = torch.full((1, 4), 0.2, dtype=torch.float64)
+    >>> float(variance(fm, x, x)[0, 0])
+    0.0
+    """
+    return _dispatch(fm, q, k, "variance")
+
+
+def mse(fm: Any, q: Any, k: Any) -> Any:
+    r"""Mean squared error :math:`E(\hat K - e^{q^\top k})^2 = \mathrm{bias}^2 + \mathrm{Var}` of every entry.
+
+    Parameters
+    ----------
+    fm : FeatureMap
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    Raises
+    ------
+    NotImplementedError
+        For ``structured``/``qmc`` samplers (no closed form; use ``ka.montecarlo.kernel_error``).
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> fm = ka.PositiveRF(4, 64, seed=0)
+    >>> q = torch.randn(3, 4, dtype=torch.float64) / 2
+    >>> mse(fm, q, q).shape
+    torch.Size([3, 3])
+    """
+    return _dispatch(fm, q, k, "mse")
+
+
+def relative_mse(fm: Any, q: Any, k: Any) -> Any:
+    r"""Relative MSE :math:`\mathrm{MSE}/e^{2q^\top k}` of every entry (computed in the log domain).
+
+    For iid positive features this is :math:`(e^{\|q+k\|^2}-1)/r` (Performer Lemma 2).
+
+    Parameters
+    ----------
+    fm : FeatureMap
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    Raises
+    ------
+    NotImplementedError
+        For ``structured``/``qmc`` samplers (no closed form; use ``ka.montecarlo.kernel_error``).
+
+    Examples
+    --------
+    >>> import math, torch, kernelapprox as ka
+    >>> fm = ka.PositiveRF(2, 10, seed=0)
+    >>> x = torch.tensor([[0.5, 0.0]], dtype=torch.float64)
+    >>> round(float(relative_mse(fm, x, x)[0, 0]), 12) == round((math.e - 1) / 10, 12)
+    True
+    """
+    return _dispatch(fm, q, k, "relative_mse")
