@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -111,15 +110,16 @@ import json, resource, sys, torch, kernelapprox as ka
 n, causal = int(sys.argv[1]), sys.argv[2] == "1"
 B, H, d, r = 4, 8, 64, 256
 g = torch.Generator().manual_seed(0)
-q, k, v = torch.randn(3, B, H, n, d, generator=g).unbind(0)
-q, k = q * d ** -0.25, k * d ** -0.25
+q, k, v = (torch.randn(B, H, n, d, generator=g) for _ in range(3))
+q.mul_(d ** -0.25)
+k.mul_(d ** -0.25)
 fm = ka.PositiveRF(d, r, sampler="orthogonal", seed=0)
 small = ka.linear_attention(q[..., :64, :], k[..., :64, :], v[..., :64, :], fm, causal=causal)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 with torch.no_grad():
     out = ka.linear_attention(q, k, v, fm, causal=causal)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"peak_mib": (peak - base) / 1024, "inputs_mib": 3 * q.numel() * 4 / 2**20}))
+print(json.dumps({"peak_mib": (peak - base) / 1024, "inputs_mib": 3 * q.numel() * 4 / 2**20, "features_mib": 2 * B * H * n * r * 4 / 2**20}))
 """
 
 
@@ -149,7 +149,7 @@ def bench_memory(device: torch.device, ns=(4096, 16384)) -> dict[str, float]:
 
 
 def bench_recurrent(device: torch.device, dtype, repeats: int, t_long: int = 100_000) -> dict[str, float]:
-    B, H, d, r = 4, 8, 64, 256
+    H, d, r = 8, 64, 256
     fm = ka.PositiveRF(d, r, sampler="orthogonal", seed=0).to(device)
     res = {}
     for t in (10, t_long):
@@ -159,7 +159,7 @@ def bench_recurrent(device: torch.device, dtype, repeats: int, t_long: int = 100
         qt, kt, vt = (x[:, :, 0, :] for x in _inputs(1, H, 1, d, device, dtype, seed=3))
         rnn = ka.RecurrentLinearAttention(fm, state=state)
 
-        def steps(rnn=rnn, st=state):
+        def steps(rnn=rnn, st=state, qt=qt, kt=kt, vt=vt):
             rnn.state = st
             for _ in range(50):
                 rnn.step(qt, kt, vt)
