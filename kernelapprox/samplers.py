@@ -249,6 +249,24 @@ class Sampler:
         batch_shape: tuple[int, ...] = (),
         generator: torch.Generator,
     ) -> Projection:  # pragma: no cover - abstract
+        """Draw a projection.
+
+        Parameters
+        ----------
+        num_features : int
+            ``r``, the number of rows (random projections).
+        dim : int
+            ``d``, the input dimension.
+        batch_shape : tuple of int
+            Independent draws: the projection has shape ``(*batch_shape, r, d)``.
+        generator : torch.Generator
+            CPU generator (see :func:`make_generator`).
+
+        Returns
+        -------
+        Projection
+            In float64 on CPU; the feature map casts and moves it.
+        """
         raise NotImplementedError
 
     def __repr__(self) -> str:
