@@ -161,7 +161,9 @@ def _prepare(q: object, k: object) -> tuple[np.ndarray, np.ndarray, torch.device
         if a.ndim < 2:
             raise ValueError(f"{name} must have shape (..., n, d) with at least 2 dimensions, got {a.shape}")
     if qa.shape[-1] != ka.shape[-1]:
-        raise ValueError(f"q and k must have the same last dimension d, got {qa.shape[-1]} and {ka.shape[-1]}")
+        raise ValueError(
+            f"q and k must have the same last dimension d, got {qa.shape[-1]} and {ka.shape[-1]}"
+        )
     try:
         np.broadcast_shapes(qa.shape[:-2], ka.shape[:-2])
     except ValueError:
@@ -316,7 +318,10 @@ def _log_hyp0f1_pos(b: float, x: np.ndarray) -> np.ndarray:
             if (~good).any():
                 xb = xp[~good]
                 res[~good] = (
-                    gammaln(b) + 0.5 * (1.0 - b) * np.log(xb) + np.log(ive(b - 1.0, 2.0 * np.sqrt(xb))) + 2.0 * np.sqrt(xb)
+                    gammaln(b)
+                    + 0.5 * (1.0 - b) * np.log(xb)
+                    + np.log(ive(b - 1.0, 2.0 * np.sqrt(xb)))
+                    + 2.0 * np.sqrt(xb)
                 )
         out[pos] = res
     return out
@@ -616,7 +621,7 @@ def trig_offset_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
     Examples
     --------
     >>> import numpy as np
-    >>> x = np.zeros((1, 3)); float(trig_offset_mse(x, x, 10)[0, 0])  # 1/(2r) at x = y = 0
+    >>> x = np.zeros((1, 3)); round(float(trig_offset_mse(x, x, 10)[0, 0]), 12)  # 1/(2r) at x = y = 0
     0.05
     """
     return _mse_of("trig_offset", q, k, num_features, orthogonal)

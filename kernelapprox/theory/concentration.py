@@ -1,0 +1,354 @@
+r"""Pointwise concentration: bounds on :math:`P(|\hat K - K| \ge \varepsilon K)` and the ``r`` they require.
+
+For one kernel entry :math:`K = e^{x^\top y}` and its estimate :math:`\hat K = \frac1r\sum_iX_i`
+(see :mod:`kernelapprox.theory.moments`), write :math:`b = E\hat K - K` (0 except for fixed-norm
+ORF) and :math:`\tau = \varepsilon K - |b|`. Four bounds are offered, all built on the exact
+moments:
+
+``"chebyshev"`` (always valid, any sampler with a closed form, iid or ORF)
+    Markov's inequality on the squared error: :math:`P \le \mathrm{MSE}/(\varepsilon K)^2`
+    [elementary]. The ORF dependence between rows is fully accounted for by the exact ORF
+    variance.
+
+``"clt"`` (asymptotic, *not* a bound)
+    :math:`\hat K \approx \mathcal N(K + b, \mathrm{Var}\hat K)`:
+    :math:`P \approx \Phi\big(\frac{-\varepsilon K - b}{\sigma}\big) + \Phi\big(\frac{b -
+    \varepsilon K}{\sigma}\big)`. Valid as ``r → ∞`` for iid rows and, for ORF, as the number of
+    independent blocks grows. For positive/hyperbolic features at large :math:`\|x+y\|` the
+    convergence is slow (log-normal summands), and the approximation underestimates the tail.
+
+``"hoeffding"`` (trig only, valid)
+    The per-projection terms are bounded: :math:`|X_i| \le a` with :math:`a = C =
+    e^{(\|x\|^2+\|y\|^2)/2}` (sin/cos) or :math:`a = 2C` (offset: :math:`X_i = 2C\cos(\cdot)\cos(\cdot)`,
+    the :math:`\sqrt2^2` of the :math:`\sqrt{2/r}` scaling). Rows of different orthogonal blocks
+    are independent, so Hoeffding applies to the block sums :math:`B_k \in [-a n_k, a n_k]`:
+
+    .. math::
+
+        P \le 2\exp\Big(-\frac{r^2\tau^2}{2a^2\sum_k n_k^2}\Big),
+
+    with :math:`\sum_k n_k^2 = r` for iid rows (the usual :math:`2e^{-r\tau^2/(2a^2)}`) and
+    :math:`b\,d^2 + r'^2` for ``r = b d + r'`` ORF rows (a factor ≈ ``d`` weaker: Hoeffding cannot
+    see the variance reduction of ORF; use Chebyshev with the exact variance there) [DERIVED].
+
+``"bernstein"`` (trig only, valid)
+    On the same independent block sums, with :math:`|B_k - EB_k| \le n_k(a + |\mu|)` and
+    :math:`\sum_k\mathrm{Var}B_k = r^2\,\mathrm{Var}\hat K` (exact):
+
+    .. math::
+
+        P \le 2\exp\Big(-\frac{r^2\tau^2/2}{r^2\mathrm{Var}\hat K + M r\tau/3}\Big),\qquad
+        M = \max_k n_k\,(a+|\mu|) .
+
+Positive and hyperbolic features have no Hoeffding/Bernstein bound here: the per-projection term
+:math:`\Lambda e^{w^\top z}` is log-normal — unbounded, with a heavy right tail (its moment
+generating function is infinite) — so exponential bounds need care (Performer Thms 3/5 give
+bounds of a different, Chernoff-type form). Use Chebyshev (valid) or the CLT (asymptotic).
+
+Samplers ``structured`` and ``qmc`` have no closed-form moments: these functions raise
+``NotImplementedError`` (use ``ka.montecarlo.kernel_error``).
+
+References
+----------
+.. [Hoe63] W. Hoeffding. "Probability inequalities for sums of bounded random variables", JASA 1963.
+.. [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021, arXiv:2009.14794.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from scipy.special import ndtr
+
+from .moments import (
+    KINDS,
+    _check_orthogonal,
+    _check_r,
+    _Components,
+    _components,
+    _geometry,
+    _out,
+    _prepare,
+    feature_map_kind,
+)
+
+__all__ = ["METHODS", "failure_probability", "required_features"]
+
+#: Bounds understood by :func:`failure_probability` and :func:`required_features`.
+METHODS = ("chebyshev", "clt", "hoeffding", "bernstein")
+
+_ALIASES = {
+    "trig": "trig_sincos",
+    "sincos": "trig_sincos",
+    "offset": "trig_offset",
+    "positive": "positive",
+    "hyperbolic": "hyperbolic",
+}
+_R_MAX = 2**62
+
+
+def _check_eps(eps: object) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise TypeError(f"eps must be a positive number, got {eps!r}")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a positive finite number, got {eps}")
+    return float(eps)
+
+
+def _check_delta(delta: object) -> float:
+    if isinstance(delta, bool) or not isinstance(delta, (int, float, np.integer, np.floating)):
+        raise TypeError(f"delta must be a number in (0, 1), got {delta!r}")
+    if not (0.0 < delta < 1.0):
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    return float(delta)
+
+
+def _resolve(fm_or_kind: Any, orthogonal: str | None) -> tuple[str, str | None, int | None, int | None]:
+    """(kind, orthogonal, num_features or None, dim or None) from a feature map or a kind name."""
+    if isinstance(fm_or_kind, str):
+        kind = _ALIASES.get(fm_or_kind, fm_or_kind)
+        if kind not in KINDS:
+            raise ValueError(
+                f"fm_or_kind must be a feature map or one of {sorted(set(_ALIASES) | set(KINDS))}, "
+                f"got {fm_or_kind!r}"
+            )
+        return kind, _check_orthogonal(orthogonal), None, None
+    kind, orth = feature_map_kind(fm_or_kind)
+    if kind == "deterministic":
+        raise ValueError(
+            f"{type(fm_or_kind).__name__} is deterministic: its error does not shrink with r "
+            "(see ka.theory.deterministic_error)"
+        )
+    if orthogonal is not None and orthogonal != orth:
+        raise ValueError(f"orthogonal={orthogonal!r} contradicts the feature map's sampler ({orth!r})")
+    return kind, orth, int(fm_or_kind.num_features), int(fm_or_kind.dim)
+
+
+def _pairs_and_sq(r: np.ndarray, d: int, orthogonal: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(P(r), sum_k n_k^2, max_k n_k) for integer arrays r."""
+    r = r.astype(np.float64)
+    if orthogonal is None:
+        return np.zeros_like(r), r, np.ones_like(r)
+    b = np.floor(r / d)
+    rp = r - b * d
+    P = b * d * (d - 1) + rp * (rp - 1)
+    sq = b * d * d + rp * rp
+    mx = np.minimum(r, d)
+    return P, sq, mx
+
+
+def _bound(
+    method: str, kind: str, comp: _Components, d: int, orthogonal: str | None, r: np.ndarray, eps: float
+) -> np.ndarray:
+    """Failure-probability bound (relative units) for integer array r broadcast against the entries."""
+    r = np.asarray(r, dtype=np.float64)
+    P, sq, mx = _pairs_and_sq(r, d, orthogonal)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        rel_scale = np.exp(comp.scale - 2.0 * comp.xy)  # exp(scale) / K^2
+        var_rel = rel_scale * np.maximum(comp.v1 / r + P / (r * r) * comp.cv, 0.0)
+        rb = comp.rbias
+        if method == "chebyshev":
+            out = (var_rel + rb * rb) / eps**2
+        elif method == "clt":
+            sd = np.sqrt(var_rel)
+            out = np.where(
+                sd > 0,
+                ndtr((-eps - rb) / sd) + ndtr((rb - eps) / sd),
+                (np.abs(rb) >= eps).astype(np.float64),
+            )
+        else:
+            if kind not in ("trig_sincos", "trig_offset"):
+                raise ValueError(
+                    f"method={method!r} needs bounded per-projection terms (trig features); the "
+                    f"{kind} per-projection term is log-normal (unbounded, heavy right tail): use "
+                    "method='chebyshev' (valid) or 'clt' (asymptotic)"
+                )
+            # a / K: C / (C e^{-s/2}) = e^{s/2} for sin/cos, twice that for offset
+            a = np.exp(0.5 * _s_of(comp))
+            if kind == "trig_offset":
+                a = 2.0 * a
+            tau = eps - np.abs(rb)
+            if method == "hoeffding":
+                expo = -(r * r) * tau * tau / (2.0 * a * a * sq)
+            else:
+                mu = np.abs(1.0 + rb)
+                M = mx * (a + mu)
+                expo = -(r * r) * tau * tau / 2.0 / (r * r * var_rel + M * r * tau / 3.0)
+            out = np.where(tau > 0, 2.0 * np.exp(expo), 1.0)
+    return np.clip(np.nan_to_num(out, nan=1.0), 0.0, 1.0)
+
+
+def _s_of(comp: _Components) -> np.ndarray:
+    # trig components: scale = |x|^2 + |y|^2 and xy = x.y, so s = |x - y|^2 = scale - 2 xy
+    return np.maximum(comp.scale - 2.0 * comp.xy, 0.0)
+
+
+def _check_method(method: object) -> str:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return method  # type: ignore[return-value]
+
+
+def failure_probability(
+    fm_or_kind: Any,
+    eps: float,
+    q: Any,
+    k: Any,
+    num_features: int | None = None,
+    *,
+    method: str = "chebyshev",
+    orthogonal: str | None = None,
+) -> Any:
+    r"""Bound (or CLT approximation) on :math:`P(|\hat K_{ij} - K_{ij}| \ge \varepsilon K_{ij})` per entry.
+
+    See the module docstring for the four methods and their validity.
+
+    Parameters
+    ----------
+    fm_or_kind : FeatureMap or str
+        A random feature map (its ``num_features``, ``dim``, sampler and variant are used) or a
+        kind: ``"trig"``/``"trig_sincos"``, ``"trig_offset"``, ``"positive"``, ``"hyperbolic"``.
+    eps : float
+        Relative error level, > 0.
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+    num_features : int, optional
+        ``r``; required with a kind, defaults to ``fm.num_features`` with a map.
+    method : {"chebyshev", "clt", "hoeffding", "bernstein"}, default "chebyshev"
+    orthogonal : {None, "chi", "fixed"}, default None
+        Row distribution when ``fm_or_kind`` is a kind.
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64 in [0, 1]
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[0.3, 0.1]]); y = np.array([[0.1, -0.2]])
+    >>> p = failure_probability("positive", 0.1, x, y, 1000)
+    >>> bool(0 < p[0, 0] < 1)
+    True
+    """
+    eps = _check_eps(eps)
+    method = _check_method(method)
+    kind, orth, r_fm, _ = _resolve(fm_or_kind, orthogonal)
+    r = r_fm if num_features is None else _check_r(num_features)
+    if r is None:
+        raise ValueError("num_features is required when fm_or_kind is a kind name")
+    qa, ka, dev = _prepare(q, k)
+    geo = _geometry(qa, ka)
+    comp = _components(kind, geo, orth)
+    return _out(_bound(method, kind, comp, geo.d, orth, np.asarray(r), eps), dev)
+
+
+def required_features(
+    fm_or_kind: Any,
+    eps: float,
+    delta: float,
+    q: Any = None,
+    k: Any = None,
+    *,
+    method: str = "chebyshev",
+    orthogonal: str | None = None,
+    reduce: str | None = "max",
+) -> Any:
+    r"""Smallest number of projections ``r`` with :math:`P(|\hat K - K| \ge \varepsilon K) \le \delta`.
+
+    Inverts the bound of :func:`failure_probability` entry by entry. Closed forms in the iid
+    unbiased case (:math:`v_1` = relative per-projection variance, :math:`a` = relative bound on a
+    term, :math:`z = \Phi^{-1}(1-\delta/2)`):
+
+    * Chebyshev: :math:`r = \lceil v_1/(\varepsilon^2\delta)\rceil`;
+    * CLT: :math:`r = \lceil v_1 z^2/\varepsilon^2\rceil` (asymptotic);
+    * Hoeffding: :math:`r = \lceil 2a^2\log(2/\delta)/\varepsilon^2\rceil`
+      (:math:`a = e^{s/2}` for sin/cos, :math:`2e^{s/2}` for offset);
+    * Bernstein: :math:`r = \lceil 2(v_1 + M\varepsilon/3)\log(2/\delta)/\varepsilon^2\rceil`.
+
+    In general (ORF, bias) ``r`` is found by integer bisection on the exact bound, which returns
+    ``r`` with ``bound(r) <= delta < bound(r - 1)``; this is the smallest such ``r`` whenever the
+    bound decreases in ``r`` (always for iid rows; ORF bounds may wiggle by a few percent at
+    block boundaries). CLT values are asymptotic, not guarantees.
+
+    Parameters
+    ----------
+    fm_or_kind : FeatureMap or str
+        A random feature map (its ``num_features`` is ignored) or a kind (``"trig"``,
+        ``"trig_offset"``, ``"positive"``, ``"hyperbolic"``).
+    eps : float
+        Relative error level, > 0.
+    delta : float
+        Failure probability, in (0, 1).
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+        The query/key pairs (required: the variance depends on them).
+    method : {"chebyshev", "clt", "hoeffding", "bernstein"}, default "chebyshev"
+    orthogonal : {None, "chi", "fixed"}, default None
+        Row distribution when ``fm_or_kind`` is a kind.
+    reduce : {"max", None}, default "max"
+        ``"max"``: one ``int``, enough for every entry; ``None``: a float64 array of shape
+        ``(..., n, m)`` with one value per entry.
+
+    Returns
+    -------
+    int or float or array
+        ``math.inf`` (or ``inf`` entries) where no ``r`` achieves the level: a fixed-norm ORF bias
+        with :math:`|b| \ge \varepsilon K` (or :math:`b^2 \ge \delta\varepsilon^2K^2` for Chebyshev).
+
+    Raises
+    ------
+    ValueError
+        Bad ``eps``/``delta``/``method``, missing ``q``/``k``, or Hoeffding/Bernstein for
+        positive/hyperbolic features (unbounded terms).
+    NotImplementedError
+        ``structured``/``qmc`` samplers (no closed form).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[0.3, 0.1]]); y = np.array([[0.1, -0.2]])
+    >>> t = float(np.sum((x + y) ** 2))
+    >>> required_features("positive", 0.1, 0.05, x, y) == int(np.ceil(np.expm1(t) / (0.1**2 * 0.05)))
+    True
+    """
+    eps = _check_eps(eps)
+    delta = _check_delta(delta)
+    method = _check_method(method)
+    if reduce not in ("max", None):
+        raise ValueError(f"reduce must be 'max' or None, got {reduce!r}")
+    if q is None or k is None:
+        raise ValueError("q and k are required: the pointwise error depends on the (q, k) pair")
+    kind, orth, _, _ = _resolve(fm_or_kind, orthogonal)
+    qa, ka, dev = _prepare(q, k)
+    geo = _geometry(qa, ka)
+    comp = _components(kind, geo, orth)
+    shape = comp.v1.shape
+
+    def ok(r: np.ndarray) -> np.ndarray:
+        return _bound(method, kind, comp, geo.d, orth, r, eps) <= delta
+
+    # exponential search for an upper end, then bisection with the invariant: lo fails, hi passes
+    hi = np.ones(shape, dtype=np.int64)
+    for _ in range(63):
+        passed = ok(hi)
+        if passed.all():
+            break
+        hi = np.where(passed, hi, np.minimum(hi * 2, _R_MAX))
+    unreachable = ~ok(hi)
+    hi = np.where(unreachable, 1, hi)
+    lo = np.where(unreachable | (hi == 1), 0, hi // 2)
+    while True:
+        gap = (hi - lo) > 1
+        if not gap.any():
+            break
+        mid = np.where(gap, (lo + hi) // 2, hi)
+        good = ok(mid)
+        hi = np.where(gap & good, mid, hi)
+        lo = np.where(gap & ~good, mid, lo)
+    out = np.where(unreachable, np.inf, hi.astype(np.float64))
+    if reduce == "max":
+        m = float(np.max(out)) if out.size else 1.0
+        return math.inf if math.isinf(m) else int(m)
+    return _out(out, dev)

@@ -1,0 +1,398 @@
+r"""Uniform convergence over a ball: how many trig projections make :math:`\sup|\hat K - K| \le \varepsilon`.
+
+Every function returns the number ``r`` of random projections such that, with probability at
+least :math:`1-\delta` over the draw,
+
+.. math::
+
+    \sup_{\|x\|,\|y\|\le R}\big|\hat K(x,y) - e^{x^\top y}\big| \le \varepsilon
+
+(an *absolute* error) for trigonometric features on the ball :math:`B(R)\subset\mathbb R^d`.
+``radius`` bounds the inputs of :math:`\exp(q^\top k)` as the library receives them, i.e. *after*
+the attention scaling :math:`q/d^{1/4}`.
+
+From the Gaussian to the softmax kernel [DERIVED, ``estimators.md`` §6]: trig features estimate
+:math:`e^{x^\top y} = e^{\|x\|^2/2}K_G(x,y)e^{\|y\|^2/2}` by :math:`e^{\|x\|^2/2}\hat K_G(x,y)
+e^{\|y\|^2/2}`, so on :math:`B(R)`
+
+.. math::
+
+    |\hat K - K| \le e^{R^2}\,|\hat K_G - K_G|,
+
+and every Gaussian-kernel bound is run at :math:`\varepsilon_G = \varepsilon e^{-R^2}` on a set of
+diameter :math:`\ell = 2R`, with spectral second moment :math:`\sigma_p^2 = E\|\omega\|^2 = d`.
+The factor :math:`e^{2R^2}` in every ``r`` comes from this step.
+
+Sources and how sure we are (read the tags):
+
+* Rahimi–Recht 2007, Claim 1 [SOURCE-2nd]:
+  :math:`r = \frac{4(d+2)}{\varepsilon_G^2}\log\frac{2^8\sigma_p^2\ell^2}{\delta\varepsilon_G^2}`.
+* Sutherland–Schneider 2015 [RECALLED constants], sin/cos:
+  :math:`r = \frac{8(d+2)}{2\varepsilon_G^2}\log\frac{66\sigma_p^2\ell^2}{\delta\varepsilon_G^2}`.
+* Sriperumbudur–Szabó 2015, Thm 1 [RECALLED constants]:
+  :math:`r = \big((h + \sqrt{2\log(1/\delta)})/\varepsilon_G\big)^2`.
+* Performer 2021, Thm 4 / Thm 7 [SOURCE, up to an unknown Θ constant]:
+  :math:`r = c\,\frac{d}{\delta_P^2}\log\frac{4d^{3/4}R_P}{\delta_P}`.
+
+These bounds are very conservative: ``tests/test_theory_bounds.py`` measures the sup error at
+the returned ``r`` and records by how much.
+
+References
+----------
+.. [RR07] A. Rahimi, B. Recht. "Random Features for Large-Scale Kernel Machines", NIPS 2007,
+   Claim 1.
+.. [SS15] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015,
+   arXiv:1506.02785.
+.. [SSz15] B. Sriperumbudur, Z. Szabó. "Optimal Rates for Random Fourier Features", NIPS 2015,
+   arXiv:1506.02155, Theorem 1.
+.. [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
+   arXiv:2009.14794, Theorem 4 and Theorem 7 (App. F.5).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "UNIFORM_BOUNDS",
+    "rahimi_recht_features",
+    "sutherland_schneider_features",
+    "sriperumbudur_szabo_features",
+    "performer_theorem4_features",
+    "required_features_uniform",
+]
+
+#: Names accepted by ``required_features_uniform(bound=...)``.
+UNIFORM_BOUNDS = ("rahimi-recht", "sutherland-schneider", "sriperumbudur-szabo", "performer")
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return v
+
+
+def _check(eps: object, delta: object, dim: object, radius: object) -> tuple[float, float, int, float]:
+    e = _number("eps", eps)
+    if e <= 0:
+        raise ValueError(f"eps must be > 0, got {e}")
+    dl = _number("delta", delta)
+    if not 0.0 < dl < 1.0:
+        raise ValueError(f"delta must be in (0, 1), got {dl}")
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise TypeError(f"dim must be a positive int, got {dim!r}")
+    if dim <= 0:
+        raise ValueError(f"dim must be a positive int, got {dim}")
+    R = _number("radius", radius)
+    if R <= 0:
+        raise ValueError(f"radius must be > 0, got {R}")
+    return e, dl, int(dim), R
+
+
+def _ceil(x: float) -> int:
+    if math.isinf(x) or x > 2**62:
+        raise OverflowError(f"the bound requires more than 2**62 features ({x:.3g})")
+    return max(1, math.ceil(x))
+
+
+def gaussian_level(eps: float, radius: float) -> float:
+    r""":math:`\varepsilon_G = \varepsilon e^{-R^2}`: the Gaussian-kernel error level for softmax error ``eps`` on :math:`B(R)`."""
+    return eps * math.exp(-radius * radius)
+
+
+def rahimi_recht_features(eps: float, delta: float, dim: int, radius: float) -> int:
+    r"""Rahimi–Recht Claim 1, transported to the softmax kernel on :math:`B(R)`.
+
+    Claim 1 (for :math:`z(x)=\sqrt{2/D}\cos(\omega^\top x+b)`, :math:`D` features, a compact set
+    :math:`\mathcal M` of diameter :math:`\ell`):
+
+    .. math::
+
+        P\Big[\sup_{x,y\in\mathcal M}|z(x)^\top z(y)-k(x,y)|\ge\varepsilon\Big]
+        \le 2^8\Big(\frac{\sigma_p\ell}{\varepsilon}\Big)^2\exp\Big(-\frac{D\varepsilon^2}{4(d+2)}\Big),
+
+    solved for failure probability :math:`\delta` at :math:`\varepsilon_G=\varepsilon e^{-R^2}`,
+    :math:`\ell = 2R`, :math:`\sigma_p^2 = d`:
+
+    .. math::
+
+        r = \Big\lceil\frac{4(d+2)}{\varepsilon_G^2}\log\frac{2^8\,d\,(2R)^2}{\delta\,\varepsilon_G^2}\Big\rceil .
+
+    ``r`` counts cosine features with random phase (``TrigRF(variant="offset")``, ``r`` projections).
+    The same argument (Hoeffding plus a Lipschitz net) goes through for the sin/cos pairs, whose
+    per-projection term has half the range, so the value is also a valid — conservative — ``r``
+    for ``variant="sincos"`` [DERIVED].
+
+    Status: SOURCE-2nd — the constants were read in two secondary transcriptions (a third one gives
+    :math:`8(d+2)`), not in the paper.
+
+    Parameters
+    ----------
+    eps : float
+        Absolute sup error on :math:`e^{x^\top y}`, > 0.
+    delta : float
+        Failure probability, in (0, 1).
+    dim : int
+        ``d``.
+    radius : float
+        ``R`` > 0, the bound on :math:`\|x\|,\|y\|` (inputs after attention scaling).
+
+    Returns
+    -------
+    int
+
+    References
+    ----------
+    Rahimi & Recht, NIPS 2007, Claim 1.
+
+    Examples
+    --------
+    >>> rahimi_recht_features(0.5, 0.1, 2, 0.5) > rahimi_recht_features(1.0, 0.1, 2, 0.5)
+    True
+    """
+    e, dl, d, R = _check(eps, delta, dim, radius)
+    eg = gaussian_level(e, R)
+    ell2 = (2.0 * R) ** 2
+    D = 4.0 * (d + 2) / eg**2 * math.log(2.0**8 * d * ell2 / (dl * eg**2))
+    return _ceil(D)
+
+
+def sutherland_schneider_features(
+    eps: float, delta: float, dim: int, radius: float, *, variant: str = "sincos"
+) -> int:
+    r"""Sutherland–Schneider's improved uniform bound, transported to the softmax kernel on :math:`B(R)`.
+
+    RECALLED, unverified — the constants 66/98 and the exponents below are from memory of the
+    paper (``estimators.md`` §6b); check them in the paper before relying on them.
+
+    * ``variant="sincos"`` (:math:`\tilde z`, ``D = 2r`` coordinates):
+      :math:`P[\|f\|_\infty\ge\varepsilon]\le66\big(\frac{\sigma_p\ell}{\varepsilon}\big)^2
+      \exp\big(-\frac{D\varepsilon^2}{8(d+2)}\big)`, so
+      :math:`r = \big\lceil\frac{4(d+2)}{\varepsilon_G^2}\log\frac{66\,d\,\ell^2}{\delta\varepsilon_G^2}\big\rceil`.
+    * ``variant="offset"`` (:math:`\breve z`, ``D = r``): constant 98 and :math:`32(d+2)`:
+      :math:`r = \big\lceil\frac{32(d+2)}{\varepsilon_G^2}\log\frac{98\,d\,\ell^2}{\delta\varepsilon_G^2}\big\rceil`.
+
+    with :math:`\varepsilon_G = \varepsilon e^{-R^2}`, :math:`\ell = 2R`, :math:`\sigma_p^2 = d`.
+
+    Parameters
+    ----------
+    eps, delta, dim, radius
+        As in :func:`rahimi_recht_features`.
+    variant : {"sincos", "offset"}, default "sincos"
+
+    Returns
+    -------
+    int
+
+    References
+    ----------
+    Sutherland & Schneider, UAI 2015, arXiv:1506.02785 (constants recalled).
+
+    Examples
+    --------
+    >>> sutherland_schneider_features(0.5, 0.1, 2, 0.5) >= 1
+    True
+    """
+    e, dl, d, R = _check(eps, delta, dim, radius)
+    if variant not in ("sincos", "offset"):
+        raise ValueError(f"variant must be 'sincos' or 'offset', got {variant!r}")
+    eg = gaussian_level(e, R)
+    ell2 = (2.0 * R) ** 2
+    if variant == "sincos":
+        D = 8.0 * (d + 2) / eg**2 * math.log(66.0 * d * ell2 / (dl * eg**2))
+        return _ceil(D / 2.0)
+    D = 32.0 * (d + 2) / eg**2 * math.log(98.0 * d * ell2 / (dl * eg**2))
+    return _ceil(D)
+
+
+def sriperumbudur_szabo_features(eps: float, delta: float, dim: int, radius: float) -> int:
+    r"""Sriperumbudur–Szabó Theorem 1 (optimal :math:`\sqrt{\log|S|/m}` rate), transported to :math:`B(R)`.
+
+    RECALLED, unverified constants (``estimators.md`` §6c): with probability :math:`\ge1-e^{-\tau}`,
+
+    .. math::
+
+        \sup_{x,y\in S}|\hat k_m-k|\le\frac{h(d,|S|,\sigma_p)+\sqrt{2\tau}}{\sqrt m},\quad
+        h=32\sqrt{2d\log(2|S|+1)}+32\sqrt{2d\log(\sigma_p+1)}+16\sqrt{\frac{2d}{\log(2|S|+1)}},
+
+    for :math:`\hat k_m = \frac1m\sum\cos(\omega_i^\top(x-y))` (sin/cos, ``m`` projections). With
+    :math:`\tau = \log(1/\delta)`, :math:`|S| = 2R`, :math:`\sigma_p=\sqrt d` and
+    :math:`\varepsilon_G = \varepsilon e^{-R^2}`:
+    :math:`r = \big\lceil\big((h+\sqrt{2\log(1/\delta)})/\varepsilon_G\big)^2\big\rceil`.
+
+    Parameters
+    ----------
+    eps, delta, dim, radius
+        As in :func:`rahimi_recht_features`.
+
+    Returns
+    -------
+    int
+
+    References
+    ----------
+    Sriperumbudur & Szabó, NIPS 2015, arXiv:1506.02155, Theorem 1 (constants recalled).
+
+    Examples
+    --------
+    >>> sriperumbudur_szabo_features(1.0, 0.1, 2, 0.5) > 1000
+    True
+    """
+    e, dl, d, R = _check(eps, delta, dim, radius)
+    eg = gaussian_level(e, R)
+    S = 2.0 * R
+    L = math.log(2.0 * S + 1.0)
+    h = (
+        32.0 * math.sqrt(2.0 * d * L)
+        + 32.0 * math.sqrt(2.0 * d * math.log(math.sqrt(d) + 1.0))
+        + 16.0 * math.sqrt(2.0 * d / L)
+    )
+    return _ceil(((h + math.sqrt(2.0 * math.log(1.0 / dl))) / eg) ** 2)
+
+
+def performer_theorem4_features(
+    eps: float, delta: float, dim: int, radius: float, *, constant: float = 1.0
+) -> int:
+    r"""Performer Theorem 4 (trig features with orthogonal rows): ``r`` up to its unknown Θ constant.
+
+    SOURCE (arXiv:2009.14794, Thm 4; general form Thm 7, App. F.5). For raw queries/keys with
+    :math:`\|q_i\|,\|k_j\|\le R_P` and :math:`\mathbf A = \exp(QK^\top/\sqrt d)`, let
+    :math:`l = R_Pd^{-1/4}`, :math:`h^*=e^{l^2/2}`, :math:`\delta_P = \varepsilon/(h^*)^2`; then
+
+    .. math::
+
+        m = \Theta\Big(\frac{d}{\delta_P^2}\log\frac{4d^{3/4}R_P}{\delta_P}\Big)
+        \ \Rightarrow\ \|\hat{\mathbf A}-\mathbf A\|_\infty\le\varepsilon
+
+    "with any constant probability". Here ``radius`` = :math:`R` bounds the *scaled* inputs, so
+    :math:`R_P = R d^{1/4}`, :math:`l = R` and :math:`\delta_P = \varepsilon e^{-R^2}` (the same
+    :math:`\varepsilon_G`); the returned value is
+    :math:`\lceil c\,\frac{d}{\delta_P^2}\log\frac{4 d R}{\delta_P}\rceil` (at least 1).
+
+    The Θ constant ``c`` is not given in the paper: ``constant=1.0`` is a placeholder, so this is
+    the *shape* of the requirement (for plotting against measurements), not a guarantee. The
+    failure probability ``delta`` does not appear in the theorem (it is absorbed in the constant):
+    it is validated and otherwise ignored. The OpenReview version states :math:`\|\cdot\|_1`
+    where arXiv v4 states :math:`\|\cdot\|_\infty`.
+
+    Parameters
+    ----------
+    eps, delta, dim, radius
+        As in :func:`rahimi_recht_features`.
+    constant : float, default 1.0
+        The unknown Θ constant ``c`` > 0.
+
+    Returns
+    -------
+    int
+
+    References
+    ----------
+    Choromanski et al., ICLR 2021, arXiv:2009.14794, Theorems 4 and 7.
+
+    Examples
+    --------
+    >>> performer_theorem4_features(0.5, 0.1, 16, 0.5, constant=2.0) > performer_theorem4_features(0.5, 0.1, 16, 0.5)
+    True
+    """
+    e, dl, d, R = _check(eps, delta, dim, radius)
+    c = _number("constant", constant)
+    if c <= 0:
+        raise ValueError(f"constant must be > 0, got {c}")
+    dp = gaussian_level(e, R)
+    val = c * d / dp**2 * math.log(4.0 * d * R / dp)
+    return _ceil(val)
+
+
+_FUNCS = {
+    "rahimi-recht": rahimi_recht_features,
+    "sriperumbudur-szabo": sriperumbudur_szabo_features,
+    "performer": performer_theorem4_features,
+}
+
+
+def required_features_uniform(
+    kind: Any,
+    eps: float,
+    delta: float,
+    dim: int,
+    radius: float,
+    *,
+    bound: str = "rahimi-recht",
+    constant: float = 1.0,
+) -> int:
+    r"""Number of trig projections for :math:`\sup_{B(R)}|\hat K - e^{x^\top y}|\le\varepsilon` w.p. :math:`1-\delta`.
+
+    Dispatches to :func:`rahimi_recht_features`, :func:`sutherland_schneider_features`,
+    :func:`sriperumbudur_szabo_features` or :func:`performer_theorem4_features` (see each for
+    its formula and source tag); all use :math:`\varepsilon_G = \varepsilon e^{-R^2}` on a set of
+    diameter :math:`2R`.
+
+    Parameters
+    ----------
+    kind : str or TrigRF
+        ``"trig"``/``"trig_sincos"``/``"sincos"``, ``"trig_offset"``/``"offset"``, or a ``TrigRF``
+        (its variant is used). Positive/hyperbolic features have no uniform bound here (Performer
+        Theorem 4 is about trig features with ORF): ``ValueError``.
+    eps : float
+        Absolute sup error, > 0.
+    delta : float
+        Failure probability, in (0, 1).
+    dim : int
+    radius : float
+        Bound on the norms of the (attention-scaled) inputs, > 0.
+    bound : {"rahimi-recht", "sutherland-schneider", "sriperumbudur-szabo", "performer"}
+    constant : float, default 1.0
+        Θ constant of the Performer bound (ignored by the others).
+
+    Returns
+    -------
+    int
+
+    Examples
+    --------
+    >>> required_features_uniform("trig", 0.5, 0.05, 2, 0.5) == rahimi_recht_features(0.5, 0.05, 2, 0.5)
+    True
+    """
+    variant = _variant(kind)
+    if bound not in UNIFORM_BOUNDS:
+        raise ValueError(f"bound must be one of {UNIFORM_BOUNDS}, got {bound!r}")
+    if bound == "sutherland-schneider":
+        return sutherland_schneider_features(eps, delta, dim, radius, variant=variant)
+    if bound == "performer":
+        return performer_theorem4_features(eps, delta, dim, radius, constant=constant)
+    return _FUNCS[bound](eps, delta, dim, radius)
+
+
+def _variant(kind: Any) -> str:
+    if isinstance(kind, str):
+        table = {
+            "trig": "sincos",
+            "trig_sincos": "sincos",
+            "sincos": "sincos",
+            "trig_offset": "offset",
+            "offset": "offset",
+        }
+        if kind in table:
+            return table[kind]
+        if kind in ("positive", "hyperbolic"):
+            raise ValueError(
+                f"no uniform-convergence bound for {kind!r} features here: Performer Theorem 4 "
+                "(and the other bounds) cover trigonometric features; positive features only have "
+                "pointwise results (use ka.theory.required_features)"
+            )
+        raise ValueError(f"kind must be 'trig', 'trig_sincos' or 'trig_offset' (or a TrigRF), got {kind!r}")
+    from kernelapprox.features import TrigRF
+
+    if isinstance(kind, TrigRF):
+        return kind.variant
+    raise ValueError(
+        f"kind must be 'trig', 'trig_sincos', 'trig_offset' or a TrigRF, got {type(kind).__name__}: "
+        "uniform bounds here cover trigonometric features only"
+    )
