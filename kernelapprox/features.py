@@ -203,11 +203,13 @@ class FeatureMap(nn.Module):
         fq, sq = self.log_features(q.to(cdt))
         fk, sk = self.log_features(k.to(cdt))
         G = torch.matmul(fq, fk.mT)
+        if not self.is_random:  # deterministic maps carry no scale
+            return G.to(out_dtype)
         logs = sq.unsqueeze(-1) + sk.unsqueeze(-2)  # float64 for the random maps
-        if self.positive:
-            K = torch.exp(torch.log(G) + logs)
-        else:
-            K = torch.sign(G) * torch.exp(torch.log(G.abs()) + logs)
+        # A safe log: exact zeros (disjoint supports, underflow) give 0 with a zero gradient.
+        nz = G != 0
+        mag = torch.exp(torch.log(torch.where(nz, G.abs(), torch.ones_like(G))) + logs)
+        K = torch.where(nz, mag if self.positive else torch.sign(G) * mag, torch.zeros_like(mag))
         return K.to(out_dtype)
 
     def redraw(self, seed: int | None = None, generator: torch.Generator | None = None) -> FeatureMap:

@@ -563,6 +563,17 @@ def batched_draws(
         yield current
 
 
+def _estimate(copy: torch.nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    r""":math:`\hat K` of every draw of ``copy``: ``(c, ..., n, m)``, from the stabilised features.
+
+    The same value as ``copy.kernel(q, k)`` up to rounding; the key scale is shared over the
+    sequence, so the scales combine as one broadcast product (no log of the Gram matrix).
+    """
+    fq, sq = copy.log_features(q)
+    fk, sk = copy.log_features(k, shared=True)
+    return (fq @ fk.mT) * torch.exp(sq[..., :, None] + sk[..., None, :])
+
+
 def _auto_chunk(fm: torch.nn.Module, per_row: int, per_pair: int, chunk_size, max_bytes) -> int:
     if chunk_size is not None:
         return check_positive_int("chunk_size", chunk_size)
@@ -610,9 +621,10 @@ def _summary_frame(per_draw: dict[str, np.ndarray], probs, confidence, n_resampl
             qs, qlo, qhi = quantile_ci(
                 values, probs, confidence=confidence, n_resamples=n_resamples, seed=seed
             )
-        else:
-            mean, se, lo, hi = values.mean(), 0.0, values.mean(), values.mean()
-            qs = qlo = qhi = np.full(probs.shape, values.mean())
+        else:  # one distinct value (a deterministic map) or none left
+            centre = values[0] if values.size else np.nan
+            mean, se, lo, hi = centre, 0.0, centre, centre
+            qs = qlo = qhi = np.full(probs.shape, centre)
         row.update(mean=float(mean), mean_se=float(se), mean_low=float(lo), mean_high=float(hi))
         for p, v, a, b in zip(probs, qs, qlo, qhi, strict=True):
             row[f"q{p:g}"] = float(v)
@@ -654,7 +666,8 @@ def kernel_error(
 ) -> dict:
     r"""Monte Carlo error of a kernel estimator over S independent projections.
 
-    For draws :math:`d=1..S` of the projection, :math:`\hat K^{(d)}` = ``copy.kernel(q, k)`` and
+    For draws :math:`d=1..S` of the projection, :math:`\hat K^{(d)}` = ``copy.kernel(q, k)`` (computed from
+    ``copy.log_features``) and
     :math:`e^{(d)}=\hat K^{(d)}-K` with :math:`K=e^{qk^\top}`; per entry
 
     .. math::
@@ -707,7 +720,8 @@ def kernel_error(
         ``variance_se``, ``variance_ci``, ``mse``, ``mse_se``, ``mse_ci``, ``relative_mse``
         (``mse / exact**2``), and ``summary``: a ``pandas.DataFrame`` indexed by metric
         (``relative_frobenius``, ``relative_rms``, ``max_abs_error``, ``max_relative_error``) with
-        columns ``mean``, ``mean_se``, ``mean_low``, ``mean_high`` and ``q<p>``, ``q<p>_low``,
+        columns ``draws``, ``nonfinite`` (draws with an inf/nan metric, left out of the statistics),
+        ``mean``, ``mean_se``, ``mean_low``, ``mean_high`` and ``q<p>``, ``q<p>_low``,
         ``q<p>_high`` per quantile. ``per_draw`` holds the (S,) arrays of those metrics.
 
     Raises
@@ -723,7 +737,7 @@ def kernel_error(
     >>> q, k = torch.randn(2, 8, 4, dtype=torch.float64).unbind(0)
     >>> res = ka.montecarlo.kernel_error(fm, q / 2, k / 2, draws=1000, quantiles=(0.5,))
     >>> list(res["summary"].columns[:4])
-    ['draws', 'mean', 'mean_se', 'mean_low']
+    ['draws', 'nonfinite', 'mean', 'mean_se']
     """
     from kernelapprox.exact import softmax_kernel
 
@@ -758,7 +772,7 @@ def kernel_error(
         for copy in batched_draws(
             fm, draws, seed=seed, chunk_size=chunk, extra_dims=extra, dtype=dtype, device=q.device
         ):
-            consume(copy.kernel(q, k))
+            consume(_estimate(copy, q, k))
     else:
         draws = 1
         consume(fm.kernel(q, k).to(dtype).unsqueeze(0))
@@ -897,7 +911,7 @@ def attention_error(
         for copy in batched_draws(
             fm, draws, seed=seed, chunk_size=chunk, extra_dims=extra, dtype=dtype, device=q.device
         ):
-            consume(copy.kernel(q, k))
+            consume(_estimate(copy, q, k))
     else:
         draws = 1
         consume(fm.kernel(q, k).to(dtype).unsqueeze(0))

@@ -189,7 +189,7 @@ D_MC, R_MC, S_MC = 5, 7, 40_000  # r = 7 > d = 5: two orthogonal blocks, the sec
 
 def _pairs(kind: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """(q_i, k_i) test pairs. Positive-type estimators are accurate when |q+k| is small,
-    trigonometric ones when |q-k| is small; both sets include large norms (|q|, |k| up to 3)."""
+    trigonometric ones when |q-k| is small; both sets include large norms (|q|, |k| up to 5)."""
     u, v, w = orthonormal(D_MC, 3, seed=11)
     if kind == "positive":
         pairs = {
@@ -198,6 +198,7 @@ def _pairs(kind: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
             "large_opposite": (3 * u, -3 * u + 0.8 * v),  # |q|=3, |k|=3.1, K = e^-9
             "large_mixed": (2 * u + v, -1.5 * u - 0.5 * v + 0.5 * w),  # K = e^-3.5
             "aligned": (0.7 * u, 0.7 * u),  # |q+k|^2 = 1.96, K = e^0.49
+            "very_large_opposite": (5 * u, -5 * u + 0.5 * w),  # |q|=|k|=5, K = e^-25
         }
     else:
         pairs = {
@@ -206,6 +207,7 @@ def _pairs(kind: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
             "large_near": (3 * u, 3 * u + 0.5 * v),  # |q|=3, K = e^9
             "large_mixed": (2 * u + v, 2 * u + 1.2 * v - 0.4 * w),  # K = e^5.2
             "opposite_unit": (u, -u),  # |q-k|^2 = 4, K = e^-1
+            "very_large_near": (5 * u, 5 * u + 0.3 * w),  # |q|=|k|=5, K = e^25
         }
     q = torch.stack([p[0] for p in pairs.values()])
     k = torch.stack([p[1] for p in pairs.values()])
@@ -218,25 +220,50 @@ UNBIASED_SAMPLERS = {
     "qmc_sobol": QMCSampler(method="sobol"),
     "qmc_halton": QMCSampler(method="halton"),
 }
+# QMC projections are drawn by scipy one batch element at a time (~1 ms each), so they are drawn
+# once per method (fewer draws) and shared by the four estimators through from_projection.
+S_QMC = 5_000
+
+
+@pytest.fixture(scope="module")
+def qmc_projections():
+    out = {}
+    for i, sid in enumerate(("qmc_sobol", "qmc_halton")):
+        fm = ka.PositiveRF(
+            D_MC, R_MC, sampler=UNBIASED_SAMPLERS[sid], seed=77 + i, batch_shape=(S_QMC,), dtype=F64
+        )
+        g = torch.Generator().manual_seed(99 + i)
+        out[sid] = (fm.weight, 2 * math.pi * torch.rand(S_QMC, R_MC, generator=g, dtype=F64))
+    return out
 
 
 @pytest.mark.parametrize("sampler_id", list(UNBIASED_SAMPLERS))
 @pytest.mark.parametrize("name", list(MAPS))
-def test_unbiased(name, sampler_id):
+def test_unbiased(name, sampler_id, request):
     """E[K_hat(q, k)] = exp(q.k): mean of S independent draws within Z_MAX sample standard errors."""
     kind = "positive" if name in ("positive", "hyperbolic") else "trig"
     q, k, labels = _pairs(kind)
-    sampler = UNBIASED_SAMPLERS[sampler_id]
-    seed = 1000 + 17 * list(MAPS).index(name) + list(UNBIASED_SAMPLERS).index(sampler_id)
-    fm = MAPS[name](D_MC, R_MC, sampler=sampler, seed=seed, batch_shape=(S_MC,), dtype=F64)
+    if sampler_id.startswith("qmc"):
+        W, b = request.getfixturevalue("qmc_projections")[sampler_id]
+        cls = ka.PositiveRF if name == "positive" else ka.HyperbolicRF if name == "hyperbolic" else ka.TrigRF
+        kw = {"variant": name[5:]} if cls is ka.TrigRF else {}
+        if name == "trig_offset":
+            kw["offsets"] = b
+        fm = cls.from_projection(W, **kw)
+    else:
+        seed = 1000 + 17 * list(MAPS).index(name) + list(UNBIASED_SAMPLERS).index(sampler_id)
+        fm = MAPS[name](
+            D_MC, R_MC, sampler=UNBIASED_SAMPLERS[sampler_id], seed=seed, batch_shape=(S_MC,), dtype=F64
+        )
     K_hat = fm.kernel(q, k)  # (S, P, P): S independent draws of the whole matrix
-    assert K_hat.shape == (S_MC, len(labels), len(labels))
+    S = K_hat.shape[0]
+    assert K_hat.shape == (S, len(labels), len(labels))
     draws = torch.diagonal(K_hat, dim1=-2, dim2=-1)  # (S, P): pair i = (q_i, k_i)
     exact = torch.exp((q * k).sum(-1))
     z, se = zscores(draws, exact)
     # power: the check resolves the mean to a few percent of K (else it would be vacuous)
-    assert (se / exact < 0.03).all(), dict(zip(labels, (se / exact).tolist()))
-    assert (z.abs() < Z_MAX).all(), dict(zip(labels, z.tolist()))
+    assert (se / exact < 0.05).all(), dict(zip(labels, (se / exact).tolist(), strict=True))
+    assert (z.abs() < Z_MAX).all(), dict(zip(labels, z.tolist(), strict=True))
 
 
 def test_unbiased_test_detects_a_bandwidth_bug():

@@ -81,7 +81,7 @@ import torch
 
 from kernelapprox._validation import check_floating
 
-__all__ = ["attention_variance", "kernel_covariance"]
+__all__ = ["attention_variance", "kernel_covariance", "normaliser_relative_variance"]
 
 # (coefficient c, alpha, beta, gamma) of E[X_j X_l] = sum c exp(alpha|q|^2 + beta(q.k_j+q.k_l)
 # + gamma k_j.k_l) for one projection, iid Gaussian omega (see the module docstring).
@@ -311,12 +311,88 @@ def attention_variance(
     _check_inputs(fm, q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
+    return _delta_quadratic(fm, q, k, v, causal)
+
+
+def normaliser_relative_variance(
+    fm: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = False,
+) -> torch.Tensor:
+    r"""Relative variance of the attention normaliser, :math:`\mathrm{Var}(\hat D_i)/D_i^2`.
+
+    :math:`\hat D_i=\sum_j\hat K_{ij}` is the denominator of random-feature attention and
+    :math:`D_i=\sum_je^{q_i^\top k_j}` its mean. Exactly (no approximation),
+
+    .. math::
+
+        \frac{\mathrm{Var}(\hat D_i)}{D_i^2}=\frac1r\Big(\sum_{\text{terms}}c\sum_{j,l}
+        e^{u_{ij}+u_{il}}e^{-\|k_j-\gamma k_l\|^2/2}-1\Big)
+
+    with the terms and :math:`u_{ij}` of :func:`attention_variance`. It is the diagnostic of the
+    delta method: the first-order expansion of :math:`\hat o_i=\hat N_i/\hat D_i` is accurate
+    when :math:`\hat D_i/D_i` concentrates, i.e. when this number is small (the Monte Carlo
+    comparison in ``docs/theory.md`` finds the delta variance within about 10% where it is below
+    about 0.1, and off by factors where it is of order 1).
+
+    Parameters
+    ----------
+    fm : PositiveRF, HyperbolicRF or TrigRF
+        As in :func:`attention_variance` (``sampler="gaussian"``).
+    q : torch.Tensor
+        Queries, shape ``(..., n, d)``.
+    k : torch.Tensor
+        Keys, shape ``(..., m, d)``.
+    causal : bool, default False
+        Row i sums over keys ``j <= i`` (needs n == m).
+
+    Returns
+    -------
+    torch.Tensor
+        float64, shape ``(..., n)``.
+
+    Raises
+    ------
+    NotImplementedError
+        For non-Gaussian samplers and maps without a closed form.
+
+    References
+    ----------
+    DERIVED here from the pair covariances of :func:`kernel_covariance`.
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> fm = ka.PositiveRF(dim=16, num_features=256, seed=0)
+    >>> q, k = torch.randn(2, 32, 16, dtype=torch.float64).unbind(0)
+    >>> ka.theory.attention.normaliser_relative_variance(fm, q / 4, k / 4).shape
+    torch.Size([32])
+    """
+    _check_inputs(fm, q, k, None)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    return _delta_quadratic(fm, q, k, None, causal)[..., 0]
+
+
+def _delta_quadratic(
+    fm: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    causal: bool,
+) -> torch.Tensor:
+    """The delta-method variance (v given, (..., n, dv)) or Var(D_i)/D_i^2 (v None, (..., n, 1))."""
     kind = _estimator_kind(fm)
     n, m = q.shape[-2], k.shape[-2]
     if causal and n != m:
         raise ValueError(f"causal=True needs as many queries as keys, got n={n} and m={m}")
     q = q.to(torch.float64)
     k = k.to(torch.float64)
+    normaliser = v is None
+    if normaliser:
+        v = torch.ones(m, 1, dtype=torch.float64, device=q.device)
     v = v.to(torch.float64)
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     q = q.expand(batch + q.shape[-2:])
@@ -334,7 +410,7 @@ def attention_variance(
     kernels = {g: torch.exp(g * kk - half) for g in {t[3] for t in _PAIR_TERMS[kind]}}
 
     out = torch.empty(batch + (n, dv), dtype=torch.float64, device=q.device)
-    rows = max(1, _BLOCK_BYTES // (8 * max(1, m * dv * (1 + math.prod(batch)))))
+    rows = max(1, _BLOCK_BYTES // (8 * max(1, m * dv * math.prod(batch))))
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         qb = q[..., start:stop, :]
@@ -346,10 +422,13 @@ def attention_variance(
             log_a = torch.log_softmax(logits.masked_fill(mask, -math.inf), dim=-1)
         else:
             log_a = torch.log_softmax(logits, dim=-1)
-        o = torch.exp(log_a) @ v  # (..., b, dv)
-        centred = v[..., None, :, :] - o[..., :, None, :]  # (..., b, m, dv)
+        if normaliser:
+            centred = v[..., None, :, :].expand(log_a.shape + (1,))
+        else:
+            o = torch.exp(log_a) @ v  # (..., b, dv)
+            centred = v[..., None, :, :] - o[..., :, None, :]  # (..., b, m, dv)
         qn = (qb * qb).sum(-1, keepdim=True)  # (..., b, 1)
-        var = torch.zeros_like(o)
+        var = torch.zeros(log_a.shape[:-1] + (dv,), dtype=torch.float64, device=q.device)
         for c, a, b, g in _PAIR_TERMS[kind]:
             u = log_a + (b - 1.0) * logits + 0.5 * knorm[..., None, :] + 0.5 * a * qn
             if mask is not None:
@@ -359,5 +438,7 @@ def attention_variance(
             hw = kernels[g][..., None, :, :] @ w  # (..., b, m, dv) : sum_l H_jl w_l
             quad = (w * hw).sum(-2)  # (..., b, dv)
             var = var + c * torch.exp(2.0 * shift) * quad
+        if normaliser:
+            var = var - 1.0  # minus (E D_i)^2 / D_i^2
         out[..., start:stop, :] = var / r
     return out.clamp_min(0.0)
