@@ -16,7 +16,7 @@ Every formula carries a source tag in its docstring: SOURCE (read in the paper),
 
 from __future__ import annotations
 
-from .attention import attention_variance
+from .attention import attention_variance, kernel_covariance, normaliser_relative_variance
 from .concentration import failure_probability, required_features
 from .moments import (
     KINDS,
@@ -79,4 +79,6 @@ __all__ = [
     "performer_theorem4_features",
     "required_features_uniform",
     "attention_variance",
+    "kernel_covariance",
+    "normaliser_relative_variance",
 ]

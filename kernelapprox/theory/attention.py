@@ -65,11 +65,11 @@ k_l}` with :math:`(c,\alpha,\beta,\gamma)` in ``_PAIR_TERMS``. Because the weigh
 which is how it is evaluated (log-domain weights shifted by their row maximum, and a kernel matrix
 :math:`e^{-\|k_j-\gamma k_l\|^2/2}\in(0,1]`), in float64.
 
-Validity. The delta method neglects terms of relative order :math:`1/r` times the spread of
-:math:`\hat K/K`; it is accurate for attention-scaled inputs (:math:`q,k` divided by
-:math:`d^{1/4}`) and :math:`r\gtrsim64`, and fails when :math:`\hat D_i` has a heavy tail
-(positive features at large :math:`\|q+k\|`) or can be close to 0 (trig features, whose
-denominator is not positive). ``docs/theory.md`` shows both regimes against Monte Carlo; use
+Validity. The delta method neglects terms of higher order in :math:`\hat D_i/D_i-1`; it is
+accurate when :func:`normaliser_relative_variance` is below about 0.01 (moderate norms of the
+attention-scaled inputs, enough features), and fails when :math:`\hat D_i` has a heavy tail
+(positive features at large :math:`\|q+k\|`: it then over-states the variance) or can be close
+to 0 (trig features, whose denominator is not positive). ``docs/theory.md`` shows both regimes against Monte Carlo; use
 :func:`kernelapprox.montecarlo.attention_error` there.
 """
 
@@ -258,10 +258,14 @@ def attention_variance(
     ``docs/theory.md``). With ``causal=True`` the sums run over :math:`j,l\le i`.
 
     It is a first-order approximation: its relative error is :math:`O(1/r)` when :math:`\hat D_i`
-    concentrates, i.e. for attention-scaled inputs (divide q and k by :math:`d^{1/4}`) and
-    :math:`r\gtrsim64`, where the tests find it within 10% of Monte Carlo. It under-states the
-    variance at large norms or small r (heavy right tail of positive features; trig denominators
-    near zero, where :math:`\hat o` may have no finite variance at all).
+    concentrates (check with :func:`normaliser_relative_variance`; below about 0.01 is safe).
+    The tests find it within 10% of Monte Carlo for attention-scaled rows of norm 0.5 at
+    r = 64 (all four maps) and norm 0.75 at r = 256 (positive). At larger norms or smaller r it
+    fails: it over-states the (bounded) variance of positive/hyperbolic outputs, by factors of
+    3-14 at norm 1.5, and for trigonometric maps the true variance is infinite (the denominator
+    has positive density at 0) while the delta value describes the limiting normal law. Raw
+    :math:`\mathcal N(0, I_d)` rows scaled by :math:`d^{-1/4}` have norm :math:`d^{1/4}` (2 at
+    d = 16): already in the failure regime. See ``docs/theory.md``.
 
     Parameters
     ----------
@@ -333,9 +337,10 @@ def normaliser_relative_variance(
 
     with the terms and :math:`u_{ij}` of :func:`attention_variance`. It is the diagnostic of the
     delta method: the first-order expansion of :math:`\hat o_i=\hat N_i/\hat D_i` is accurate
-    when :math:`\hat D_i/D_i` concentrates, i.e. when this number is small (the Monte Carlo
-    comparison in ``docs/theory.md`` finds the delta variance within about 10% where it is below
-    about 0.1, and off by factors where it is of order 1).
+    when :math:`\hat D_i/D_i` concentrates, i.e. when this number is small. The Monte Carlo
+    comparison in ``docs/theory.md`` (d=16) finds the delta variance within about 10% where
+    its maximum over rows is below about 0.01, 15-35% high (positive, hyperbolic) or 10-20% low
+    (trigonometric) around 0.02-0.05, and off by factors where it is of order 0.1-1.
 
     Parameters
     ----------

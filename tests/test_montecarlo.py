@@ -1,0 +1,251 @@
+r"""Tests of ``kernelapprox.montecarlo``: metrics, interval estimators and the batched drivers.
+
+Tolerances
+----------
+* Metrics are checked on hand-computed values (exact up to float rounding).
+* Interval coverage: each estimator is run on ``R`` independent data sets at once (a vectorised
+  axis) with a known truth. The number of intervals covering the truth is Binomial(R, p) with
+  p ~ 0.95; we require the observed coverage within 4 binomial standard errors of 0.95
+  (sd = sqrt(0.95*0.05/R)). This detects a wrong t/z quantile or a wrong standard-error formula
+  (e.g. a missing sqrt(S) gives coverage near 0 or 1) while a correct one fails with probability
+  < 1e-4.
+* Driver statistics against the closed-form theory (``ka.theory.mse``, unbiasedness): z-scores
+  (MC - theory) / se with the driver's own standard errors, |z| <= 4.5 per entry
+  (P(|N(0,1)| > 4.5) = 6.8e-6; ~200 entries checked in this file). Inputs keep
+  ||q + k||^2 <= 1, where the log-normal positive features are light-tailed enough for the CLT at
+  these S. Each z-check also asserts that se is small (< 10% of the MSE), so it cannot pass
+  vacuously.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import kernelapprox as ka
+from kernelapprox import montecarlo as mc
+
+F64 = torch.float64
+Z_MAX = 4.5
+
+
+def small_inputs(n=4, m=5, d=4, dv=2, scale=0.25, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, d, generator=g, dtype=F64) * scale
+    k = torch.randn(m, d, generator=g, dtype=F64) * scale
+    v = torch.randn(m, dv, generator=g, dtype=F64)
+    return q, k, v
+
+
+# ------------------------------------------------------------------------------ metrics
+def test_metrics_on_hand_computed_values():
+    est = torch.tensor([[[1.1, 1.8], [3.0, 4.0]]], dtype=F64)  # (1, 2, 2)
+    ex = torch.tensor([[1.0, 2.0], [3.0, 5.0]], dtype=F64)
+    torch.testing.assert_close(mc.relative_error(est, ex), torch.tensor([[[0.1, 0.1], [0.0, 0.2]]], dtype=F64))
+    torch.testing.assert_close(mc.relative_rms(est, ex), torch.tensor([math.sqrt((0.01 + 0.01 + 0.04) / 4)], dtype=F64))
+    fro = math.sqrt(0.01 + 0.04 + 0.0 + 1.0) / math.sqrt(1 + 4 + 9 + 25)
+    torch.testing.assert_close(mc.relative_frobenius(est, ex), torch.tensor([fro], dtype=F64))
+    torch.testing.assert_close(mc.max_abs_error(est, ex), torch.tensor([1.0], dtype=F64))
+    o_hat, o = torch.tensor([[1.0, 2.0], [2.0, 2.0]]), torch.tensor([[1.0, 1.0], [2.0, 2.0]])
+    torch.testing.assert_close(mc.attention_relative_error(o_hat, o), torch.tensor(1 / math.sqrt(10)))
+    a_hat = torch.tensor([[0.2, 0.3, 0.5], [1.0, 0.0, 0.0]])
+    a = torch.tensor([[0.2, 0.5, 0.3], [0.0, 0.0, 1.0]])
+    torch.testing.assert_close(mc.total_variation(a_hat, a), torch.tensor([0.2, 1.0]))
+
+
+def test_metrics_reject_bad_input():
+    with pytest.raises(ValueError, match="do not broadcast"):
+        mc.relative_rms(torch.ones(2, 3), torch.ones(2, 4))
+    with pytest.raises(ValueError, match=r"\(\.\.\., n, m\)"):
+        mc.relative_frobenius(torch.ones(3), torch.ones(3))
+    with pytest.raises(TypeError, match="floating"):
+        mc.max_abs_error(torch.ones(2, 2, dtype=torch.int64), torch.ones(2, 2))
+
+
+# ---------------------------------------------------------------------------- estimators
+def _coverage_ok(covered: np.ndarray) -> bool:
+    R = covered.size
+    return abs(covered.mean() - 0.95) <= 4 * math.sqrt(0.95 * 0.05 / R)
+
+
+def test_mean_ci_coverage():
+    rng = np.random.default_rng(0)
+    x = rng.exponential(size=(200, 4000)) + 1.0  # S = 200 draws, R = 4000 data sets, mean 2
+    mean, se, lo, hi = mc.mean_ci(x, axis=0)
+    assert mean.shape == (4000,)
+    np.testing.assert_allclose(se, x.std(axis=0, ddof=1) / math.sqrt(200))
+    assert _coverage_ok((lo < 2.0) & (2.0 < hi))
+
+
+def test_variance_ci_coverage():
+    rng = np.random.default_rng(1)
+    x = rng.normal(scale=2.0, size=(2000, 2000))  # variance 4; m4 - m2^2 = 2 sigma^4
+    var, se, lo, hi = mc.variance_ci(torch.from_numpy(x), axis=0)
+    np.testing.assert_allclose(np.median(se), math.sqrt(2 * 16 / 2000), rtol=0.05)
+    assert _coverage_ok((lo < 4.0) & (4.0 < hi))
+
+
+def test_quantile_ci_covers_and_has_the_right_shape():
+    rng = np.random.default_rng(2)
+    x = rng.exponential(size=5000)
+    qs, lo, hi = mc.quantile_ci(x, [0.5, 0.9], n_resamples=199, seed=0)
+    assert qs.shape == lo.shape == hi.shape == (2,)
+    truth = -np.log(1 - np.array([0.5, 0.9]))
+    assert np.all(lo < truth) and np.all(truth < hi)
+    # the interval width matches the asymptotic sd of a sample quantile, sqrt(p(1-p))/(f(x_p) sqrt(S))
+    sd = np.sqrt(np.array([0.25, 0.09])) / (np.exp(-truth) * math.sqrt(5000))
+    np.testing.assert_allclose((hi - lo) / (2 * 1.96 * sd), 1.0, atol=0.3)
+    med, a, b = mc.quantile_ci(x, 0.5, n_resamples=99)
+    assert np.ndim(med) == 0 and a <= med <= b
+    with pytest.raises(ValueError, match="probabilities"):
+        mc.quantile_ci(x, 1.5)
+    with pytest.raises(ValueError, match="1-D"):
+        mc.quantile_ci(x.reshape(50, 100), 0.5)
+    with pytest.raises(ValueError, match="confidence"):
+        mc.mean_ci(x, confidence=1.0)
+
+
+# ------------------------------------------------------------------------------- drivers
+def test_batched_draws_shapes_seeds_and_independence():
+    fm = ka.TrigRF(4, 8, variant="offset", seed=0)
+    copies = [(c.batch_shape, c.weight.clone(), c.offsets.clone()) for c in
+              mc.batched_draws(fm, 7, seed=3, chunk_size=3, extra_dims=2)]
+    assert [s for s, _, _ in copies] == [(3, 1, 1), (3, 1, 1), (1, 1, 1)]
+    assert all(w.dtype == F64 and w.shape[-2:] == (8, 4) for _, w, _ in copies)
+    assert not torch.equal(copies[0][1], copies[1][1])  # a fresh draw per chunk
+    again = [c.weight.clone() for c in mc.batched_draws(fm, 7, seed=3, chunk_size=3, extra_dims=2)]
+    assert all(torch.equal(a, w) for a, (_, w, _) in zip(again, copies, strict=True))
+    first = next(iter(mc.batched_draws(fm, 7, seed=4, chunk_size=3)))
+    assert not torch.equal(first.weight, copies[0][1].squeeze(-3).squeeze(-3))
+    assert next(iter(mc.batched_draws(fm, 2, chunk_size=2))).variant == "offset"
+    with pytest.raises(ValueError, match="random feature map"):
+        next(iter(mc.batched_draws(ka.EluFeatures(4), 2, chunk_size=2)))
+
+
+@pytest.mark.parametrize(
+    "fm",
+    [ka.PositiveRF(4, 16), ka.HyperbolicRF(4, 16), ka.TrigRF(4, 16), ka.TrigRF(4, 16, variant="offset")],
+    ids=["positive", "hyperbolic", "sincos", "offset"],
+)
+def test_kernel_error_matches_theory(fm):
+    q, k, _ = small_inputs()
+    res = mc.kernel_error(fm, q, k, draws=30_000, seed=1, n_resamples=99, quantiles=(0.5, 0.9))
+    assert res["draws"] == 30_000 and res["mse"].shape == (4, 5)
+    np.testing.assert_allclose(res["exact"], torch.exp(q @ k.T).numpy(), rtol=1e-12)
+    z_bias = res["bias"] / res["bias_se"]
+    assert np.abs(z_bias).max() < Z_MAX
+    th = ka.theory.mse(fm, q, k).numpy()
+    assert (res["mse_se"] < 0.1 * th).all()
+    assert np.abs((res["mse"] - th) / res["mse_se"]).max() < Z_MAX
+    # bias is ~0, so the variance estimates the MSE as well
+    assert np.abs((res["variance"] - th) / res["variance_se"]).max() < Z_MAX
+    lo, hi = res["mse_ci"]
+    assert (lo < res["mse"]).all() and (res["mse"] < hi).all()
+    np.testing.assert_allclose(res["relative_mse"], res["mse"] / res["exact"] ** 2)
+    summ = res["summary"]
+    assert list(summ.index) == ["relative_frobenius", "relative_rms", "max_abs_error", "max_relative_error"]
+    assert (summ["q0.5_low"] <= summ["q0.5"]).all() and (summ["q0.9"] <= summ["q0.9_high"]).all()
+    assert (summ["nonfinite"] == 0).all()
+    # the per-draw relative Frobenius error: E[||Kh-K||_F^2] = sum MSE, so its mean square matches
+    fro2 = (res["per_draw"]["relative_frobenius"] ** 2).mean()
+    np.testing.assert_allclose(fro2, th.sum() / (res["exact"] ** 2).sum(), rtol=0.05)
+
+
+def test_kernel_error_hundred_thousand_draws():
+    """S = 1e5 through the batched path (a few seconds for a 4 x 4 kernel on 2 cores)."""
+    q, k, _ = small_inputs(n=4, m=4)
+    fm = ka.PositiveRF(4, 16)
+    res = mc.kernel_error(fm, q, k, draws=100_000, seed=0, n_resamples=99, quantiles=(0.5,),
+                          max_bytes=16 * 2**20)
+    assert res["per_draw"]["relative_rms"].shape == (100_000,)
+    th = ka.theory.mse(fm, q, k).numpy()
+    assert (res["mse_se"] < 0.03 * th).all()
+    assert np.abs((res["mse"] - th) / res["mse_se"]).max() < Z_MAX
+
+
+def test_kernel_error_batch_dims_frame_and_seed():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, generator=g, dtype=F64) * 0.3
+    k = torch.randn(1, 5, 4, generator=g, dtype=F64) * 0.3
+    fm = ka.TrigRF(4, 8)
+    a = mc.kernel_error(fm, q, k, draws=500, seed=5, chunk_size=64, n_resamples=9, quantiles=(0.5,))
+    b = mc.kernel_error(fm, q, k, draws=500, seed=5, chunk_size=64, n_resamples=9, quantiles=(0.5,))
+    c = mc.kernel_error(fm, q, k, draws=500, seed=6, chunk_size=64, n_resamples=9, quantiles=(0.5,))
+    assert a["mse"].shape == (2, 3, 5)
+    np.testing.assert_array_equal(a["mse"], b["mse"])
+    assert not np.array_equal(a["mse"], c["mse"])
+    df = mc.kernel_error(fm, q, k, draws=500, seed=5, chunk_size=64, as_frame=True)
+    assert list(df.index.names) == ["b0", "i", "j"] and len(df) == 30
+    np.testing.assert_allclose(df["mse"].to_numpy(), a["mse"].ravel())
+    assert {"exact", "mean_low", "mean_high", "bias_se", "mse_high"} <= set(df.columns)
+
+
+def test_kernel_error_deterministic_map():
+    q, k, _ = small_inputs()
+    fm = ka.EluFeatures(4)
+    res = mc.kernel_error(fm, q, k, draws=10)
+    K_hat = (fm(q) @ fm(k).T).numpy()
+    np.testing.assert_allclose(res["bias"], K_hat - res["exact"], rtol=1e-10, atol=1e-12)
+    assert res["draws"] == 1 and (res["variance"] == 0).all()
+    np.testing.assert_allclose(res["mse"], res["bias"] ** 2, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_error_deterministic_equals_linear_attention(causal):
+    q, k, v = small_inputs(n=5, m=5)
+    fm = ka.EluFeatures(4)
+    res = mc.attention_error(fm, q, k, v, draws=4, causal=causal)
+    lin = ka.linear_attention(q, k, v, fm, causal=causal).numpy()
+    ex = ka.softmax_attention(q, k, v, causal=causal).numpy()
+    np.testing.assert_allclose(res["exact"], ex, rtol=1e-12)
+    np.testing.assert_allclose(res["mean"], lin, rtol=1e-10, atol=1e-12)
+    err = np.linalg.norm(lin - ex) / np.linalg.norm(ex)
+    np.testing.assert_allclose(res["per_draw"]["attention_relative_error"], [err], rtol=1e-10)
+
+
+def test_attention_error_statistics():
+    q, k, v = small_inputs(n=6, m=6, d=4, dv=3)
+    fm = ka.PositiveRF(4, 32)
+    res = mc.attention_error(fm, q, k, v, draws=20_000, causal=True, seed=0, n_resamples=49,
+                             quantiles=(0.5, 0.99))
+    assert res["variance"].shape == (6, 3)
+    np.testing.assert_allclose(res["variance"][0], 0.0, atol=1e-25)  # o_0 = v_0 exactly
+    # the output is a ratio: biased at O(1/r); bias is far below its spread
+    assert (np.abs(res["bias"][1:]) < 0.2 * np.sqrt(res["variance"][1:])).all()
+    summ = res["summary"]
+    assert list(summ.index) == ["attention_relative_error", "mean_total_variation", "max_total_variation"]
+    tv = res["per_draw"]["max_total_variation"]
+    assert tv.shape == (20_000,) and (tv >= 0).all() and (tv <= 1).all()  # positive weights: TV <= 1
+    assert summ.loc["max_total_variation", "q0.99"] > summ.loc["mean_total_variation", "q0.5"]
+
+
+def test_estimate_path_equals_kernel():
+    q, k, _ = small_inputs(n=3, m=4)
+    for fm in (ka.PositiveRF(4, 8), ka.TrigRF(4, 8, variant="offset"), ka.HyperbolicRF(4, 8)):
+        copy = next(iter(mc.batched_draws(fm, 6, chunk_size=6)))
+        torch.testing.assert_close(mc._estimate(copy, q, k), copy.kernel(q, k), rtol=1e-12, atol=1e-14)
+
+
+def test_driver_bad_inputs():
+    q, k, v = small_inputs()
+    fm = ka.PositiveRF(4, 8)
+    with pytest.raises(ValueError, match="draws must be >= 2"):
+        mc.kernel_error(fm, q, k, draws=1)
+    with pytest.raises(TypeError, match="draws"):
+        mc.kernel_error(fm, q, k, draws=10.0)
+    with pytest.raises(ValueError, match=r"\(\.\.\., n, 4\)"):
+        mc.kernel_error(fm, q[:, :3], k)
+    with pytest.raises(ValueError, match="seed"):
+        mc.kernel_error(fm, q, k, draws=10, seed=-1)
+    with pytest.raises(ValueError, match="quantiles"):
+        mc.kernel_error(fm, q, k, draws=10, quantiles=(2.0,))
+    with pytest.raises(ValueError, match="causal"):
+        mc.attention_error(fm, q, k, v, draws=10, causal=True)  # n != m
+    with pytest.raises(ValueError, match="sequence length"):
+        mc.attention_error(fm, q, k, v[:3], draws=10)
+    given = ka.PositiveRF.from_projection(torch.randn(8, 4, dtype=F64))
+    with pytest.raises(ValueError, match="given projection"):
+        mc.kernel_error(given, q, k, draws=10)
