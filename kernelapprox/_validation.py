@@ -6,7 +6,10 @@ argument, the expected value and the received one; nothing here uses ``assert``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import operator
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -17,7 +20,27 @@ __all__ = [
     "broadcast_batch",
     "compute_dtype",
     "as_batch_shape",
+    "no_autocast",
 ]
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def no_autocast(fn: _F) -> _F:
+    """Run ``fn`` with autocast disabled (CPU and CUDA), so that its float32 internals stay float32.
+
+    Under ``torch.autocast`` the matmuls would otherwise run in 16 bits, which is what makes
+    the key sums of peer implementations overflow in fp16.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+            return fn(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def check_floating(name: str, x: object) -> torch.Tensor:
@@ -33,12 +56,14 @@ def check_floating(name: str, x: object) -> torch.Tensor:
 
 
 def check_last_dim(name: str, x: torch.Tensor, dim: int) -> None:
-    """Raise ``ValueError`` unless ``x`` has at least 2 dims and ``x.shape[-1] == dim``."""
+    """Raise ``ValueError`` unless ``x`` has shape (..., n, dim) with ``n >= 1``."""
     if x.dim() < 2:
         raise ValueError(
             f"{name} must have shape (..., n, {dim}) with at least 2 dimensions, "
             f"got shape {tuple(x.shape)}"
         )
+    if x.shape[-2] == 0:
+        raise ValueError(f"{name} is an empty sequence (shape {tuple(x.shape)}); need n >= 1 rows")
     if x.shape[-1] != dim:
         raise ValueError(
             f"{name} has last dimension {x.shape[-1]}, expected dim={dim} "
@@ -46,26 +71,37 @@ def check_last_dim(name: str, x: torch.Tensor, dim: int) -> None:
         )
 
 
+def _as_int(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # int, numpy integers, 0-d integer tensors
+    except TypeError:
+        return None
+
+
 def check_positive_int(name: str, value: object) -> int:
-    """Return ``value`` as ``int`` if it is a positive integer, else raise."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """Return ``value`` as ``int`` if it is a positive integer (numpy integers too), else raise."""
+    iv = _as_int(value)
+    if iv is None:
         raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return int(value)
+    if iv <= 0:
+        raise ValueError(f"{name} must be a positive int, got {iv}")
+    return iv
 
 
 def as_batch_shape(batch_shape: object) -> tuple[int, ...]:
     """Normalise ``batch_shape`` to a tuple of non-negative ints."""
-    if isinstance(batch_shape, int) and not isinstance(batch_shape, bool):
+    if _as_int(batch_shape) is not None:
         batch_shape = (batch_shape,)
     if not isinstance(batch_shape, (Sequence, torch.Size)) or isinstance(batch_shape, str):
         raise TypeError(f"batch_shape must be a tuple of ints, got {batch_shape!r}")
     out = []
     for s in batch_shape:
-        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+        iv = _as_int(s)
+        if iv is None or iv < 1:
             raise ValueError(f"batch_shape must contain positive ints, got {tuple(batch_shape)!r}")
-        out.append(int(s))
+        out.append(iv)
     return tuple(out)
 
 

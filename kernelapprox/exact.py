@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_floating, compute_dtype
+from ._validation import check_floating, check_last_dim, compute_dtype, no_autocast
 
 __all__ = ["softmax_kernel", "softmax_attention", "check_qkv"]
 
@@ -22,8 +22,7 @@ def check_qkv(q: object, k: object, v: object | None = None, *, causal: bool = F
     if v is not None:
         check_floating("v", v)
     for name, t in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
-        if t.dim() < 2:
-            raise ValueError(f"{name} must have shape (..., n, features), got {tuple(t.shape)}")
+        check_last_dim(name, t, t.shape[-1] if t.dim() else 0)
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"q and k must have the same last dimension d, got q {tuple(q.shape)} and k {tuple(k.shape)}"
@@ -46,6 +45,7 @@ def check_qkv(q: object, k: object, v: object | None = None, *, causal: bool = F
         ) from None
 
 
+@no_autocast
 def softmax_kernel(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     r"""The softmax kernel matrix :math:`K = \exp(q k^\top)`.
 
@@ -77,6 +77,7 @@ def softmax_kernel(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.exp(torch.matmul(q.double(), k.double().mT)).to(out)
 
 
+@no_autocast
 def softmax_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -92,7 +93,8 @@ def softmax_attention(
         \quad (j \le i \text{ if causal}).
 
     Chunked over queries (``chunk_size`` queries at a time) with a max-subtracted softmax, so peak
-    memory is :math:`O(\text{chunk\_size}\cdot m)` per head and no :math:`n\times m` matrix is held.
+    memory is :math:`O(\text{chunk\_size}\cdot m)` per head and no :math:`n\times m` matrix is held
+    (in inference; under autograd every chunk's softmax is saved for backward, :math:`O(nm)` in all).
 
     Parameters
     ----------
@@ -115,7 +117,7 @@ def softmax_attention(
     torch.Size([1, 8, 4])
     """
     check_qkv(q, k, v, causal=causal)
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     cdt = compute_dtype(out_dtype)

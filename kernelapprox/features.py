@@ -50,6 +50,7 @@ from ._validation import (
     check_last_dim,
     check_positive_int,
     compute_dtype,
+    no_autocast,
 )
 from .samplers import (
     DenseProjection,
@@ -107,6 +108,13 @@ class FeatureMap(nn.Module):
     feature_dim: int
     batch_shape: tuple[int, ...] = ()
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        # Every map computes its float32 internals in float32, also inside torch.autocast.
+        super().__init_subclass__(**kwargs)
+        for name in ("forward", "log_features", "kernel"):
+            if name in cls.__dict__:
+                setattr(cls, name, no_autocast(cls.__dict__[name]))
+
     # ------------------------------------------------------------------ helpers
     def _param_dtype(self) -> torch.dtype:
         for b in self.buffers():
@@ -123,6 +131,7 @@ class FeatureMap(nn.Module):
         return x.to(cdt), x.dtype
 
     # ------------------------------------------------------------------ API
+    @no_autocast
     def log_features(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         r"""Stabilised features: :math:`\varphi(x) = f \cdot e^{\text{log\_scale}}`.
 
@@ -146,6 +155,7 @@ class FeatureMap(nn.Module):
         """
         raise NotImplementedError
 
+    @no_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r""":math:`\varphi(x)`, the plain (unstabilised) features.
 
@@ -164,7 +174,10 @@ class FeatureMap(nn.Module):
         _, out_dtype = self._prepare("x", x)
         return (f * ls.exp().to(f.dtype).unsqueeze(-1)).to(out_dtype)
 
-    def kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    @no_autocast
+    def kernel(
+        self, q: torch.Tensor, k: torch.Tensor, *, compute_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         r"""The kernel estimate :math:`\hat K = \varphi(q)\varphi(k)^\top`, computed in the log domain.
 
         :math:`\hat K_{ij} = \operatorname{sign}(G_{ij}) \exp(\log|G_{ij}| + s_i + t_j)` with
@@ -175,10 +188,16 @@ class FeatureMap(nn.Module):
         ----------
         q : Tensor, shape (..., n, d)
         k : Tensor, shape (..., m, d)
+        compute_dtype : torch.dtype, optional
+            Dtype of the computation. Default float64: this is the verification path, and in
+            float32 the projection :math:`Wx` alone carries a relative rounding of ~1e-5 into
+            :math:`\hat K` at :math:`\|x\| = 10`, :math:`d = 64`. Pass ``torch.float32`` for
+            speed (``linear_attention`` never materialises :math:`\hat K`).
 
         Returns
         -------
-        Tensor, shape (..., n, m), dtype ``promote(q.dtype, k.dtype)``.
+        Tensor, shape (*broadcast(q.shape[:-2], k.shape[:-2], batch_shape), n, m),
+            dtype ``promote(q.dtype, k.dtype)``.
 
         Examples
         --------
@@ -199,7 +218,9 @@ class FeatureMap(nn.Module):
                 f"feature map's batch_shape {self.batch_shape} do not broadcast"
             ) from None
         out_dtype = torch.promote_types(q.dtype, k.dtype)
-        cdt = compute_dtype(out_dtype)
+        cdt = torch.float64 if compute_dtype is None else compute_dtype
+        if not isinstance(cdt, torch.dtype) or not cdt.is_floating_point:
+            raise TypeError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
         fq, sq = self.log_features(q.to(cdt))
         fk, sk = self.log_features(k.to(cdt))
         G = torch.matmul(fq, fk.mT)
@@ -230,7 +251,9 @@ class RandomFeatureMap(FeatureMap):
         ``"gaussian"``, ``"orthogonal"``, ``"structured"``, ``"qmc"`` or a
         :class:`~kernelapprox.samplers.Sampler` (e.g. ``OrthogonalSampler(norms="fixed")``).
     seed : int, optional
-        Seed of the CPU generator the projection is drawn from.
+        Seed of the CPU generator the projection is drawn from. ``None`` (with no ``generator``)
+        draws from OS entropy: the global torch RNG is never used, so ``torch.manual_seed`` does
+        not fix it.
     generator : torch.Generator, optional
         A CPU generator to draw from instead of ``seed``.
     batch_shape : tuple of int, default ()
@@ -239,6 +262,8 @@ class RandomFeatureMap(FeatureMap):
         of a ``(B, H, n, d)`` input.
     device, dtype : optional
         Where and in which dtype the projection buffer lives (default: CPU, default dtype).
+        Moving the map to a 16-bit dtype rounds the stored projection (the estimator changes);
+        16-bit *inputs* need no such move: they are computed in float32 anyway.
     """
 
     is_random = True
@@ -375,6 +400,7 @@ class PositiveRF(RandomFeatureMap):
 
     @property
     def feature_dim(self) -> int:
+        """Length of :math:`\\varphi(x)` (see the class docstring)."""
         return self.num_features
 
     def _bias(self, xc: torch.Tensor) -> torch.Tensor:
@@ -450,6 +476,7 @@ class HyperbolicRF(RandomFeatureMap):
 
     @property
     def feature_dim(self) -> int:
+        """Length of :math:`\\varphi(x)` (see the class docstring)."""
         return 2 * self.num_features
 
     def _bias(self, xc: torch.Tensor) -> torch.Tensor:
@@ -551,6 +578,7 @@ class TrigRF(RandomFeatureMap):
 
     @property
     def feature_dim(self) -> int:
+        """Length of :math:`\\varphi(x)` (see the class docstring)."""
         return 2 * self.num_features if self.variant == "sincos" else self.num_features
 
     def _scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -596,16 +624,38 @@ class TrigRF(RandomFeatureMap):
 
 
 class _DeterministicMap(FeatureMap):
+    """Deterministic maps: no projection, ``num_features = feature_dim = dim``.
+
+    The constructor takes the random maps' arguments (``num_features``, ``sampler``, ``seed``,
+    ``generator``, ``batch_shape``, ``device``, ``dtype``) so that generic code can build any map
+    the same way; they have no effect here (there is nothing to draw), and ``redraw`` is a no-op.
+    """
+
     is_random = False
 
-    def __init__(self, dim: int) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_features: int | None = None,
+        *,
+        sampler: object = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        batch_shape: tuple[int, ...] = (),
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.dim = check_positive_int("dim", dim)
+        if num_features is not None:
+            check_positive_int("num_features", num_features)
+        as_batch_shape(batch_shape)
         self.num_features = self.dim
         self.batch_shape = ()
 
     @property
     def feature_dim(self) -> int:
+        """Length of :math:`\\varphi(x)`: ``dim``."""
         return self.dim
 
     def _phi(self, xc: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
@@ -628,7 +678,8 @@ class _DeterministicMap(FeatureMap):
 class EluFeatures(_DeterministicMap):
     r"""The elu+1 map of linear attention [Kat20]_: :math:`\varphi(x) = \mathrm{elu}(x) + 1`.
 
-    Deterministic (no projection; ``redraw`` is a no-op), positive, ``feature_dim = d``. Computed
+    Deterministic (no projection; ``redraw`` is a no-op), positive, ``feature_dim = d``: maps
+    x (..., n, d) to (..., n, d). Computed
     branch-wise as :math:`x + 1` for :math:`x \ge 0` and :math:`e^{x}` below, so it does not
     round to 0 in bfloat16 for :math:`x \le -8` (flash-linear-attention issue #1261). As an
     estimator of :math:`\exp(q^\top k)` it is biased; :func:`kernelapprox.theory.deterministic_error`
@@ -649,7 +700,8 @@ class EluFeatures(_DeterministicMap):
 class ReluFeatures(_DeterministicMap):
     r"""The ReLU map :math:`\varphi(x) = \max(x, 0)` (Performer-ReLU, [Cho21]_ App. A.4).
 
-    Deterministic, non-negative, ``feature_dim = d``. Rows can be all zero, so attention
+    Deterministic, non-negative, ``feature_dim = d``: maps x (..., n, d) to (..., n, d). Rows can
+    be all zero, so attention
     denominators can vanish; :func:`kernelapprox.linear_attention` guards them.
 
     Examples

@@ -65,7 +65,18 @@ def make_generator(seed: int | None = None, generator: torch.Generator | None = 
         Seed of a fresh CPU generator.
     generator : torch.Generator, optional
         A CPU generator, used as is (its state advances). Exclusive with ``seed``.
-        With neither, a fresh generator is seeded non-deterministically.
+        With neither, a fresh generator is seeded from OS entropy: ``torch.manual_seed`` does
+        not make it reproducible (the global RNG is never used); pass ``seed`` or ``generator``.
+
+    Returns
+    -------
+    torch.Generator
+        On CPU.
+
+    Examples
+    --------
+    >>> make_generator(0).initial_seed()
+    0
     """
     if seed is not None and generator is not None:
         raise ValueError("pass either seed or generator, not both")
@@ -132,6 +143,7 @@ class Projection(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:  # pragma: no cover - abstract
+        """The dense projection :math:`W`, shape ``(*batch_shape, r, d)``."""
         raise NotImplementedError
 
     def affine(
@@ -182,9 +194,11 @@ class DenseProjection(Projection):
 
     @property
     def weight(self) -> torch.Tensor:
+        """The projection buffer, shape ``(*batch_shape, r, d)``."""
         return self._weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T: x (..., n, d) -> (*broadcast(..., batch_shape), n, r)."""
         W = self._weight.to(x.dtype)
         if W.dim() > 2 and x[..., 0, 0].numel() == 1:
             # Many draws, one input (the Monte Carlo layout): one (S r, d) x (d, n) GEMM instead of
@@ -221,7 +235,8 @@ class HadamardProjection(Projection):
         self.batch_shape = tuple(signs.shape[:-3])
         self.padded_dim = int(signs.shape[-1])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _apply_transform(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T by three FWHTs: x (..., n, d) -> (*broadcast(..., batch_shape), n, r)."""
         p = self.padded_dim
         if x.shape[-1] < p:
             x = torch.nn.functional.pad(x, (0, p - x.shape[-1]))
@@ -233,8 +248,13 @@ class HadamardProjection(Projection):
         y = y.reshape(*y.shape[:-2], -1)
         return y[..., : self.num_features]
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T without forming W: x (..., n, d) -> (*broadcast(..., batch_shape), n, r)."""
+        return self._apply_transform(x)
+
     @property
     def weight(self) -> torch.Tensor:
+        """The materialised :math:`W`, shape ``(*batch_shape, r, d)`` (built on demand)."""
         eye = torch.eye(self.padded_dim, dtype=self.signs.dtype, device=self.signs.device)
         cols = self(eye)  # (*B, p, r): row j is W e_j
         return cols.mT[..., : self.dim].contiguous()
@@ -373,8 +393,9 @@ class StructuredSampler(Sampler):
     r"""Structured orthogonal random features (SORF) [Yu16]_ eq. (5).
 
     Rows of :math:`\sqrt p\, H D_1 H D_2 H D_3` per block (``p`` = next power of two ``>= d``),
-    applied in :math:`O(r \log d)` per input through :func:`fwht`. Rows within a block are
-    orthogonal with norm :math:`\sqrt p`. The estimators built on it are slightly *biased*
+    applied in :math:`O(r \log d)` per input through :func:`fwht`. The rows of a full
+    :math:`p`-dimensional block are orthogonal with norm :math:`\sqrt p`; when :math:`d < p` only
+    their first :math:`d` coordinates act on the (zero-padded) input, and those are *not* orthogonal. The estimators built on it are slightly *biased*
     (Yu et al. Thm 3: :math:`|\mathbb E K_{\mathrm{SORF}} - K| \le 6z/\sqrt d`), and no closed-form
     variance is claimed for them (use :mod:`kernelapprox.montecarlo`).
     """
@@ -476,7 +497,13 @@ SAMPLERS: dict[str, type[Sampler]] = {
 
 
 def get_sampler(sampler: str | Sampler) -> Sampler:
-    """Resolve a sampler name (``"gaussian"``, ``"orthogonal"``, ``"structured"``, ``"qmc"``) or object."""
+    """Resolve a sampler name (``"gaussian"``, ``"orthogonal"``, ``"structured"``, ``"qmc"``) or object.
+
+    Examples
+    --------
+    >>> get_sampler("orthogonal")
+    OrthogonalSampler(norms='chi')
+    """
     if isinstance(sampler, Sampler):
         return sampler
     if isinstance(sampler, str):

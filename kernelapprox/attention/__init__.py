@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .._validation import no_autocast
 from ..features import FeatureMap
 from .chunk import chunk_linear_attention
 from .naive import naive_linear_attention, naive_recurrent_linear_attention
@@ -26,6 +27,7 @@ __all__ = [
 ]
 
 
+@no_autocast
 def linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -68,8 +70,11 @@ def linear_attention(
     return_state : bool, default False
         Also return the state after the last token (hand it to :class:`RecurrentLinearAttention`).
     eps : float, default 1e-6
-        Guard for signed maps: denominators with :math:`|den| \le \varepsilon` become
-        :math:`den + 2\varepsilon`. Positive maps are only guarded against underflow.
+        Guard for signed (trigonometric) maps, applied to the *stabilised* denominator
+        :math:`\varphi(q_i)^\top z\, e^{-(s_{q_i} + M_i)}` (query scale :math:`s_{q_i}`, key scale
+        :math:`M_i` = running maximum of the key log-scales, the same in all three forms): where
+        it is :math:`\le \varepsilon` in absolute value it becomes :math:`den + 2\varepsilon`.
+        Positive maps are only guarded against underflow.
 
     Returns
     -------

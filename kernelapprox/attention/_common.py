@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import compute_dtype
+from .._validation import broadcast_batch, compute_dtype
 from ..exact import check_qkv
 from ..features import FeatureMap
 from .state import LinearAttentionState
@@ -25,6 +25,8 @@ def prepare(
         raise ValueError(
             f"q and k have last dimension {q.shape[-1]}, but the feature map expects dim={feature_map.dim}"
         )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        broadcast_batch(name, t.shape[:-2], feature_map.batch_shape)
     if initial_state is not None and not isinstance(initial_state, LinearAttentionState):
         raise TypeError(f"initial_state must be a LinearAttentionState, got {type(initial_state).__name__}")
     out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)

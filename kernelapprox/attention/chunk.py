@@ -7,11 +7,19 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._validation import no_autocast
 from ..features import FeatureMap
-from ._common import check_state_dv, key_side, normalise, prepare, split
+from ._common import check_state_dv, normalise, prepare, split
 from .state import LinearAttentionState
 
 
+def _exp_diff(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``exp(a - b)`` with ``-inf - -inf`` read as ``exp(-inf) = 0`` (an empty past)."""
+    out = torch.exp(a - b)
+    return torch.where(torch.isfinite(a), out, torch.zeros_like(out)).to(dtype)
+
+
+@no_autocast
 def chunk_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -31,22 +39,43 @@ def chunk_linear_attention(
     .. math::
         [\text{num}, \text{den}]_c = \varphi(Q_c)\, S_{<c} + A_c\,[V_c, 1].
 
-    Chunk states are formed for groups of chunks at a time, the group sized so that they never
-    outweigh the features: peak memory :math:`O(n(F + d_v) + F d_v)` per head for any
-    ``chunk_size``, and no :math:`(n, F, d_v)` tensor. Cost
-    :math:`O(nFd_v + n\,C(F + d_v))` for chunk size :math:`C`.
-    See :func:`kernelapprox.linear_attention` for the parameters.
+    Causal stabilisation: every key keeps its own log scale :math:`s_j`, and query :math:`i` works at
+    the scale :math:`M_i = \max_{j \le i} s_j` (with the initial state's), so no output depends,
+    even through rounding, on a later key (a global key maximum would let one large future key
+    underflow the past). The carried state is rescaled to the running maximum, exactly as in
+    :class:`RecurrentLinearAttention`, so the two forms agree to rounding.
+
+    Chunk states are formed for groups of chunks sized so that they never outweigh the features:
+    peak memory :math:`O(n(F + d_v) + F d_v)` per head for any ``chunk_size``, and no
+    :math:`(n, F, d_v)` tensor. Cost :math:`O(nFd_v + nC(F + d_v))` for chunk size :math:`C`.
+
+    Parameters
+    ----------
+    q : Tensor, shape (..., n, d)
+    k : Tensor, shape (..., n, d)
+    v : Tensor, shape (..., n, dv)
+    feature_map : FeatureMap
+    chunk_size : int, default 64
+        Tokens per chunk (any positive size; it need not divide ``n``).
+    initial_state : LinearAttentionState, optional
+    return_state : bool, default False
+    eps : float, default 1e-6
+        Denominator guard for signed maps, see :func:`kernelapprox.linear_attention`.
+
+    Returns
+    -------
+    out : Tensor, shape (..., n, dv)
+    state : LinearAttentionState, if ``return_state``
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int (a number of tokens), got {chunk_size!r}")
-    q, k, v, out_dtype, _ = prepare(q, k, v, feature_map, True, initial_state)
+    q, k, v, out_dtype, cdt = prepare(q, k, v, feature_map, True, initial_state)
     check_state_dv(initial_state, v)
-    fk, w, kv0, g = key_side(feature_map, k, initial_state)
+    fq, _ = feature_map.log_features(q)  # the per-query scale cancels
+    fk, s = feature_map.log_features(k)  # per-key log scales s: (..., n), float64 for random maps
+    s = s.double()  # keeps the gradient of the per-key scale; the stabilisers below are detached
     v1 = torch.cat((v, v.new_ones(*v.shape[:-1], 1)), dim=-1)
-    if w is not None:
-        v1 = v1 * w
-    fq, _ = feature_map.log_features(q)
-    lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v1.shape[:-2])
+    lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v1.shape[:-2], s.shape[:-1])
     n, Fd, dv1 = fq.shape[-2], fq.shape[-1], v1.shape[-1]
     C = chunk_size
     nc = math.ceil(n / C)
@@ -55,26 +84,53 @@ def chunk_linear_attention(
         fq = F.pad(fq, (0, 0, 0, pad))
         fk = F.pad(fk, (0, 0, 0, pad))
         v1 = F.pad(v1, (0, 0, 0, pad))
+        s = F.pad(s, (0, pad), value=float("-inf"))
     fq = fq.expand(*lead, *fq.shape[-2:]).reshape(*lead, nc, C, Fd)
     fk = fk.expand(*lead, *fk.shape[-2:]).reshape(*lead, nc, C, Fd)
     v1 = v1.expand(*lead, *v1.shape[-2:]).reshape(*lead, nc, C, dv1)
-    state = fq.new_zeros(*lead, Fd, dv1) if kv0 is None else kv0.expand(*lead, Fd, dv1)
-    # Chunks per group: the group's chunk states (group * F * dv1) stay within the size of its
-    # features (group * C * (F + dv1)), up to one chunk at least.
-    group = max(1, (nc * C * (Fd + dv1)) // (Fd * dv1))
+    s = s.expand(*lead, s.shape[-1]).reshape(*lead, nc, C)
+    sd = s.detach()
+
+    # Scales: G0 (initial state), running max within each chunk, and across chunks.
+    if initial_state is None:
+        state = fq.new_zeros(*lead, Fd, dv1)
+        G = sd.new_full((*lead, 1), float("-inf"))
+    else:
+        state = initial_state.kv.to(cdt).expand(*lead, Fd, dv1)
+        G = initial_state.log_scale.detach().to(sd.dtype).reshape(*initial_state.log_scale.shape[:-2], 1)
+        G = G.expand(*lead, 1)
+    m_in = torch.cummax(sd, dim=-1).values  # (..., nc, C): max_{j<=i in chunk} s_j
+    g_c = m_in[..., -1]  # (..., nc): chunk maxima
+    G_incl = torch.cummax(torch.maximum(g_c, G), dim=-1).values  # scale of the state after chunk c
+    G_excl = torch.cat((G, G_incl[..., :-1]), dim=-1)  # scale of the state before chunk c
+    M = torch.maximum(m_in, G_excl.unsqueeze(-1))  # per-query scale, (..., nc, C)
+
+    # Chunk contributions at their own (inclusive) scale: v rows weighted by exp(s_j - G_incl).
+    w_state = _exp_diff(s, G_incl.unsqueeze(-1), cdt).unsqueeze(-1)  # (..., nc, C, 1)
+    # Intra-chunk weights exp(s_j - M_i), j <= i.
     mask = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()
+    E = _exp_diff(s.unsqueeze(-2).expand(*s.shape, C), M.unsqueeze(-1), cdt)
+    E = E.masked_fill(~mask, 0.0)  # (..., nc, C_i, C_j)
+    w_inter = _exp_diff(G_excl.unsqueeze(-1), M, cdt).unsqueeze(-1)  # (..., nc, C, 1)
+    decay = _exp_diff(G_excl, G_incl, cdt)  # (..., nc): rescales the carried state
+
+    group = max(1, (nc * C * (Fd + dv1)) // (Fd * dv1))
     outs = []
-    for s in range(0, nc, group):
-        e = min(nc, s + group)
-        fq_g, fk_g, v1_g = fq[..., s:e, :, :], fk[..., s:e, :, :], v1[..., s:e, :, :]
-        kv_c = torch.matmul(fk_g.mT, v1_g)  # (..., g, F, dv1)
-        incl = torch.cumsum(kv_c, dim=-3) + state.unsqueeze(-3)
-        excl = torch.cat((state.unsqueeze(-3), incl[..., :-1, :, :]), dim=-3)
-        A = torch.matmul(fq_g, fk_g.mT).masked_fill(~mask, 0.0)
-        outs.append(torch.matmul(fq_g, excl) + torch.matmul(A, v1_g))
-        state = incl[..., -1, :, :]
+    for a in range(0, nc, group):
+        b = min(nc, a + group)
+        kv_c = torch.matmul(fk[..., a:b, :, :].mT, v1[..., a:b, :, :] * w_state[..., a:b, :, :])
+        excl = []
+        for c in range(a, b):  # sequential scan over chunks: O(F dv) per chunk
+            excl.append(state)
+            state = state * decay[..., c, None, None] + kv_c[..., c - a, :, :]
+        excl = torch.stack(excl, dim=-3)  # (..., g, F, dv1) at scales G_excl
+        fq_g = fq[..., a:b, :, :]
+        A = torch.matmul(fq_g, fk[..., a:b, :, :].mT) * E[..., a:b, :, :]
+        outs.append(torch.matmul(fq_g, excl) * w_inter[..., a:b, :, :] + torch.matmul(A, v1[..., a:b, :, :]))
     out = torch.cat(outs, dim=-3).reshape(*lead, nc * C, dv1)[..., :n, :]
     out = normalise(*split(out), feature_map.positive, eps).to(out_dtype)
     if return_state:
-        return out, LinearAttentionState(state, g.expand(*lead, 1, 1))
+        g_last = G_incl[..., -1:]
+        g_last = torch.where(torch.isfinite(g_last), g_last, torch.zeros_like(g_last))
+        return out, LinearAttentionState(state, g_last.unsqueeze(-1))
     return out

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from .._validation import no_autocast
 from ..features import FeatureMap
 from ._common import prepare
 from .recurrent import RecurrentLinearAttention
 
 
+@no_autocast
 def naive_linear_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: FeatureMap, causal: bool = False
 ) -> torch.Tensor:

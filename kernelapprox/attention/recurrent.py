@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import check_floating, compute_dtype
+from .._validation import check_floating, compute_dtype, no_autocast
 from ..features import FeatureMap
 from ._common import normalise, split
 from .state import LinearAttentionState
@@ -61,6 +61,7 @@ class RecurrentLinearAttention:
         self.state = None
         self.steps = 0
 
+    @no_autocast
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor) -> torch.Tensor:
         """Consume one token and return its output.
 

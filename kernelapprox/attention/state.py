@@ -44,14 +44,21 @@ class LinearAttentionState:
 
     @property
     def feature_dim(self) -> int:
+        """``F``, the feature dimension of the map that built the state."""
         return int(self.kv.shape[-2])
 
     @property
     def value_dim(self) -> int:
+        """``dv``, the value dimension."""
         return int(self.kv.shape[-1]) - 1
 
     def detach(self) -> LinearAttentionState:
+        """The same state, detached from autograd (e.g. between segments of truncated BPTT)."""
         return LinearAttentionState(self.kv.detach(), self.log_scale.detach())
 
     def to(self, *args, **kwargs) -> LinearAttentionState:
-        return LinearAttentionState(self.kv.to(*args, **kwargs), self.log_scale.to(*args, **kwargs))
+        """Move/cast ``kv`` like :meth:`torch.Tensor.to`; ``log_scale`` keeps its dtype (float64
+        for random maps: rounding a log scale of ~50 to 16 bits would be a visible error) and
+        only follows a device move."""
+        kv = self.kv.to(*args, **kwargs)
+        return LinearAttentionState(kv, self.log_scale.to(device=kv.device))
