@@ -73,13 +73,13 @@ __all__ = [
 
 
 def _sqnorm_half(x: torch.Tensor) -> torch.Tensor:
-    """:math:`\\|x\\|^2/2`, shape (..., n), accumulated in float64.
+    """:math:`\\|x\\|^2/2`, shape (..., n), returned in float64.
 
-    Scale terms like :math:`\\|x\\|^2/2 = 50` would carry a float32 rounding of ~3e-6 into every
-    kernel entry; they are per-row vectors, so float64 costs nothing here.
+    A per-row vector, so float64 costs nothing here, while a float32 log scale of
+    :math:`\\|x\\|^2/2 = 50` would carry a rounding of ~3e-6 into every kernel entry. The dot
+    product is accumulated in the input's precision (a batched dot, not an upcast copy of ``x``).
     """
-    x = x.double()
-    return 0.5 * (x * x).sum(-1)
+    return 0.5 * torch.einsum("...d,...d->...", x, x).double()
 
 
 class FeatureMap(nn.Module):
@@ -435,13 +435,11 @@ def _exp_shifted(
     ``log_scale = m + c``. Shared: ``M = max_rows(m + c)`` (detached), ``f = exp(u + c - M)``,
     ``log_scale = M``. The bias ``c`` keeps its gradient; the shifts are constants.
     """
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     if c.shape != m.shape:
         c = c.expand(m.shape)
     if shared:
         with torch.no_grad():
             M = (m + c).amax(dim=-1, keepdim=True)
-            M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
         shift = (M - c).to(u.dtype)  # carries the gradient of c
         ls = M
     else:
