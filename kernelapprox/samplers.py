@@ -263,7 +263,8 @@ class HadamardProjection(Projection):
 class Sampler:
     """Base class of projection samplers.
 
-    Subclasses implement :meth:`sample`, returning a :class:`Projection` in float64 on CPU.
+    Subclasses implement :meth:`sample`, returning a :class:`Projection` of shape
+    ``(*batch_shape, r, d)`` in float64 on CPU.
     """
 
     name: str = "sampler"
@@ -343,6 +344,8 @@ def haar_orthogonal(shape: tuple[int, ...], d: int, generator: torch.Generator) 
 class OrthogonalSampler(Sampler):
     r"""Block-orthogonal random features (ORF) [Yu16]_.
 
+    ``sample(r, d, batch_shape=B, generator=g)`` returns a projection of shape ``(*B, r, d)``.
+
     ``n_blocks = ceil(r / d)`` independent Haar-orthogonal :math:`d \times d` blocks (sign-corrected
     QR [Mez07]_); block :math:`b` gives rows :math:`bd, \dots, bd + d - 1`, the last block keeps
     only its first ``r - (n_blocks - 1) d`` rows. Rows are rescaled:
@@ -392,6 +395,8 @@ class OrthogonalSampler(Sampler):
 class StructuredSampler(Sampler):
     r"""Structured orthogonal random features (SORF) [Yu16]_ eq. (5).
 
+    ``sample(r, d, batch_shape=B, generator=g)`` returns a projection of shape ``(*B, r, d)``.
+
     Rows of :math:`\sqrt p\, H D_1 H D_2 H D_3` per block (``p`` = next power of two ``>= d``),
     applied in :math:`O(r \log d)` per input through :func:`fwht`. The rows of a full
     :math:`p`-dimensional block are orthogonal with norm :math:`\sqrt p`; when :math:`d < p` only
@@ -416,6 +421,8 @@ class StructuredSampler(Sampler):
 
 class QMCSampler(Sampler):
     r"""Randomised quasi-Monte Carlo rows [Avr16]_: :math:`w_i = \Phi^{-1}(t_i)` coordinate-wise.
+
+    ``sample(r, d, batch_shape=B, generator=g)`` returns a projection of shape ``(*B, r, d)``.
 
     ``t_1..t_r`` are the first ``r`` points of a scrambled Sobol' (``method="sobol"``) or Halton
     sequence from :mod:`scipy.stats.qmc`, one independent scrambling per batch element. Scrambling
@@ -498,6 +505,8 @@ SAMPLERS: dict[str, type[Sampler]] = {
 
 def get_sampler(sampler: str | Sampler) -> Sampler:
     """Resolve a sampler name (``"gaussian"``, ``"orthogonal"``, ``"structured"``, ``"qmc"``) or object.
+
+    The sampler's ``sample(r, d, batch_shape=B, generator=g)`` draws projections of shape ``(*B, r, d)``.
 
     Examples
     --------
