@@ -198,6 +198,8 @@ def fmt(x: Any, digits: int = 3) -> str:
     if isinstance(x, (float, np.floating)):
         if not math.isfinite(float(x)):
             return "–" if math.isnan(float(x)) else ("∞" if x > 0 else "-∞")
+        if float(x).is_integer() and abs(x) < 1e7:
+            return str(int(x))
         return f"{float(x):.{digits}g}"
     return str(x)
 
@@ -329,6 +331,7 @@ def provenance(ctx: Context, wall_s: float, compute_s: float, n_cells: int, n_ca
         "device_name": _device_name(ctx.device),
         "dtype": str(ctx.dtype).replace("torch.", ""),
         "torch_threads": torch.get_num_threads(),
+        "load_avg": _load_avg(),
         "wall_s": round(wall_s, 2),
         "compute_s_all_cells": round(compute_s, 2),
         "n_cells": n_cells,
@@ -341,6 +344,15 @@ def provenance(ctx: Context, wall_s: float, compute_s: float, n_cells: int, n_ca
             for p in ("kernelapprox", "torch", "numpy", "scipy", "pandas", "seaborn", "matplotlib")
         },
     }
+
+
+def _load_avg() -> str:
+    try:
+        import os
+
+        return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
 
 
 def _device_name(device: torch.device) -> str:
@@ -416,6 +428,7 @@ def run_study(
         cells = None
     else:
         t0 = time.perf_counter()
+        c0 = time.process_time()
         cells = study.grid(quick)
         cache_dir = folder / ".cache"
         cache_dir.mkdir(exist_ok=True)
@@ -448,6 +461,7 @@ def run_study(
         df.to_csv(csv, index=False)
         df = pd.read_csv(csv)  # plot and summarise exactly what --replot will see
         prov = provenance(ctx, time.perf_counter() - t0, compute_s, len(cells), n_cached)
+        prov["cpu_s"] = round(time.process_time() - c0, 2)
 
     t_plot = time.perf_counter()
     for old in list(folder.glob("*.png")) + list(folder.glob("*.svg")):
@@ -505,6 +519,12 @@ def _compose_summary(
         f"included: {fmt(prov.get('compute_s_all_cells'))} s; {prov.get('n_cells_from_cache', 0)} "
         f"of {prov.get('n_cells', '?')} cells from cache)"
     )
+    if "cpu_s" in prov:
+        lines.append(
+            f"- CPU time of the computation: {fmt(prov['cpu_s'])} s (all threads; wall time "
+            f"above includes waiting when the machine is shared; load average at the end "
+            f"{prov.get('load_avg', '?')})"
+        )
     lines.append(
         f"- device: {prov.get('device')} ({prov.get('device_name')}), dtype {prov.get('dtype')}, "
         f"{prov.get('torch_threads')} torch threads"
@@ -553,15 +573,16 @@ def write_index(out: Path) -> Path:
             "without computing)."
         ),
         "",
-        "| study | what it shows | wall time | quick? |",
+        "| study | what it shows | compute time, all cells | quick? |",
         "|---|---|---|---|",
     ]
     for n in names:
         prov_p = out / n / "provenance.json"
         prov = json.loads(prov_p.read_text()) if prov_p.exists() else {}
-        desc = studies[n].description if n in studies else ""
+        desc = (studies[n].description if n in studies else "").replace("|", "\\|")
+        cost = prov.get("compute_s_all_cells", prov.get("wall_s"))
         lines.append(
-            f"| [{n}]({n}/summary.md) | {desc} | {fmt(prov.get('wall_s'))} s | "
+            f"| [{n}]({n}/summary.md) | {desc} | {fmt(cost)} s | "
             f"{'yes' if prov.get('quick') else 'no'} |"
         )
     lines.append("")
@@ -634,3 +655,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{s.name}] {time.perf_counter() - ts:.1f} s -> {folder}", file=sys.stderr)
     print(f"total {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers for the studies (data, fits, plot style)
+# --------------------------------------------------------------------------------------------
+def sphere_points(
+    n: int, d: int, radius: float, generator: torch.Generator, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """``n`` points uniform on the sphere of radius ``radius`` in R^d, shape (n, d)."""
+    x = torch.randn(n, d, generator=generator, dtype=torch.float64)
+    return (radius * x / x.norm(dim=-1, keepdim=True)).to(dtype)
+
+
+def ball_points(
+    n: int, d: int, radius: float, generator: torch.Generator, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """``n`` points uniform in the ball of radius ``radius`` in R^d, shape (n, d)."""
+    u = torch.rand(n, 1, generator=generator, dtype=torch.float64) ** (1.0 / d)
+    return (sphere_points(n, d, radius, generator) * u).to(dtype)
+
+
+def loglog_slope(x: Sequence[float], y: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """OLS slope of log(y) on log(x) with its t confidence interval ``(slope, lo, hi)``."""
+    from scipy import stats
+
+    lx, ly = np.log(np.asarray(x, float)), np.log(np.asarray(y, float))
+    ok = np.isfinite(lx) & np.isfinite(ly)
+    lx, ly = lx[ok], ly[ok]
+    if lx.size < 3:
+        return float("nan"), float("nan"), float("nan")
+    res = stats.linregress(lx, ly)
+    half = stats.t.ppf(0.5 + level / 2, lx.size - 2) * res.stderr
+    return float(res.slope), float(res.slope - half), float(res.slope + half)
+
+
+def set_style() -> None:
+    """Common seaborn/matplotlib style for every study figure (Agg backend, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import seaborn as sns
+
+    sns.set_theme(context="notebook", style="whitegrid", font_scale=0.9)

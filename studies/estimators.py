@@ -38,15 +38,9 @@ SAMPLER_LABEL = {
     "structured": "SORF",
     "qmc": "QMC",
 }
-# closed-form MSE in ka.theory (issue 3): iid for every random family; chi-norm orthogonal for
-# positive and trig sin/cos; deterministic maps have a closed-form (bias-only) error.
-_THEORY = {
-    ("trig-sincos", "gaussian"),
-    ("trig-offset", "gaussian"),
-    ("positive", "gaussian"),
-    ("hyperbolic", "gaussian"),
-    ("trig-sincos", "orthogonal"),
-    ("positive", "orthogonal"),
+# closed-form MSE in ka.theory (issue 3): iid and chi-norm orthogonal rows for every random
+# family; deterministic maps have a closed-form (bias-only) error.  SORF / QMC: none.
+_THEORY = {(f, s) for f in RANDOM_FAMILIES for s in ("gaussian", "orthogonal")} | {
     ("elu", None),
     ("relu", None),
 }

@@ -1,0 +1,216 @@
+"""Quick-mode runs of every study: output structure, caching/replot, and a few numbers.
+
+Every study listed in ``studies.STUDY_MODULES`` is run once with ``quick=True`` into a temporary
+folder (module-scoped fixture); structural checks apply to all of them, number checks to the
+studies owned here (error-vs-r, dlogd, orthogonal-gain).  studies-B's numbers are checked in
+``tests/test_studies_b.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from studies._framework import (
+    ROW_KEYS,
+    Context,
+    df_to_markdown,
+    load_studies,
+    mean_ci,
+    row,
+    run_study,
+)
+from studies.estimators import ESTIMATORS, select
+
+REPO = Path(__file__).resolve().parent.parent
+STUDIES = load_studies(strict=False)
+NAMES = list(STUDIES)
+
+
+# ---------------------------------------------------------------------------------------------
+# framework units
+# ---------------------------------------------------------------------------------------------
+def test_mean_ci_matches_t_interval() -> None:
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    m, lo, hi = mean_ci(x)
+    half = 3.182446305284263 * x.std(ddof=1) / 2  # t_{0.975, 3} * s / sqrt(4)
+    assert m == pytest.approx(2.5)
+    assert (lo, hi) == pytest.approx((2.5 - half, 2.5 + half))
+    assert mean_ci(np.array([5.0])) == (5.0, 5.0, 5.0)
+
+
+def test_row_and_markdown() -> None:
+    r = row("m", torch.tensor([1.0, 3.0]), r=8)
+    assert set(ROW_KEYS) <= set(r) and r["n_draws"] == 2 and r["r"] == 8
+    s = row("m", 2.0)
+    assert s["mean"] == s["ci_low"] == s["ci_high"] == 2.0 and s["n_draws"] == 1
+    md = df_to_markdown(pd.DataFrame({"a": [1, 2], "b": [0.123456, float("nan")]}))
+    assert md.splitlines()[0] == "| a | b |" and "0.123" in md and "–" in md
+
+
+def test_context_seeds_are_deterministic_and_distinct() -> None:
+    a, b = Context(seed=0, study="x"), Context(seed=1, study="x")
+    assert a.seed_for({"d": 4}, 8) == Context(seed=0, study="x").seed_for({"d": 4}, 8)
+    assert a.seed_for({"d": 4}, 8) != a.seed_for({"d": 4}, 16) != b.seed_for({"d": 4}, 8)
+    g1, g2 = a.generator("k"), a.generator("k")
+    assert torch.equal(torch.randn(3, generator=g1), torch.randn(3, generator=g2))
+
+
+def test_every_registered_estimator_builds_batched() -> None:
+    q = torch.randn(5, 4, dtype=torch.float64) / 2
+    for spec in ESTIMATORS.values():
+        fm = spec.build(4, 8, batch_shape=(3,), seed=1)
+        K = fm.kernel(q, q)
+        assert K.shape[-2:] == (5, 5) and torch.isfinite(K).all(), spec.key
+        if spec.is_random:
+            assert K.shape == (3, 5, 5), spec.key
+            assert fm.sampler.name == spec.sampler
+    assert {s.key for s in select(random=False)} == {"elu", "relu"}
+    assert len(select(families="positive")) == 4
+
+
+def test_list_cli() -> None:
+    out = subprocess.run([sys.executable, "-m", "studies", "list"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=True)
+    for name in ("error-vs-r", "dlogd", "orthogonal-gain"):
+        assert name in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# quick runs of every study
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("reports")
+
+
+_RUNS: dict[str, Path] = {}
+
+
+def _quick(name: str, out: Path) -> Path:
+    if name not in _RUNS:
+        _RUNS[name] = run_study(STUDIES[name], out=out, quick=True, progress=False)
+    return _RUNS[name]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_quick_run_structure(name: str, out_dir: Path) -> None:
+    folder = _quick(name, out_dir)
+    study = STUDIES[name]
+    df = pd.read_csv(folder / "results.csv")
+    assert len(df) > 0
+    assert set(ROW_KEYS) <= set(df.columns)
+    assert df["metric"].notna().all() and (df["n_draws"] >= 1).all()
+    fin = df[np.isfinite(df["mean"]) & np.isfinite(df["ci_low"]) & np.isfinite(df["ci_high"])]
+    tol = 1e-9 * (1 + fin["mean"].abs())
+    assert ((fin["ci_low"] <= fin["mean"] + tol) & (fin["mean"] <= fin["ci_high"] + tol)).all()
+    pngs = sorted(folder.glob("*.png"))
+    assert pngs, "no figures"
+    for p in pngs:
+        assert p.stat().st_size > 5000 and p.with_suffix(".svg").exists()
+    if study.headline:
+        assert (folder / study.headline).exists()
+    summary = (folder / "summary.md").read_text()
+    for section in ("## What was run", "## Provenance"):
+        assert section in summary
+    assert "|---" in summary, "no table in the summary"
+    prov = json.loads((folder / "provenance.json").read_text())
+    assert prov["quick"] is True and prov["n_cells"] >= 1 and prov["wall_s"] > 0
+    index = (out_dir / "README.md").read_text()
+    assert f"[{name}]({name}/summary.md)" in index
+
+
+@pytest.mark.parametrize("name", [n for n in ("error-vs-r", "dlogd", "orthogonal-gain")
+                                  if n in STUDIES])
+def test_own_studies_have_a_finding(name: str, out_dir: Path) -> None:
+    summary = (_quick(name, out_dir) / "summary.md").read_text()
+    assert "## Key results" in summary and "## Finding" in summary
+    finding = summary.split("## Finding", 1)[1].split("## Provenance", 1)[0]
+    assert any(ch.isdigit() for ch in finding)
+
+
+def test_cache_resume_and_replot(out_dir: Path) -> None:
+    name = "orthogonal-gain"
+    folder = _quick(name, out_dir)
+    before = pd.read_csv(folder / "results.csv")
+    run_study(STUDIES[name], out=out_dir, quick=True, progress=False)  # all cells cached
+    prov = json.loads((folder / "provenance.json").read_text())
+    assert prov["n_cells_from_cache"] == prov["n_cells"]
+    pd.testing.assert_frame_equal(before, pd.read_csv(folder / "results.csv"))
+    for p in folder.glob("*.png"):
+        p.unlink()
+    run_study(STUDIES[name], out=out_dir, replot=True, progress=False)  # no compute
+    assert list(folder.glob("*.png"))
+    assert "redrawn from results.csv" in (folder / "summary.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# numbers
+# ---------------------------------------------------------------------------------------------
+def _se(g: pd.DataFrame) -> pd.Series:
+    """Standard error from the stored 95% t-interval."""
+    from scipy import stats
+
+    t = stats.t.ppf(0.975, (g["n_draws"] - 1).clip(lower=1))
+    return (g["ci_high"] - g["ci_low"]) / (2 * t)
+
+
+def test_error_vs_r_iid_slope_is_minus_half(out_dir: Path) -> None:
+    from studies.error_vs_r import slopes
+
+    df = pd.read_csv(_quick("error-vs-r", out_dir) / "results.csv")
+    sl = slopes(df)
+    g = sl[(sl["sampler"] == "gaussian") & (sl["regime"] == "sphere-1")
+           & sl["family"].isin(["trig-sincos", "trig-offset"])]
+    assert len(g) >= 2
+    for _, x in g.iterrows():
+        half = (x["slope_hi"] - x["slope_lo"]) / 2
+        # -1/2 inside the CI widened by its own half-width (a CI-derived tolerance)
+        assert x["slope_lo"] - half <= -0.5 <= x["slope_hi"] + half, x.to_dict()
+
+
+def test_error_vs_r_matches_closed_form(out_dir: Path) -> None:
+    df = pd.read_csv(_quick("error-vs-r", out_dir) / "results.csv")
+    g = df[(df["metric"] == "rel_mse_entry") & (df["estimator"] == "trig-sincos-gaussian")
+           & (df["regime"] == "sphere-1")]
+    assert len(g) >= 4 and g["theory"].notna().all()
+    z = (g["mean"] - g["theory"]).abs() / _se(g)
+    assert (z < 5).all(), z.to_list()  # bounded features: light tails, t-interval is reliable
+
+
+def test_orthogonal_gain_trig_below_one_and_matches_theory(out_dir: Path) -> None:
+    df = pd.read_csv(_quick("orthogonal-gain", out_dir) / "results.csv")
+    g = df[(df["metric"] == "mse_ratio") & (df["family"] == "trig-sincos")
+           & (df["sampler"] == "orthogonal") & (df["sweep"] == "diff") & (df["r"] == df["d"])]
+    assert len(g) > 0
+    assert (g["ci_high"] < 1).all()  # orthogonal rows reduce the trig MSE at r = d
+    lo, hi = np.log(g["ci_low"]), np.log(g["ci_high"])
+    half = (hi - lo) / 2
+    assert ((np.log(g["theory"]) >= lo - half) & (np.log(g["theory"]) <= hi + half)).all()
+
+
+def test_dlogd_adversarial_dominates_dense_and_pointwise_theory(out_dir: Path) -> None:
+    df = pd.read_csv(_quick("dlogd", out_dir) / "results.csv")
+    sup = df[df["kind"] == "sup"]
+    adv = sup[sup["metric"] == "sup_adv"].set_index(["estimator", "R", "d", "r"])["values"]
+    den = sup[sup["metric"] == "sup_dense"].set_index(["estimator", "R", "d", "r"])["values"]
+    for key in adv.index:
+        a, b = np.array(json.loads(adv[key])), np.array(json.loads(den[key]))
+        assert (a >= b - 1e-12).all(), key  # the search starts from the dense sample's worst pairs
+    pw = df[(df["metric"] == "pointwise_rel_mse") & (df["estimator"] == "trig-sincos-orthogonal")]
+    assert len(pw) > 0
+    z = (pw["mean"] - pw["theory"]).abs() / _se(pw)
+    assert (z < 5).all(), z.to_list()
+    from studies.dlogd import rstar_table
+
+    rst, _ = rstar_table(df, n_boot=50)
+    trig = rst[(rst["estimator"] == "trig-sincos-orthogonal") & (rst["method"] == "sup_adv")
+               & (rst["eps"] == rst["eps"].max())]
+    assert np.isfinite(trig["r_star"]).any()
