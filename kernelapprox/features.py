@@ -155,6 +155,11 @@ class FeatureMap(nn.Module):
         """
         raise NotImplementedError
 
+    def _query_features(self, x: torch.Tensor) -> torch.Tensor:
+        """``f`` of :meth:`log_features` without its per-row scale (queries in attention, where
+        the per-row scale cancels); subclasses skip computing the scale."""
+        return self.log_features(x)[0]
+
     @no_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r""":math:`\varphi(x)`, the plain (unstabilised) features.
@@ -421,6 +426,14 @@ class PositiveRF(RandomFeatureMap):
             m = u.amax(dim=-1)
         return _exp_shifted(u, m, self._bias(xc), shared)
 
+    @no_autocast
+    def _query_features(self, x):
+        xc, _ = self._prepare("x", x)
+        u = self.projection(xc)
+        with torch.no_grad():
+            m = u.amax(dim=-1, keepdim=True)
+        return torch.exp(u - m) if _grad(u) else u.sub_(m).exp_()
+
 
 def _grad(*ts: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
@@ -579,27 +592,37 @@ class TrigRF(RandomFeatureMap):
         """Length of :math:`\\varphi(x)` (see the class docstring)."""
         return 2 * self.num_features if self.variant == "sincos" else self.num_features
 
-    def _scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scaled(self, x: torch.Tensor, need_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Bounded trigonometric part ``f`` (..., n, F) and per-row log scale (..., n)."""
         xc, _ = self._prepare("x", x)
         r = self.num_features
         if self.variant == "sincos":
-            u = self.projection(xc)
-            if _grad(u):
+            if _grad(xc, *self.projection.buffers()):
+                u = self.projection(xc)
                 f = torch.cat((torch.sin(u), torch.cos(u)), dim=-1)
             else:
-                f = u.new_empty(*u.shape[:-1], 2 * r)
-                torch.sin(u, out=f[..., :r])
+                # Write Wx straight into the first half of the output (no separate (n, r)
+                # buffer), take its cosine into the second half, then its sine in place.
+                lead = torch.broadcast_shapes(xc.shape[:-2], self.batch_shape)
+                f = xc.new_empty(*lead, xc.shape[-2], 2 * r)
+                u = self.projection.project_into(xc, f[..., :r])
                 torch.cos(u, out=f[..., r:])
-            ls = _sqnorm_half(xc) - 0.5 * math.log(r)
+                u.sin_()
+            ls = _sqnorm_half(xc) - 0.5 * math.log(r) if need_scale else None
         else:
             u = self.projection.affine(xc, col_bias=self.offsets)
             f = torch.cos(u) if _grad(u) else u.cos_()
-            ls = _sqnorm_half(xc) + 0.5 * math.log(2.0 / r)
+            ls = _sqnorm_half(xc) + 0.5 * math.log(2.0 / r) if need_scale else None
+        if not need_scale:
+            return f, None
         lead = f.shape[:-1]
         if ls.shape != lead:
             ls = ls.expand(lead)
         return f, ls
+
+    @no_autocast
+    def _query_features(self, x):
+        return self._scaled(x, need_scale=False)[0]
 
     def forward(self, x):
         _, out_dtype = self._prepare("x", x)

@@ -146,6 +146,10 @@ class Projection(nn.Module):
         """The dense projection :math:`W`, shape ``(*batch_shape, r, d)``."""
         raise NotImplementedError
 
+    def project_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Write :math:`xW^\\top` into ``out`` (shape (..., n, r), possibly a strided view); return ``out``."""
+        return out.copy_(self(x))
+
     def affine(
         self,
         x: torch.Tensor,
@@ -196,6 +200,13 @@ class DenseProjection(Projection):
     def weight(self) -> torch.Tensor:
         """The projection buffer, shape ``(*batch_shape, r, d)``."""
         return self._weight
+
+    def project_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Write x W^T into ``out`` (a GEMM with a strided output when shapes allow)."""
+        W = self._weight.to(x.dtype)
+        if x.shape[:-2] == out.shape[:-2] and W.dim() == 2:
+            return torch.matmul(x, W.mT, out=out)
+        return out.copy_(self(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T: x (..., n, d) -> (*broadcast(..., batch_shape), n, r)."""

@@ -71,7 +71,7 @@ def chunk_linear_attention(
         raise ValueError(f"chunk_size must be a positive int (a number of tokens), got {chunk_size!r}")
     q, k, v, out_dtype, cdt = prepare(q, k, v, feature_map, True, initial_state)
     check_state_dv(initial_state, v)
-    fq, _ = feature_map.log_features(q)  # the per-query scale cancels
+    fq = feature_map._query_features(q)  # the per-query scale cancels
     fk, s = feature_map.log_features(k)  # per-key log scales s: (..., n), float64 for random maps
     s = s.double()  # keeps the gradient of the per-key scale; the stabilisers below are detached
     v1 = torch.cat((v, v.new_ones(*v.shape[:-1], 1)), dim=-1)

@@ -53,7 +53,7 @@ def parallel_linear_attention(
     kv = torch.matmul(fk.mT, v1)
     if kv0 is not None:
         kv = kv * w + kv0
-    fq, _ = feature_map.log_features(q)
+    fq = feature_map._query_features(q)  # the per-query scale cancels
     out = normalise(*split(torch.matmul(fq, kv)), feature_map.positive, eps).to(out_dtype)
     if return_state:
         return out, LinearAttentionState(kv, g.expand(*kv.shape[:-2], 1, 1))

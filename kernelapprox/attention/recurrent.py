@@ -104,6 +104,6 @@ class RecurrentLinearAttention:
             kv = old.kv.to(cdt) * torch.exp(old_ls - g).to(cdt) + upd * torch.exp(gk - g).to(cdt)
         self.state = LinearAttentionState(kv, g.expand(*kv.shape[:-2], 1, 1))
         self.steps += 1
-        fq, _ = self.feature_map.log_features(q)
+        fq = self.feature_map._query_features(q)
         out = normalise(*split(torch.matmul(fq, kv)), self.feature_map.positive, self.eps)
         return out.squeeze(-2).to(out_dtype)
