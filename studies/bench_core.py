@@ -11,7 +11,8 @@ Prints four groups of ratios for B=4, H=8, n=4096, d=64, r=256:
 
 Times are medians over repeats after warm-up (``torch.cuda.synchronize`` on GPU). Peak memory
 is ``torch.cuda.max_memory_allocated`` on GPU; on CPU the peak resident-set growth of a fresh
-subprocess running only that call (``resource.getrusage``), so it includes allocator slack.
+subprocess running only that call (``VmHWM`` after resetting it through ``/proc/self/clear_refs``,
+minus ``VmRSS`` before the call), so it includes allocator slack.
 """
 
 from __future__ import annotations
@@ -106,7 +107,14 @@ def bench_attention(B, H, n, d, r, device, dtype, repeats) -> dict[str, float]:
 
 
 _MEM_CHILD = r"""
-import json, resource, sys, torch, kernelapprox as ka
+import json, sys, torch, kernelapprox as ka
+
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024  # MiB
+
 n, causal = int(sys.argv[1]), sys.argv[2] == "1"
 B, H, d, r = 4, 8, 64, 256
 g = torch.Generator().manual_seed(0)
@@ -115,11 +123,14 @@ q.mul_(d ** -0.25)
 k.mul_(d ** -0.25)
 fm = ka.PositiveRF(d, r, sampler="orthogonal", seed=0)
 small = ka.linear_attention(q[..., :64, :], k[..., :64, :], v[..., :64, :], fm, causal=causal)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with open("/proc/self/clear_refs", "w") as f:  # reset the peak-RSS mark (VmHWM)
+    f.write("5")
+base = status("VmRSS")
 with torch.no_grad():
     out = ka.linear_attention(q, k, v, fm, causal=causal)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"peak_mib": (peak - base) / 1024, "inputs_mib": 3 * q.numel() * 4 / 2**20, "features_mib": 2 * B * H * n * r * 4 / 2**20}))
+peak = status("VmHWM")
+print(json.dumps({"peak_mib": peak - base, "inputs_mib": 3 * q.numel() * 4 / 2**20,
+                  "features_mib": 2 * B * H * n * r * 4 / 2**20}))
 """
 
 
