@@ -6,11 +6,9 @@ the reports in ``reports/``.  Each study is a module defining ``STUDY = Study(..
 """
 
 STUDY_MODULES: tuple[str, ...] = (
-    # owner studies-A
     "error_vs_r",
     "dlogd",
     "orthogonal_gain",
-    # owner studies-B
     "attention_error",
     "cost_crossover",
     "state_capacity",

@@ -358,6 +358,13 @@ def _load_avg() -> str:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(device)
+    try:  # Linux: the CPU model, e.g. "AMD EPYC ..." (platform.processor() only says "x86_64")
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
     return platform.processor() or platform.machine()
 
 

@@ -1,8 +1,8 @@
 """Quick-mode runs of every study: output structure, caching/replot, and a few numbers.
 
 Every study listed in ``studies.STUDY_MODULES`` is run once with ``quick=True`` into a temporary
-folder (module-scoped fixture); structural checks apply to all of them, number checks to the
-studies owned here (error-vs-r, dlogd, orthogonal-gain).  studies-B's numbers are checked in
+folder (module-scoped fixture); structural checks apply to all of them, number checks here to
+error-vs-r, dlogd and orthogonal-gain; the other four studies' numbers are checked in
 ``tests/test_studies_b.py``.
 """
 
