@@ -149,6 +149,26 @@ def test_log_features_bounded_at_large_norm(name):
         f, ls = fm.log_features(x, shared=shared)
         assert torch.isfinite(f).all() and torch.isfinite(ls).all()
         assert f.abs().max() <= 1.0 + 1e-6
+        # ... and it is the right thing: log|phi| = log|f| + log_scale against the float64 formula,
+        # wherever phi is not negligible next to the row's (or sequence's) largest feature.
+        xd, W = x.double(), fm.weight.double()
+        u = xd @ W.mT
+        half = 0.5 * (xd * xd).sum(-1, keepdim=True)
+        r = fm.num_features
+        if name == "positive":
+            log_phi = u - half - 0.5 * math.log(r)
+        elif name == "hyperbolic":
+            log_phi = torch.cat((u, -u), -1) - half - 0.5 * math.log(2 * r)
+        elif name == "trig_sincos":
+            log_phi = torch.log(torch.cat((torch.sin(u), torch.cos(u)), -1).abs()) + half - 0.5 * math.log(r)
+        else:
+            c = torch.cos(u + fm.offsets.double())
+            log_phi = torch.log(c.abs()) + half + 0.5 * math.log(2.0 / r)
+        got = torch.log(f.double().abs()) + (ls.double().unsqueeze(-1))
+        keep = f.abs() > 1e-3  # float32 f near 0 carries only absolute precision
+        # power: every row keeps its largest feature (per-row scale), or the sequence does (shared)
+        assert keep.any(-1).all() if not shared else keep.flatten(-2).any(-1).all()
+        assert (got - log_phi)[keep].abs().max() < 1e-2  # float32 on |Wx| ~ 100: abs error ~ 1e-5 * 100
 
 
 # --------------------------------------------------------------------------- batch_shape semantics
