@@ -179,8 +179,10 @@ def test_error_vs_r_iid_slope_is_minus_half(out_dir: Path) -> None:
     assert len(g) >= 2
     for _, x in g.iterrows():
         half = (x["slope_hi"] - x["slope_lo"]) / 2
-        # -1/2 inside the CI widened by its own half-width (a CI-derived tolerance)
+        # -1/2 inside the CI widened by its own half-width (about 4 standard errors)...
         assert x["slope_lo"] - half <= -0.5 <= x["slope_hi"] + half, x.to_dict()
+        # ... and the CI is narrow enough for that to mean something (power guard).
+        assert half < 0.05, x.to_dict()
 
 
 def test_error_vs_r_matches_closed_form(out_dir: Path) -> None:
@@ -190,6 +192,7 @@ def test_error_vs_r_matches_closed_form(out_dir: Path) -> None:
     assert len(g) >= 4 and g["theory"].notna().all()
     z = (g["mean"] - g["theory"]).abs() / _se(g)
     assert (z < 5).all(), z.to_list()  # bounded features: light tails, t-interval is reliable
+    assert (_se(g) < 0.05 * g["theory"]).all()  # power: a 25% error in the formula would fail
 
 
 def test_orthogonal_gain_trig_below_one_and_matches_theory(out_dir: Path) -> None:
@@ -200,7 +203,12 @@ def test_orthogonal_gain_trig_below_one_and_matches_theory(out_dir: Path) -> Non
     assert (g["ci_high"] < 1).all()  # orthogonal rows reduce the trig MSE at r = d
     lo, hi = np.log(g["ci_low"]), np.log(g["ci_high"])
     half = (hi - lo) / 2
+    # theory inside the (log) 95% CI widened by its half-width: |z| < ~3.9 on the log scale
     assert ((np.log(g["theory"]) >= lo - half) & (np.log(g["theory"]) <= hi + half)).all()
+    # power: quick mode resolves the ratio to about +-25% (log half-width ~0.25), enough to see
+    # the gain (theory 0.15-0.6, a log gap >= 0.5 from 1) but, widened, it tolerates a formula off
+    # by a factor ~1.6; the closed form itself is checked tightly in tests/test_theory_moments.py.
+    assert (half < 0.3).all(), half.to_list()
 
 
 def test_dlogd_adversarial_dominates_dense_and_pointwise_theory(out_dir: Path) -> None:
@@ -215,6 +223,10 @@ def test_dlogd_adversarial_dominates_dense_and_pointwise_theory(out_dir: Path) -
     assert len(pw) > 0
     z = (pw["mean"] - pw["theory"]).abs() / _se(pw)
     assert (z < 5).all(), z.to_list()
+    # power: in quick mode se/theory is ~0.07-0.11, so |z| < 5 still tolerates a formula off by
+    # ~50%; the closed form itself is checked tightly in tests/test_theory_moments.py, and here we
+    # only require that the study reproduces it at that (stated) resolution.
+    assert (_se(pw) < 0.12 * pw["theory"]).all()
     from studies.dlogd import rstar_table
 
     rst, _ = rstar_table(df, n_boot=50)
