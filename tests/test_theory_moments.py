@@ -307,8 +307,8 @@ def test_large_arguments_finite_or_true_overflow():
 
 
 def test_shapes_broadcasting_and_torch_roundtrip():
-    q = torch.randn(2, 1, 5, 3, dtype=F64) / 2
-    k = torch.randn(4, 7, 3, dtype=torch.float32) / 2
+    q = torch.randn(generator=torch.Generator().manual_seed(310), size=(2, 1, 5, 3), dtype=F64) / 2
+    k = torch.randn(generator=torch.Generator().manual_seed(311), size=(4, 7, 3), dtype=torch.float32) / 2
     out = M.positive_mse(q, k, 8, orthogonal="chi")
     assert isinstance(out, torch.Tensor) and out.dtype == F64 and out.shape == (2, 4, 5, 7)
     ref = M.positive_mse(q[1, 0].numpy(), k[2].double().numpy(), 8, orthogonal="chi")
@@ -317,8 +317,8 @@ def test_shapes_broadcasting_and_torch_roundtrip():
 
 
 def test_dispatch_reads_feature_map():
-    q = torch.randn(3, 4, dtype=F64) / 2
-    k = torch.randn(5, 4, dtype=F64) / 2
+    q = torch.randn(generator=torch.Generator().manual_seed(320), size=(3, 4), dtype=F64) / 2
+    k = torch.randn(generator=torch.Generator().manual_seed(321), size=(5, 4), dtype=F64) / 2
     cases = [
         (ka.TrigRF(4, 6, seed=0), "trig_sincos", None),
         (ka.TrigRF(4, 6, variant="offset", sampler="orthogonal", seed=0), "trig_offset", "chi"),
@@ -336,7 +336,7 @@ def test_dispatch_reads_feature_map():
         for fn in (M.bias, M.variance, M.mse, M.relative_mse):
             with pytest.raises(NotImplementedError, match="montecarlo.kernel_error"):
                 fn(fm, q, k)
-    fm = ka.PositiveRF.from_projection(torch.randn(8, 4, dtype=F64))
+    fm = ka.PositiveRF.from_projection(torch.randn(generator=torch.Generator().manual_seed(339), size=(8, 4), dtype=F64))
     with pytest.raises(NotImplementedError, match="no closed form"):
         M.mse(fm, q, k)
     with pytest.raises(TypeError):
@@ -351,8 +351,8 @@ def test_dispatch_reads_feature_map():
 
 @pytest.mark.parametrize("cls", [ka.EluFeatures, ka.ReluFeatures])
 def test_deterministic_error_bias_only(cls):
-    q = torch.randn(3, 4, dtype=F64) / 2
-    k = torch.randn(5, 4, dtype=F64) / 2
+    q = torch.randn(generator=torch.Generator().manual_seed(354), size=(3, 4), dtype=F64) / 2
+    k = torch.randn(generator=torch.Generator().manual_seed(355), size=(5, 4), dtype=F64) / 2
     fm = cls(4)
     err = M.deterministic_error(fm, q, k)
     direct = fm(q) @ fm(k).T - torch.exp(q @ k.T)
