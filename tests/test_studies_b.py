@@ -75,8 +75,13 @@ def test_qr_sign_bias_numbers(reports: dict[str, Path]) -> None:
     peers = df[(df.metric == "row_mean") & (df.direction == "peers")]
     unc = peers[peers.variant == "uncorrected-cols"].sort_values("row")
     cor = peers[peers.variant == "corrected"].sort_values("row")
-    # the reference sheet's 0.32, 0.63, 1.21, 1.12 (d = 4, x = (1, .5, -.3, .2))
-    np.testing.assert_allclose(unc["mean"], [0.32, 0.63, 1.21, 1.12], atol=0.08)
+    # the reference sheet's 0.32, 0.63, 1.21, 1.12 (d = 4, x = (1, .5, -.3, .2), NumPy's QR, 20k
+    # draws). The tolerance is not a standard error: LAPACK builds differ in the sign conventions
+    # that produce the bias (peers.md: jax.numpy gives 0.32, 0.62, 1.22, 1.16 for the same x), so
+    # the check is "the same bias pattern, within the spread between implementations" (0.04),
+    # plus this run's own 4 standard errors.
+    se = (unc["ci_high"] - unc["ci_low"]) / (2 * 1.96)
+    assert (np.abs(unc["mean"].to_numpy() - [0.32, 0.63, 1.21, 1.12]) <= 0.04 + 4 * se.to_numpy()).all()
     assert unc["ci_high"].iloc[0] < 0.5  # row 0: far outside its CI
     # the corrected sampler: every row's CI is compatible with 1 at the Bonferroni level
     assert (np.abs(cor["z"]) < 4.0).all()
@@ -110,7 +115,7 @@ def test_attention_error_numbers(reports: dict[str, Path]) -> None:
     sub = df[(df.family == "positive") & (df.metric == "rel_err") & (df.sigma == 0.5)]
     for _, s in sub.groupby("n"):
         s = s.sort_values("r")
-        assert s["mean"].iloc[-1] < s["mean"].iloc[0]
+        assert s["ci_high"].iloc[-1] < s["ci_low"].iloc[0]  # separated 95% CIs, not just means
     # deterministic maps: one value per (n, sigma), TV is a proper distance in [0, 1]
     elu = df[(df.family == "elu") & (df.metric == "tv")]
     assert len(elu) == elu.groupby(["n", "sigma"]).ngroups
@@ -133,8 +138,9 @@ def test_state_capacity_numbers(reports: dict[str, Path]) -> None:
     lin = acc[acc.method == "linear"]
     big = lin[lin.n == lin.n.max()]
     assert (big["mean"] < 0.5).all()  # the fixed-size state has collapsed at the largest n
-    at64 = lin[lin.n == 64].set_index("r")["mean"]
-    assert at64.loc[at64.index.max()] > at64.loc[at64.index.min()]  # more features, more recall
+    at64 = lin[lin.n == 64].set_index("r")
+    # more features, more recall: separated 95% CIs
+    assert at64["ci_low"].loc[at64.index.max()] > at64["ci_high"].loc[at64.index.min()]
     n50 = df[df.metric == "n50"]
     assert set(n50["method"]) == {"softmax", "linear", "elu"}
 
