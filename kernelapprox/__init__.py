@@ -30,6 +30,15 @@ from .features import (
     ReluFeatures,
     TrigRF,
 )
+from .registry import (
+    Estimator,
+    EstimatorTheory,
+    estimator_of,
+    estimators,
+    get_estimator,
+    register_estimator,
+    unregister_estimator,
+)
 from .samplers import (
     GaussianSampler,
     OrthogonalSampler,
@@ -41,6 +50,13 @@ from .samplers import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Estimator",
+    "EstimatorTheory",
+    "register_estimator",
+    "unregister_estimator",
+    "get_estimator",
+    "estimator_of",
+    "estimators",
     "FeatureMap",
     "RandomFeatureMap",
     "TrigRF",

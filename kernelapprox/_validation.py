@@ -6,9 +6,11 @@ argument, the expected value and the received one; nothing here uses ``assert``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -21,6 +23,8 @@ __all__ = [
     "compute_dtype",
     "as_batch_shape",
     "no_autocast",
+    "inputs_validated",
+    "validation_skipped",
 ]
 
 _F = TypeVar("_F", bound=Callable)
@@ -116,9 +120,44 @@ def broadcast_batch(name: str, leading: Sequence[int], batch_shape: Sequence[int
         ) from None
 
 
-def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """The dtype computations run in: at least float32 (bf16/fp16 are promoted)."""
+def compute_dtype(*dtypes: torch.dtype | None) -> torch.dtype:
+    """The dtype computations run in: ``promote(*dtypes)``, at least float32 (bf16/fp16 are
+    promoted); ``None`` entries (a map without buffers) are ignored.
+
+    This is the library's one dtype rule: every entry point computes in
+    ``compute_dtype(input dtypes..., feature-map dtype)`` and returns the inputs' dtype.
+
+    Examples
+    --------
+    >>> compute_dtype(torch.bfloat16, torch.float16), compute_dtype(torch.float32, torch.float64)
+    (torch.float32, torch.float64)
+    """
     out = torch.float32
     for dt in dtypes:
-        out = torch.promote_types(out, dt)
+        if dt is not None:
+            out = torch.promote_types(out, dt)
     return out
+
+
+_VALIDATED: contextvars.ContextVar[bool] = contextvars.ContextVar("kernelapprox_validated", default=False)
+
+
+@contextlib.contextmanager
+def inputs_validated() -> Iterator[None]:
+    """Within this block, feature maps skip re-validating their inputs.
+
+    Entry points (attention, ``kernel``, ``forward``) validate every input once, with messages
+    that name *their* arguments, then call the public feature-map methods inside this block, so
+    each input is checked once per call.
+    """
+    token = _VALIDATED.set(True)
+    try:
+        yield
+    finally:
+        _VALIDATED.reset(token)
+
+
+def validation_skipped() -> bool:
+    """Whether the caller already validated the inputs (see :func:`inputs_validated`)."""
+    return _VALIDATED.get()
+

@@ -37,8 +37,9 @@ References
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -50,8 +51,11 @@ from ._validation import (
     check_last_dim,
     check_positive_int,
     compute_dtype,
+    inputs_validated,
     no_autocast,
+    validation_skipped,
 )
+from .registry import _rule_for, estimator_of, register_estimator
 from .samplers import (
     DenseProjection,
     GivenSampler,
@@ -83,8 +87,17 @@ def _sqnorm_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class FeatureMap(nn.Module):
-    r"""Base class of feature maps. Subclasses implement :meth:`log_features` (and may override
-    :meth:`forward` with a faster direct path).
+    r"""Base class of feature maps :math:`\varphi: \mathbb R^d \to \mathbb R^F`.
+
+    A subclass implements :meth:`log_features` (and may override :meth:`forward` and
+    :meth:`query_features` with faster direct paths), then registers its identity once with
+    :func:`kernelapprox.register_estimator`; attention, theory, Monte Carlo and the studies use only
+    the public methods below and that identity.
+
+    Dtypes (one rule for every entry point of the library). Computations run in
+    ``promote(input dtypes, map dtype)``, and at least float32 (bfloat16/float16 are promoted);
+    results come back in the inputs' dtype (``promote(q, k, v)`` for attention). The torch default
+    dtype plays no role beyond the dtype a map is built with when ``dtype=None``.
 
     Attributes
     ----------
@@ -93,7 +106,7 @@ class FeatureMap(nn.Module):
     num_features : int
         ``r``: number of random projections (``d`` for the deterministic maps).
     feature_dim : int
-        Length ``F`` of :math:`\varphi(x)`.
+        Length ``F`` of :math:`\varphi(x)`, from the rule registered with the estimator.
     batch_shape : tuple of int
         Shape of the batch of independent projections (``()`` for deterministic maps).
     is_random, positive : bool
@@ -105,30 +118,93 @@ class FeatureMap(nn.Module):
 
     dim: int
     num_features: int
-    feature_dim: int
     batch_shape: tuple[int, ...] = ()
 
-    def __init_subclass__(cls, **kwargs) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         # Every map computes its float32 internals in float32, also inside torch.autocast.
         super().__init_subclass__(**kwargs)
-        for name in ("forward", "log_features", "kernel"):
+        for name in ("forward", "log_features", "query_features", "kernel"):
             if name in cls.__dict__:
                 setattr(cls, name, no_autocast(cls.__dict__[name]))
 
-    # ------------------------------------------------------------------ helpers
-    def _param_dtype(self) -> torch.dtype:
-        for b in self.buffers():
-            if b.is_floating_point():
-                return b.dtype
-        return torch.float32
+    # ------------------------------------------------------------------ identity
+    @property
+    def estimator(self):  # -> Estimator (annotation omitted: registry imports this module lazily)
+        """The registered identity of this map (:func:`kernelapprox.estimator_of`)."""
+        return estimator_of(self)
 
+    @property
+    def feature_dim(self) -> int:
+        """Length ``F`` of :math:`\\varphi(x)`: the registered rule of the estimator at ``(r, d)``."""
+        est = _rule_for(self)
+        if est is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} is not registered: register it with "
+                "ka.register_estimator(..., feature_dim=...) or define a feature_dim property"
+            )
+        return est.feature_dim(self.num_features, self.dim)
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """Dtype of the map's floating buffers and parameters (``None`` for maps without any)."""
+        for t in self.buffers():
+            if t.is_floating_point():
+                return t.dtype
+        for t in self.parameters():
+            if t.is_floating_point():
+                return t.dtype
+        return None
+
+    def compute_dtype(self, *dtypes: torch.dtype) -> torch.dtype:
+        """The dtype this map computes in for inputs of ``dtypes``: ``promote(dtypes, param_dtype)``,
+        at least float32."""
+        return compute_dtype(*dtypes, self.param_dtype)
+
+    def get_params(self) -> dict[str, Any]:
+        """Constructor arguments that rebuild an equivalent map (scikit-learn style).
+
+        Every named argument of the constructors along the class hierarchy that the map stores as
+        an attribute of the same name, plus ``dtype`` and ``device`` read from its buffers;
+        ``seed`` and ``generator`` are left out (a rebuilt random map draws anew).
+
+        Examples
+        --------
+        >>> PositiveRF(4, 8, sampler="orthogonal", seed=0).get_params()["sampler"]
+        OrthogonalSampler(norms='chi')
+        """
+        out: dict[str, Any] = {}
+        for klass in type(self).__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None:
+                continue
+            params = list(inspect.signature(init).parameters.values())[1:]
+            for p in params:
+                if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name.startswith("_") or p.name in out:
+                    continue
+                if p.name in ("seed", "generator"):
+                    continue
+                if p.name == "dtype":
+                    if self.param_dtype is not None:
+                        out["dtype"] = self.param_dtype
+                elif p.name == "device":
+                    ref = next(iter(self.buffers()), None)
+                    if ref is not None:
+                        out["device"] = ref.device
+                elif hasattr(self, p.name):
+                    out[p.name] = getattr(self, p.name)
+            if not any(p.kind == p.VAR_KEYWORD for p in params):
+                break
+        return out
+
+    # ------------------------------------------------------------------ helpers
     def _prepare(self, name: str, x: object) -> tuple[torch.Tensor, torch.dtype]:
-        """Validate ``x`` (..., n, d) and cast it to the compute dtype (>= float32)."""
-        x = check_floating(name, x)
-        check_last_dim(name, x, self.dim)
-        broadcast_batch(name, x.shape[:-2], self.batch_shape)
-        cdt = compute_dtype(x.dtype, self._param_dtype())
-        return x.to(cdt), x.dtype
+        """Validate ``x`` (..., n, d) (unless a caller already did) and cast it to the compute dtype."""
+        if not validation_skipped():
+            x = check_floating(name, x)
+            check_last_dim(name, x, self.dim)
+            broadcast_batch(name, x.shape[:-2], self.batch_shape)
+        x = cast(torch.Tensor, x)  # validated above, or by the calling entry point
+        return x.to(self.compute_dtype(x.dtype)), x.dtype
 
     # ------------------------------------------------------------------ API
     @no_autocast
@@ -146,18 +222,30 @@ class FeatureMap(nn.Module):
         Returns
         -------
         f : Tensor, shape (*broadcast(x.shape[:-2], batch_shape), n, feature_dim)
-            Bounded features in the compute dtype (float32 for 16-bit inputs).
+            Bounded features in the compute dtype (see the class docstring).
         log_scale : Tensor, shape (..., n) or (..., 1)
             Natural log of the per-row (or shared) scale, in float64 for the random maps (it holds
-            terms like :math:`\\|x\\|^2/2` whose float32 rounding would show in the kernel). Stabilising shifts that cancel in
-            :math:`f e^{\text{log\_scale}}` are detached from autograd; gradients of any function
-            of :math:`\varphi` are exact.
+            terms like :math:`\|x\|^2/2` whose float32 rounding would show in the kernel).
+            Stabilising shifts that cancel in :math:`f e^{\text{log\_scale}}` are detached from
+            autograd; gradients of any function of :math:`\varphi` are exact.
         """
         raise NotImplementedError
 
-    def _query_features(self, x: torch.Tensor) -> torch.Tensor:
-        """``f`` of :meth:`log_features` without its per-row scale (queries in attention, where
-        the per-row scale cancels); subclasses skip computing the scale."""
+    @no_autocast
+    def query_features(self, x: torch.Tensor) -> torch.Tensor:
+        r""":math:`\varphi(x)` up to a positive factor per row: ``f`` of :meth:`log_features`.
+
+        What attention needs for its queries: a per-query positive factor cancels between the
+        numerator and the denominator of :math:`o_i`. Subclasses may skip computing the scale.
+
+        Parameters
+        ----------
+        x : Tensor, shape (..., n, d)
+
+        Returns
+        -------
+        Tensor, shape (*broadcast(x.shape[:-2], batch_shape), n, feature_dim), compute dtype.
+        """
         return self.log_features(x)[0]
 
     @no_autocast
@@ -175,8 +263,9 @@ class FeatureMap(nn.Module):
             features at :math:`\|x\| \gtrsim 13` in float32); use :meth:`kernel` or
             :meth:`log_features` there.
         """
-        f, ls = self.log_features(x)
-        _, out_dtype = self._prepare("x", x)
+        xc, out_dtype = self._prepare("x", x)
+        with inputs_validated():
+            f, ls = self.log_features(xc)
         return (f * ls.exp().to(f.dtype).unsqueeze(-1)).to(out_dtype)
 
     @no_autocast
@@ -185,9 +274,10 @@ class FeatureMap(nn.Module):
     ) -> torch.Tensor:
         r"""The kernel estimate :math:`\hat K = \varphi(q)\varphi(k)^\top`, computed in the log domain.
 
-        :math:`\hat K_{ij} = \operatorname{sign}(G_{ij}) \exp(\log|G_{ij}| + s_i + t_j)` with
-        :math:`G = f_q f_k^\top` and :math:`(f, s)` from :meth:`log_features`, so that no scale
-        factor overflows unless :math:`\hat K_{ij}` itself does.
+        :math:`\hat K_{ij} = G_{ij} e^{s_i + t_j}` with :math:`G = f_q f_k^\top` and
+        :math:`(f, s)` from :meth:`log_features`; where :math:`e^{s_i + t_j}` alone over- or
+        underflows, :math:`\operatorname{sign}(G_{ij}) \exp(\log|G_{ij}| + s_i + t_j)`, so that no
+        scale factor overflows unless :math:`\hat K_{ij}` itself does.
 
         Parameters
         ----------
@@ -197,7 +287,8 @@ class FeatureMap(nn.Module):
             Dtype of the computation. Default float64: this is the verification path, and in
             float32 the projection :math:`Wx` alone carries a relative rounding of ~1e-5 into
             :math:`\hat K` at :math:`\|x\| = 10`, :math:`d = 64`. Pass ``torch.float32`` for
-            speed (``linear_attention`` never materialises :math:`\hat K`).
+            speed (``linear_attention`` never materialises :math:`\hat K`). It is promoted with
+            the map's dtype like every computation (at least float32).
 
         Returns
         -------
@@ -226,17 +317,23 @@ class FeatureMap(nn.Module):
         cdt = torch.float64 if compute_dtype is None else compute_dtype
         if not isinstance(cdt, torch.dtype) or not cdt.is_floating_point:
             raise TypeError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
-        fq, sq = self.log_features(q.to(cdt))
-        fk, sk = self.log_features(k.to(cdt))
+        cdt = self.compute_dtype(cdt)
+        with inputs_validated():
+            fq, sq = self.log_features(q.to(cdt))
+            fk, sk = self.log_features(k.to(cdt))
         G = torch.matmul(fq, fk.mT)
-        if not self.is_random:  # deterministic maps carry no scale
-            return G.to(out_dtype)
         logs = sq.unsqueeze(-1) + sk.unsqueeze(-2)  # float64 for the random maps
-        # A safe log: exact zeros (disjoint supports, underflow) give 0 with a zero gradient.
+        # Where the scale e^{s_i + t_j} is representable: one rounding. Elsewhere (the scale alone
+        # over- or underflows) through the log of |G|, with a safe log: exact zeros (disjoint
+        # supports, underflow) give 0 with a zero gradient. Both branches are kept finite, so the
+        # unselected one cannot turn a zero gradient into NaN.
+        fi = torch.finfo(logs.dtype)
+        ok = (logs <= math.log(fi.max)) & (logs >= math.log(fi.tiny))
+        direct = G * torch.exp(torch.where(ok, logs, torch.zeros_like(logs)))
         nz = G != 0
         mag = torch.exp(torch.log(torch.where(nz, G.abs(), torch.ones_like(G))) + logs)
-        K = torch.where(nz, mag if self.positive else torch.sign(G) * mag, torch.zeros_like(mag))
-        return K.to(out_dtype)
+        via_log = torch.where(nz, mag if self.positive else torch.sign(G) * mag, torch.zeros_like(mag))
+        return torch.where(ok, direct, via_log).to(out_dtype)
 
     def redraw(self, seed: int | None = None, generator: torch.Generator | None = None) -> FeatureMap:
         """Draw a new projection in place (a no-op for deterministic maps). Returns ``self``."""
@@ -256,11 +353,11 @@ class RandomFeatureMap(FeatureMap):
         ``"gaussian"``, ``"orthogonal"``, ``"structured"``, ``"qmc"`` or a
         :class:`~kernelapprox.samplers.Sampler` (e.g. ``OrthogonalSampler(norms="fixed")``).
     seed : int, optional
-        Seed of the CPU generator the projection is drawn from. ``None`` (with no ``generator``)
-        draws from OS entropy: the global torch RNG is never used, so ``torch.manual_seed`` does
-        not fix it.
+        Seed of a fresh CPU generator the projection is drawn from. ``None`` (with no
+        ``generator``) draws from torch's default CPU generator, as ``nn.Linear`` initialises its
+        weight: ``torch.manual_seed(0)`` then makes a model that builds feature maps reproducible.
     generator : torch.Generator, optional
-        A CPU generator to draw from instead of ``seed``.
+        A CPU generator to draw from instead of ``seed`` (its state advances).
     batch_shape : tuple of int, default ()
         Independent projections of shape ``(*batch_shape, r, d)``, broadcast against the input's
         leading dimensions: ``(H,)`` for one draw per head, ``(S, 1, 1)`` for ``S`` Monte Carlo draws
@@ -365,11 +462,28 @@ class RandomFeatureMap(FeatureMap):
             raise TypeError(f"{type(self).__name__} takes no offsets")
 
     def redraw(self, seed: int | None = None, generator: torch.Generator | None = None) -> RandomFeatureMap:
-        """Draw a new projection (and offsets) in place, keeping device and dtype. Returns ``self``."""
+        """Draw a new projection (and offsets) *in place*, keeping device and dtype. Returns ``self``.
+
+        The new values are copied into the existing buffers, so references held elsewhere
+        (optimisers, hooks, ``torch.compile`` graphs, ``fm.weight`` of a dense projection) see
+        them. ``seed`` and ``generator`` as in the constructor (``None``: torch's default
+        generator).
+
+        Examples
+        --------
+        >>> fm = PositiveRF(4, 8, seed=0)
+        >>> W = fm.weight
+        >>> _ = fm.redraw(seed=1)
+        >>> W.data_ptr() == fm.weight.data_ptr() and bool((W == fm.weight).all())
+        True
+        """
         g = make_generator(seed, generator)
         ref = next(iter(self.projection.buffers()))
         new = self.sampler.sample(self.num_features, self.dim, batch_shape=self.batch_shape, generator=g)
-        self.projection = new.to(device=ref.device, dtype=ref.dtype)
+        new = new.to(device=ref.device, dtype=ref.dtype)
+        if not self.projection.copy_from(new):
+            # another projection structure (a given projection redrawn with a structured sampler)
+            self.projection = new
         self._init_extra(g, ref.device)
         return self
 
@@ -403,10 +517,6 @@ class PositiveRF(RandomFeatureMap):
 
     positive = True
 
-    @property
-    def feature_dim(self) -> int:
-        """Length of :math:`\\varphi(x)` (see the class docstring)."""
-        return self.num_features
 
     def _bias(self, xc: torch.Tensor) -> torch.Tensor:
         return -_sqnorm_half(xc) - 0.5 * math.log(self.num_features)
@@ -426,13 +536,18 @@ class PositiveRF(RandomFeatureMap):
             m = u.amax(dim=-1)
         return _exp_shifted(u, m, self._bias(xc), shared)
 
-    @no_autocast
-    def _query_features(self, x):
+    def query_features(self, x):
         xc, _ = self._prepare("x", x)
         u = self.projection(xc)
         with torch.no_grad():
             m = u.amax(dim=-1, keepdim=True)
         return torch.exp(u - m) if _grad(u) else u.sub_(m).exp_()
+
+
+register_estimator(
+    PositiveRF, name="positive", label="positive", feature_dim="r",
+    theory="kernelapprox.theory.moments:POSITIVE_THEORY",
+)
 
 
 def _grad(*ts: torch.Tensor) -> bool:
@@ -485,10 +600,6 @@ class HyperbolicRF(RandomFeatureMap):
 
     positive = True
 
-    @property
-    def feature_dim(self) -> int:
-        """Length of :math:`\\varphi(x)` (see the class docstring)."""
-        return 2 * self.num_features
 
     def _bias(self, xc: torch.Tensor) -> torch.Tensor:
         return -_sqnorm_half(xc) - 0.5 * math.log(2 * self.num_features)
@@ -519,6 +630,12 @@ class HyperbolicRF(RandomFeatureMap):
             lo, hi = torch.aminmax(u, dim=-1)
             m = torch.maximum(hi, -lo)
         return _exp_shifted(self._pm(u), m, self._bias(xc), shared)
+
+
+register_estimator(
+    HyperbolicRF, name="hyperbolic", label="hyperbolic", feature_dim="2r",
+    theory="kernelapprox.theory.moments:HYPERBOLIC_THEORY",
+)
 
 
 class TrigRF(RandomFeatureMap):
@@ -567,8 +684,13 @@ class TrigRF(RandomFeatureMap):
             return
         if generator is None:  # from_projection: offsets are set by _set_offsets
             return
-        b = torch.rand(*self.batch_shape, self.num_features, generator=generator, dtype=torch.float64)
-        self.register_buffer("offsets", (2 * math.pi * b).to(device=device, dtype=self._buffer_dtype()))
+        b = torch.rand(*self.batch_shape, self.num_features, generator=generator, dtype=torch.float64, device="cpu")
+        b = (2 * math.pi * b).to(device=device, dtype=self._buffer_dtype())
+        if isinstance(getattr(self, "offsets", None), torch.Tensor):
+            with torch.no_grad():
+                self.offsets.copy_(b)  # redraw: in place
+        else:
+            self.register_buffer("offsets", b)
 
     def _buffer_dtype(self) -> torch.dtype:
         return next(iter(self.projection.buffers())).dtype
@@ -587,14 +709,10 @@ class TrigRF(RandomFeatureMap):
         ref = next(iter(self.projection.buffers()))
         self.register_buffer("offsets", offsets.detach().clone().to(device=ref.device, dtype=ref.dtype))
 
-    @property
-    def feature_dim(self) -> int:
-        """Length of :math:`\\varphi(x)` (see the class docstring)."""
-        return 2 * self.num_features if self.variant == "sincos" else self.num_features
 
-    def _scaled(self, x: torch.Tensor, need_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Bounded trigonometric part ``f`` (..., n, F) and per-row log scale (..., n)."""
-        xc, _ = self._prepare("x", x)
+    def _scaled(self, xc: torch.Tensor, need_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bounded trigonometric part ``f`` (..., n, F) and per-row log scale (..., n) of the
+        prepared input ``xc``."""
         r = self.num_features
         if self.variant == "sincos":
             if _grad(xc, *self.projection.buffers()):
@@ -613,25 +731,24 @@ class TrigRF(RandomFeatureMap):
             u = self.projection.affine(xc, col_bias=self.offsets)
             f = torch.cos(u) if _grad(u) else u.cos_()
             ls = _sqnorm_half(xc) + 0.5 * math.log(2.0 / r) if need_scale else None
-        if not need_scale:
+        if ls is None:
             return f, None
         lead = f.shape[:-1]
         if ls.shape != lead:
             ls = ls.expand(lead)
         return f, ls
 
-    @no_autocast
-    def _query_features(self, x):
-        return self._scaled(x, need_scale=False)[0]
+    def query_features(self, x):
+        return self._scaled(self._prepare("x", x)[0], need_scale=False)[0]
 
     def forward(self, x):
-        _, out_dtype = self._prepare("x", x)
-        f, ls = self._scaled(x)
+        xc, out_dtype = self._prepare("x", x)
+        f, ls = self._scaled(xc)
         scale = torch.exp(ls).to(f.dtype).unsqueeze(-1)
         return (f * scale if _grad(f, scale) else f.mul_(scale)).to(out_dtype)
 
     def log_features(self, x, shared=False):
-        f, ls = self._scaled(x)
+        f, ls = self._scaled(self._prepare("x", x)[0])
         if shared:
             with torch.no_grad():
                 m = ls.amax(-1, keepdim=True)
@@ -642,6 +759,16 @@ class TrigRF(RandomFeatureMap):
 
     def extra_repr(self) -> str:
         return f"variant={self.variant!r}, " + super().extra_repr()
+
+
+register_estimator(
+    TrigRF, name="trig-sincos", label="trig sin/cos", params={"variant": "sincos"}, feature_dim="2r",
+    theory="kernelapprox.theory.moments:TRIG_SINCOS_THEORY",
+)
+register_estimator(
+    TrigRF, name="trig-offset", label="trig cos+offset", params={"variant": "offset"}, feature_dim="r",
+    theory="kernelapprox.theory.moments:TRIG_OFFSET_THEORY",
+)
 
 
 class _DeterministicMap(FeatureMap):
@@ -674,10 +801,6 @@ class _DeterministicMap(FeatureMap):
         self.num_features = self.dim
         self.batch_shape = ()
 
-    @property
-    def feature_dim(self) -> int:
-        """Length of :math:`\\varphi(x)`: ``dim``."""
-        return self.dim
 
     def _phi(self, xc: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -718,6 +841,9 @@ class EluFeatures(_DeterministicMap):
         return torch.where(xc >= 0, xc + 1, torch.exp(torch.clamp(xc, max=0)))
 
 
+register_estimator(EluFeatures, name="elu", label="elu+1", feature_dim="d")
+
+
 class ReluFeatures(_DeterministicMap):
     r"""The ReLU map :math:`\varphi(x) = \max(x, 0)` (Performer-ReLU, [Cho21]_ App. A.4).
 
@@ -735,3 +861,6 @@ class ReluFeatures(_DeterministicMap):
 
     def _phi(self, xc):
         return torch.relu(xc)
+
+
+register_estimator(ReluFeatures, name="relu", label="relu", feature_dim="d")

@@ -7,8 +7,8 @@ measurement is:
   :func:`relative_frobenius`, :func:`max_abs_error`, :func:`attention_relative_error`,
   :func:`total_variation`);
 * **estimators over S independent draws** with confidence intervals (:func:`mean_ci`: Student t;
-  :func:`variance_ci`: asymptotic normal from the fourth moment; :func:`quantile_ci`:
-  ``scipy.stats.bootstrap``);
+  :func:`variance_ci`: asymptotic normal from the fourth moment; :func:`quantile_ci`: exact
+  order-statistic intervals, ``scipy.stats.quantile_test``);
 * **drivers** :func:`kernel_error` and :func:`attention_error` that evaluate ``S`` independent
   projections of a feature map through its ``batch_shape`` (one batched matmul per chunk of draws,
   memory bounded by ``max_bytes``; never a Python loop over single draws), and
@@ -348,81 +348,62 @@ def quantile_ci(
     q: float | Sequence[float],
     *,
     confidence: float = 0.95,
-    n_resamples: int = 999,
-    seed: int = 0,
-    batch: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    r"""Sample quantiles of a 1-D set of draws with bootstrap confidence intervals.
+    r"""Sample quantiles of a 1-D set of iid draws with exact distribution-free confidence intervals.
 
-    Percentile bootstrap (``scipy.stats.bootstrap(method="percentile")``) of
-    ``numpy.quantile(x, q)``; BCa is not used because its jackknife costs :math:`O(S^2)`.
+    The interval for the population :math:`p`-quantile is a pair of order statistics
+    :math:`[x_{(l)}, x_{(u)}]` whose coverage :math:`P(l \le B < u)`, :math:`B \sim
+    \mathrm{Binomial}(S, p)`, is at least ``confidence`` for any continuous distribution
+    (``scipy.stats.quantile_test(...).confidence_interval``; Conover 1999, §3.2). No resampling,
+    no normal approximation. Where too few draws exist for a bound at this level (e.g. the
+    upper bound of a 0.99 quantile from 100 draws) that bound is ``nan``: honest, not
+    extrapolated.
 
     Parameters
     ----------
     x : array_like or torch.Tensor
         Shape ``(S,)``, the per-draw values (e.g. the relative Frobenius error of each draw).
     q : float or sequence of float
-        Probabilities in [0, 1].
+        Probabilities in (0, 1).
     confidence : float, default 0.95
-    n_resamples : int, default 999
-    seed : int, default 0
-        Seed of the resampling.
-    batch : int, optional
-        Resamples evaluated at once (bounds memory to ``batch * S`` doubles); default keeps it
-        near 32 MB.
 
     Returns
     -------
     quantiles, low, high : numpy.ndarray
-        Shape ``(len(q),)`` (or scalars' shape ``()`` for a float ``q``).
+        Shape ``(len(q),)`` (or ``()`` for a float ``q``); the point estimate is
+        ``numpy.quantile(x, q)`` (linear interpolation).
 
     References
     ----------
-    B. Efron and R. Tibshirani, *An Introduction to the Bootstrap*, Chapman & Hall, 1993, ch. 13.
+    W. J. Conover, *Practical Nonparametric Statistics*, 3rd ed., Wiley, 1999, §3.2.
 
     Examples
     --------
     >>> x = np.random.default_rng(0).exponential(size=5000)
-    >>> med, lo, hi = quantile_ci(x, 0.5, n_resamples=199)
+    >>> med, lo, hi = quantile_ci(x, 0.5)
     >>> bool(lo < np.log(2) < hi)
     True
     """
     from scipy import stats
 
     confidence = _check_confidence(confidence)
-    n_resamples = check_positive_int("n_resamples", n_resamples)
     arr = _as_numpy("x", x)
     if arr.ndim != 1:
         raise ValueError(f"quantile_ci needs a 1-D array of draws, got shape {arr.shape}")
     if arr.size < 2:
         raise ValueError(f"quantile_ci needs at least 2 draws, got {arr.size}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError("quantile_ci needs finite draws (drop or count the non-finite ones first)")
     scalar = np.ndim(q) == 0
     probs = np.atleast_1d(np.asarray(q, dtype=np.float64))
-    if np.any((probs < 0) | (probs > 1)) or not np.all(np.isfinite(probs)):
-        raise ValueError(f"q must be probabilities in [0, 1], got {q!r}")
+    if probs.ndim != 1 or np.any((probs <= 0) | (probs >= 1)) or not np.all(np.isfinite(probs)):
+        raise ValueError(f"q must be probabilities in (0, 1), got {q!r}")
     point = np.quantile(arr, probs)
-    if batch is None:
-        batch = max(1, int(4 * 2**20 // arr.size))
-
-    def stat(a: np.ndarray, axis: int) -> np.ndarray:
-        # (len(q), resamples): scipy wants the resample axis last
-        return np.quantile(a, probs, axis=axis)
-
-    if np.all(arr == arr[0]):
-        low = high = point
-    else:
-        res = stats.bootstrap(
-            (arr,),
-            stat,
-            vectorized=True,
-            n_resamples=n_resamples,
-            batch=batch,
-            confidence_level=confidence,
-            method="percentile",
-            rng=np.random.default_rng(seed),
-        )
-        low = np.asarray(res.confidence_interval.low, dtype=np.float64).reshape(probs.shape)
-        high = np.asarray(res.confidence_interval.high, dtype=np.float64).reshape(probs.shape)
+    low = np.empty_like(point)
+    high = np.empty_like(point)
+    for i, p in enumerate(probs):
+        ci = stats.quantile_test(arr, q=point[i], p=p).confidence_interval(confidence_level=confidence)
+        low[i], high[i] = ci.low, ci.high
     if scalar:
         return point[0], low[0], high[0]
     return point, low, high
@@ -486,13 +467,6 @@ def _chunk_seed(seed: int, index: int) -> int:
     return int(state[0]) << 31 ^ int(state[1])
 
 
-def _clone_kwargs(fm: torch.nn.Module) -> dict:
-    kw: dict = {"sampler": fm.sampler}
-    if hasattr(fm, "variant"):
-        kw["variant"] = fm.variant
-    return kw
-
-
 def batched_draws(
     fm: torch.nn.Module,
     draws: int,
@@ -505,8 +479,8 @@ def batched_draws(
 ) -> Iterator[torch.nn.Module]:
     r"""Yield copies of a random feature map holding ``chunk_size`` independent projections each.
 
-    Each copy has ``fm``'s class, ``dim``, ``num_features``, sampler and ``variant``, and
-    ``batch_shape = (c, 1, ..., 1)`` (``extra_dims`` ones, so that the draw axis goes in front of
+    Each copy is ``type(fm)(**fm.get_params())`` (same estimator, ``dim``, ``num_features``,
+    sampler and other constructor arguments) with ``batch_shape = (c, 1, ..., 1)`` (``extra_dims`` ones, so that the draw axis goes in front of
     an input's own leading dimensions); ``c = chunk_size`` except possibly for the last chunk.
     Chunk ``i`` is drawn from the seed ``SeedSequence([seed, i])``, so results are reproducible
     for a given ``(seed, chunk_size)``. The draws of ``fm`` itself are not used.
@@ -543,20 +517,14 @@ def batched_draws(
     chunk_size = check_positive_int("chunk_size", chunk_size)
     if not getattr(fm, "is_random", False):
         raise ValueError(f"batched_draws needs a random feature map, got {type(fm).__name__}")
-    kw = _clone_kwargs(fm)
+    params = fm.get_params()
     current = None
     for index, start in enumerate(range(0, draws, chunk_size)):
         c = min(chunk_size, draws - start)
         s = _chunk_seed(seed, index)
         if current is None or current.batch_shape[0] != c:
             current = type(fm)(
-                fm.dim,
-                fm.num_features,
-                seed=s,
-                batch_shape=(c,) + (1,) * extra_dims,
-                dtype=dtype,
-                device=device,
-                **kw,
+                **{**params, "seed": s, "batch_shape": (c,) + (1,) * extra_dims, "dtype": dtype, "device": device}
             )
         else:
             current.redraw(seed=s)
@@ -587,8 +555,10 @@ def _auto_chunk(fm: torch.nn.Module, per_row: int, per_pair: int, chunk_size, ma
 def _check_common(fm, q, k, draws, seed, confidence, quantiles):
     check_floating("q", q)
     check_floating("k", k)
-    if getattr(fm, "dim", None) is None:
-        raise TypeError(f"fm must be a kernelapprox feature map, got {type(fm).__name__}")
+    from kernelapprox.features import FeatureMap
+
+    if not isinstance(fm, FeatureMap):
+        raise TypeError(f"fm must be a kernelapprox FeatureMap, got {type(fm).__name__}")
     for name, x in (("q", q), ("k", k)):
         if x.dim() < 2 or x.shape[-1] != fm.dim:
             raise ValueError(
@@ -600,14 +570,14 @@ def _check_common(fm, q, k, draws, seed, confidence, quantiles):
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     _check_confidence(confidence)
     probs = np.atleast_1d(np.asarray(quantiles, dtype=np.float64))
-    if probs.ndim != 1 or np.any((probs < 0) | (probs > 1)):
-        raise ValueError(f"quantiles must be probabilities in [0, 1], got {quantiles!r}")
+    if probs.ndim != 1 or np.any((probs <= 0) | (probs >= 1)):
+        raise ValueError(f"quantiles must be probabilities in (0, 1), got {quantiles!r}")
     if getattr(fm, "is_random", False) and draws < 2:
         raise ValueError(f"draws must be >= 2 for a random feature map, got {draws}")
     return draws, probs
 
 
-def _summary_frame(per_draw: dict[str, np.ndarray], probs, confidence, n_resamples, seed):
+def _summary_frame(per_draw: dict[str, np.ndarray], probs, confidence):
     import pandas as pd
 
     rows = []
@@ -618,9 +588,7 @@ def _summary_frame(per_draw: dict[str, np.ndarray], probs, confidence, n_resampl
         values = values[finite]
         if values.size >= 2 and np.ptp(values) > 0:
             mean, se, lo, hi = mean_ci(values, confidence=confidence)
-            qs, qlo, qhi = quantile_ci(
-                values, probs, confidence=confidence, n_resamples=n_resamples, seed=seed
-            )
+            qs, qlo, qhi = quantile_ci(values, probs, confidence=confidence)
         else:  # one distinct value (a deterministic map) or none left
             centre = values[0] if values.size else np.nan
             mean, se, lo, hi = centre, 0.0, centre, centre
@@ -660,7 +628,6 @@ def kernel_error(
     max_bytes: int = _DEFAULT_BYTES,
     confidence: float = 0.95,
     quantiles: Sequence[float] = (0.5, 0.9, 0.99),
-    n_resamples: int = 999,
     dtype: torch.dtype = torch.float64,
     as_frame: bool = False,
 ) -> dict:
@@ -678,8 +645,8 @@ def kernel_error(
 
     accumulated as streaming power sums (float64) chunk by chunk, plus per-draw scalar metrics
     (relative Frobenius, relative RMS, max absolute and max relative error over the whole
-    ``(..., n, m)`` block) summarised by their mean (t-interval) and quantiles (bootstrap
-    intervals). The theory's ``ka.theory.mse(fm, q, k)`` is what ``mse`` estimates.
+    ``(..., n, m)`` block) summarised by their mean (t-interval) and quantiles (exact
+    order-statistic intervals, :func:`quantile_ci`). The theory's ``ka.theory.mse(fm, q, k)`` is what ``mse`` estimates.
 
     Draws are evaluated ``chunk`` at a time through ``batch_shape=(chunk, 1, ...)``: one batched
     matmul per chunk, memory about ``max_bytes``. S = 1e5 draws of a 64 x 64 kernel take seconds
@@ -704,8 +671,6 @@ def kernel_error(
     confidence : float, default 0.95
     quantiles : sequence of float, default (0.5, 0.9, 0.99)
         Quantiles of the per-draw metrics to report.
-    n_resamples : int, default 999
-        Bootstrap resamples per metric.
     dtype : torch.dtype, default torch.float64
         Compute dtype of inputs and projections.
     as_frame : bool, default False
@@ -794,7 +759,7 @@ def kernel_error(
         draws=draws,
         exact=exact_np,
         per_draw=flat,
-        summary=_summary_frame(flat, probs, confidence, n_resamples, seed),
+        summary=_summary_frame(flat, probs, confidence),
     )
     return out
 
@@ -812,7 +777,6 @@ def attention_error(
     max_bytes: int = _DEFAULT_BYTES,
     confidence: float = 0.95,
     quantiles: Sequence[float] = (0.5, 0.9, 0.99),
-    n_resamples: int = 999,
     dtype: torch.dtype = torch.float64,
     as_frame: bool = False,
 ) -> dict:
@@ -845,7 +809,7 @@ def attention_error(
     draws : int, default 10_000
     causal : bool, default False
         Row i attends to keys j <= i (n == m).
-    seed, chunk_size, max_bytes, confidence, quantiles, n_resamples, dtype, as_frame
+    seed, chunk_size, max_bytes, confidence, quantiles, dtype, as_frame
         As in :func:`kernel_error`; the per-entry frame is indexed by ``(..., i, c)``.
 
     Returns
@@ -931,6 +895,6 @@ def attention_error(
         draws=draws,
         exact=exact_np,
         per_draw=flat,
-        summary=_summary_frame(flat, probs, confidence, n_resamples, seed),
+        summary=_summary_frame(flat, probs, confidence),
     )
     return out

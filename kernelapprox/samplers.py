@@ -2,7 +2,9 @@ r"""Projection samplers: the random matrix :math:`W \in \mathbb{R}^{r \times d}`
 
 Every sampler draws on a CPU :class:`torch.Generator` in float64, so that the same seed gives the
 same projection on every device and dtype (the feature map casts and moves it afterwards), and
-returns a :class:`Projection` module. Rows :math:`w_1, \dots, w_r` are the ``r = num_features``
+returns a :class:`Projection` module. A sampler's ``row_law`` tells :mod:`kernelapprox.theory`
+which closed forms apply to its rows (``"iid"``, ``"orthogonal-chi"``, ``"orthogonal-fixed"``, or
+``None`` where no closed form is claimed). Rows :math:`w_1, \dots, w_r` are the ``r = num_features``
 random projections (the Performer convention used throughout the library).
 
 =============== ======================================================================== ==========
@@ -33,8 +35,6 @@ import warnings
 
 import numpy as np
 import torch
-from scipy.special import ndtri
-from scipy.stats import qmc
 from torch import nn
 
 from ._validation import as_batch_shape, check_positive_int
@@ -57,7 +57,8 @@ __all__ = [
 
 
 def make_generator(seed: int | None = None, generator: torch.Generator | None = None) -> torch.Generator:
-    """Return a CPU generator from ``seed`` or ``generator`` (never the global RNG).
+    """Return the CPU generator to draw from: a fresh one from ``seed``, ``generator`` itself, or
+    torch's default CPU generator.
 
     Parameters
     ----------
@@ -65,8 +66,8 @@ def make_generator(seed: int | None = None, generator: torch.Generator | None = 
         Seed of a fresh CPU generator.
     generator : torch.Generator, optional
         A CPU generator, used as is (its state advances). Exclusive with ``seed``.
-        With neither, a fresh generator is seeded from OS entropy: ``torch.manual_seed`` does
-        not make it reproducible (the global RNG is never used); pass ``seed`` or ``generator``.
+        With neither, ``torch.default_generator`` (the global CPU RNG), as ``nn.Linear``
+        initialises its weight: ``torch.manual_seed`` makes the draw reproducible.
 
     Returns
     -------
@@ -89,13 +90,12 @@ def make_generator(seed: int | None = None, generator: torch.Generator | None = 
                 f"the same seed gives the same projection on every device), got device {generator.device}"
             )
         return generator
-    g = torch.Generator(device="cpu")
     if seed is None:
-        g.seed()
-    else:
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise TypeError(f"seed must be an int or None, got {seed!r}")
-        g.manual_seed(int(seed))
+        return torch.default_generator
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int or None, got {seed!r}")
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int(seed))
     return g
 
 
@@ -149,6 +149,19 @@ class Projection(nn.Module):
     def project_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Write :math:`xW^\\top` into ``out`` (shape (..., n, r), possibly a strided view); return ``out``."""
         return out.copy_(self(x))
+
+    @torch.no_grad()
+    def copy_from(self, other: Projection) -> bool:
+        """Copy ``other``'s buffers into this projection's, in place; ``False`` (nothing copied) if
+        the two differ in type or buffer shapes."""
+        mine, theirs = dict(self.named_buffers()), dict(other.named_buffers())
+        if type(self) is not type(other) or mine.keys() != theirs.keys():
+            return False
+        if any(mine[k].shape != theirs[k].shape for k in mine):
+            return False
+        for k, b in mine.items():
+            b.copy_(theirs[k])
+        return True
 
     def affine(
         self,
@@ -278,8 +291,15 @@ class Sampler:
     ``(*batch_shape, r, d)`` in float64 on CPU.
     """
 
+    #: Registry name (``get_sampler(name)``).
     name: str = "sampler"
+    #: Short label for legends.
+    label: str = "sampler"
+    #: Whether every random estimator built on these rows is unbiased.
     unbiased: bool = True
+    #: The law of the rows as far as :mod:`kernelapprox.theory` is concerned: ``"iid"`` (iid
+    #: Gaussian), ``"orthogonal-chi"``, ``"orthogonal-fixed"``, or ``None`` (no closed form claimed).
+    row_law: str | None = None
 
     def sample(
         self,
@@ -330,12 +350,14 @@ class GaussianSampler(Sampler):
     """
 
     name = "gaussian"
+    label = "iid"
+    row_law = "iid"
 
     def sample(self, num_features, dim, *, batch_shape=(), generator):
         r = check_positive_int("num_features", num_features)
         d = check_positive_int("dim", dim)
         B = as_batch_shape(batch_shape)
-        return DenseProjection(torch.randn(*B, r, d, generator=generator, dtype=torch.float64))
+        return DenseProjection(torch.randn(*B, r, d, generator=generator, dtype=torch.float64, device="cpu"))
 
 
 def haar_orthogonal(shape: tuple[int, ...], d: int, generator: torch.Generator) -> torch.Tensor:
@@ -345,7 +367,7 @@ def haar_orthogonal(shape: tuple[int, ...], d: int, generator: torch.Generator) 
     [Mez07]_; without it, LAPACK's Householder QR ties column signs to :math:`R_{ii}` and
     the rows of a block are *not* uniformly distributed (the Performer ORF bias).
     """
-    G = torch.randn(*shape, d, d, generator=generator, dtype=torch.float64)
+    G = torch.randn(*shape, d, d, generator=generator, dtype=torch.float64, device="cpu")
     Q, R = torch.linalg.qr(G)
     diag = torch.diagonal(R, dim1=-2, dim2=-1)
     sign = torch.where(diag >= 0, 1.0, -1.0).to(Q.dtype)
@@ -379,12 +401,14 @@ class OrthogonalSampler(Sampler):
     """
 
     name = "orthogonal"
+    label = "orthogonal"
 
     def __init__(self, norms: str = "chi") -> None:
         if norms not in ("chi", "fixed"):
             raise ValueError(f"norms must be 'chi' or 'fixed', got {norms!r}")
         self.norms = norms
         self.unbiased = norms == "chi"
+        self.row_law = f"orthogonal-{norms}"
 
     def __repr__(self) -> str:
         return f"OrthogonalSampler(norms={self.norms!r})"
@@ -397,9 +421,9 @@ class OrthogonalSampler(Sampler):
         Q = haar_orthogonal((*B, nb), d, generator)
         W = Q.mT.reshape(*B, nb * d, d)[..., :r, :]  # rows of Q^T (= columns of Q) as directions
         if self.norms == "chi":
-            norms = torch.randn(*B, r, d, generator=generator, dtype=torch.float64).norm(dim=-1)
+            norms = torch.randn(*B, r, d, generator=generator, dtype=torch.float64, device="cpu").norm(dim=-1)
         else:
-            norms = torch.full((*B, r), math.sqrt(d), dtype=torch.float64)
+            norms = torch.full((*B, r), math.sqrt(d), dtype=torch.float64, device="cpu")
         return DenseProjection((W * norms.unsqueeze(-1)).contiguous())
 
 
@@ -417,6 +441,7 @@ class StructuredSampler(Sampler):
     """
 
     name = "structured"
+    label = "SORF"
     unbiased = False
 
     def sample(self, num_features, dim, *, batch_shape=(), generator):
@@ -425,7 +450,7 @@ class StructuredSampler(Sampler):
         B = as_batch_shape(batch_shape)
         p = 1 << (d - 1).bit_length()
         nb = -(-r // p)
-        bits = torch.randint(0, 2, (*B, nb, 3, p), generator=generator)
+        bits = torch.randint(0, 2, (*B, nb, 3, p), generator=generator, device="cpu")
         signs = (2 * bits - 1).to(torch.float64)
         return HadamardProjection(signs, d, r)
 
@@ -453,6 +478,7 @@ class QMCSampler(Sampler):
     """
 
     name = "qmc"
+    label = "QMC"
 
     def __init__(self, method: str = "sobol", randomization: str = "scramble") -> None:
         if method not in ("sobol", "halton"):
@@ -466,6 +492,8 @@ class QMCSampler(Sampler):
         return f"QMCSampler(method={self.method!r}, randomization={self.randomization!r})"
 
     def _engine(self, d: int, scramble: bool, rng=None):
+        from scipy.stats import qmc  # imported here: scipy.stats costs ~0.4-1 s at import
+
         cls = qmc.Sobol if self.method == "sobol" else qmc.Halton
         return cls(d, scramble=scramble, rng=rng)
 
@@ -479,15 +507,16 @@ class QMCSampler(Sampler):
             warnings.simplefilter("ignore", UserWarning)  # Sobol' balance warning for r != 2^m
             if self.randomization == "shift":
                 base = torch.from_numpy(self._engine(d, scramble=False).random(r))
-                shift = torch.rand(count, 1, d, generator=generator, dtype=torch.float64)
-                pts = torch.remainder(base + shift, 1.0).numpy()
+                shift = torch.rand(count, 1, d, generator=generator, dtype=torch.float64, device="cpu")
+                pts = torch.remainder(base + shift, 1.0)
             else:
-                seeds = torch.randint(0, 2**62, (count,), generator=generator).tolist()
-                pts = np.empty((count, r, d))
+                seeds = torch.randint(0, 2**62, (count,), generator=generator, device="cpu").tolist()
+                arr = np.empty((count, r, d))
                 for i, s in enumerate(seeds):
-                    pts[i] = self._engine(d, scramble=True, rng=np.random.default_rng(s)).random(r)
-        out = ndtri(np.clip(pts, eps, 1 - eps))
-        return DenseProjection(torch.from_numpy(out).reshape(*B, r, d))
+                    arr[i] = self._engine(d, scramble=True, rng=np.random.default_rng(s)).random(r)
+                pts = torch.from_numpy(arr)
+        out = torch.special.ndtri(pts.clamp(eps, 1 - eps))
+        return DenseProjection(out.reshape(*B, r, d).contiguous())
 
 
 class GivenSampler(Sampler):
@@ -497,6 +526,7 @@ class GivenSampler(Sampler):
     """
 
     name = "given"
+    label = "given"
     unbiased = False
 
     def sample(self, num_features, dim, *, batch_shape=(), generator):

@@ -117,46 +117,23 @@ def _to_numpy(x: np.ndarray | torch.Tensor | Sequence[float] | float) -> np.ndar
     return np.asarray(x, dtype=np.float64)
 
 
-def mean_ci(
-    samples: np.ndarray | torch.Tensor, axis: int = 0, level: float = 0.95
-) -> tuple[Any, Any, Any]:
-    """Mean and two-sided Student-t confidence interval along ``axis``.
-
-    Returns ``(mean, lo, hi)`` (floats for 1-D input, arrays otherwise).  With a single sample
-    the interval collapses to the mean.
-    """
-    from scipy import stats
-
-    x = _to_numpy(samples)
-    n = x.shape[axis] if x.ndim else 1
-    m = x.mean(axis=axis) if x.ndim else x
-    if n < 2:
-        return _scalar(m), _scalar(m), _scalar(m)
-    with np.errstate(invalid="ignore"):
-        se = x.std(axis=axis, ddof=1) / math.sqrt(n)
-    half = stats.t.ppf(0.5 + level / 2, n - 1) * se
-    return _scalar(m), _scalar(m - half), _scalar(m + half)
-
-
-def _scalar(x: Any) -> Any:
-    a = np.asarray(x)
-    return float(a) if a.ndim == 0 else a
-
-
 def row(metric: str, samples_or_value: Any, **extra: Any) -> dict:
     """One tidy row: ``metric, mean, ci_low, ci_high, n_draws`` plus ``extra`` columns.
 
-    ``samples_or_value`` is a 1-D array/tensor of per-draw values (t-interval over them) or a
+    ``samples_or_value`` is a 1-D array/tensor of per-draw values (Student-t interval over them,
+    :func:`kernelapprox.montecarlo.mean_ci`) or a
     scalar (CI collapses to the value, ``n_draws=1`` unless given in ``extra``).  ``extra`` may
     override ``ci_low``/``ci_high``/``n_draws`` (e.g. for a bootstrap interval).
     """
+    from kernelapprox.montecarlo import mean_ci
+
     x = _to_numpy(samples_or_value)
-    if x.ndim == 0:
-        m = lo = hi = float(x)
+    if x.ndim == 0 or x.size == 1:
+        m = lo = hi = float(x.reshape(-1)[0]) if x.ndim else float(x)
         n = 1
     else:
         x = x.reshape(-1)
-        m, lo, hi = mean_ci(x)
+        m, _, lo, hi = (float(a) for a in mean_ci(x))  # Student t over the draws
         n = int(x.size)
     out = {"metric": metric, "mean": m, "ci_low": lo, "ci_high": hi, "n_draws": n}
     for k, v in extra.items():

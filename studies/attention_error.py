@@ -39,7 +39,7 @@ import pandas as pd
 import torch
 
 from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure
-from studies.estimators import ESTIMATORS, EstimatorSpec
+from studies.estimators import EstimatorSpec, get, select
 
 D = 64
 HEADS = 2
@@ -74,9 +74,7 @@ def grid(quick: bool) -> list[dict]:
                 cells.append({"n": n, "sigma": sigma, "estimator": UNIFORM, "rs": [0],
                               "draws": draws[n], "heads": HEADS, "d": D})
                 continue
-            if key not in ESTIMATORS:
-                continue
-            spec = ESTIMATORS[key]
+            spec = get(key)
             cells.append(
                 {
                     "n": n,
@@ -120,6 +118,11 @@ def _build(spec: EstimatorSpec, d: int, r: int, batch_shape: tuple[int, ...], se
         return spec.build(d, r, batch_shape=batch_shape, seed=seed, dtype=dtype, device=device)
     finally:
         torch.set_num_threads(old)
+
+
+def _signed_families() -> list[str]:
+    """Estimators whose features take both signs (attention denominators can be <= 0)."""
+    return sorted({s.family for s in select() if not s.positive})
 
 
 def _chunk(S: int, H: int, n: int, F: int, itemsize: int) -> int:
@@ -170,7 +173,7 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
             row("tv", tv, **extra),
             row("frac_den_nonpos", torch.zeros(len(err), dtype=torch.float64), **extra),
         ]
-    spec = ESTIMATORS[key]
+    spec = get(key)
     common = {"family": spec.family, "sampler": spec.sampler or "none", "label": spec.label}
     out_rows: list[dict] = []
     for r in cell["rs"]:
@@ -313,7 +316,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     )
     paths += save_figure(fig, folder, "attention_tv_vs_r")
 
-    sub = df[(df.metric == "frac_den_nonpos") & df.family.str.startswith("trig")]
+    sub = df[(df.metric == "frac_den_nonpos") & df.family.isin(_signed_families())]
     if len(sub):
         sub = sub.copy()
         sub["n tokens"] = sub["n"].astype(int).astype(str)
@@ -406,11 +409,11 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                 + (f"beat it from r = {int(beat['r'].min())} on." if len(beat)
                    else f"do not beat it up to r = {rmax}.")
             )
-    trig = df[(df.metric == "frac_den_nonpos") & df.family.str.startswith("trig")]
+    trig = df[(df.metric == "frac_den_nonpos") & df.family.isin(_signed_families())]
     if len(trig):
         worst = trig.loc[trig["mean"].idxmax()]
         at_max = trig[trig.r == rmax]
-        med = df[(df.metric == "rel_err_median") & df.family.str.startswith("trig")
+        med = df[(df.metric == "rel_err_median") & df.family.isin(_signed_families())
                  & (df.r == rmax)]
         finding.append(
             f"Trigonometric features give non-positive denominators in up to "

@@ -73,7 +73,7 @@ SEARCH = {"full": dict(S=32, P=10, T=24), "quick": dict(S=16, P=4, T=10),
 POINTWISE_R = 64
 POINTWISE_ANGLES = [60, 120]  # angle between q and k (degrees), |q| = |k| = R
 POINTWISE_DRAWS = 2048
-THEORY_KIND = "trig"
+THEORY_KIND = "trig-sincos"
 N_BOOT = 400
 MODELS = {  # name -> g(d) with r* = c * g(d)
     "c·d": lambda d: d,
@@ -87,11 +87,11 @@ def grid(quick: bool) -> list[dict]:
     ests = ESTIMATORS_QUICK if quick else ESTIMATORS
     dims = DIMS_QUICK if quick else DIMS
     sup_cells = SUP_CELLS_QUICK if quick else SUP_CELLS
-    radii = sorted({R for e, R in sup_cells if get(e).family.startswith("trig")})
+    radii = sorted({R for e, R in sup_cells if "uniform" in get(e).estimator.closed_forms("gaussian")})
     cells = [{"kind": "sup", "estimator": e, "R": R, "d": d} for e, R in sup_cells for d in dims]
     cells += [{"kind": "pointwise", "estimator": e, "R": 1.0, "d": d} for e in ests for d in dims]
     cells += [{"kind": "theory", "estimator": e, "R": R, "d": d}
-              for e in ests if get(e).family.startswith("trig") for R in radii for d in dims]
+              for e in ests if "uniform" in get(e).estimator.closed_forms("gaussian") for R in radii for d in dims]
     if not quick:
         cells += [{"kind": "deep", "estimator": ESTIMATORS[0], "R": 1.0, "d": d}
                   for d in (DIMS[0], DIMS[-2])]

@@ -1,72 +1,80 @@
-"""The estimator registry: ONE registration per estimator, used by every study.
+"""The studies' view of the estimator registry: every registered estimator x every sampler.
 
-To add an estimator to every study, add one ``register(EstimatorSpec(...))`` call below (or in
-your own code before running).  Studies pick estimators with :func:`select` by family / sampler /
-randomness, so a new spec shows up in each study whose selection it matches.
+There is no second registry here. A study estimator (an :class:`EstimatorSpec`) is a registered
+``kernelapprox`` estimator (:func:`kernelapprox.estimators`) drawn with one sampler
+(:data:`kernelapprox.samplers.SAMPLERS`); deterministic maps take no sampler. The list is built
+anew at every :func:`select`, so an estimator registered with ``ka.register_estimator`` (in your
+own code, before running the studies) appears in every study whose selection matches it, by
+family (the estimator's name), sampler, randomness or closed form.
+
+Keys: ``"<estimator>-<sampler>"`` for random maps (``"positive-orthogonal"``,
+``"trig-sincos-gaussian"``), the estimator's name for deterministic ones (``"elu"``).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-FAMILY_CLASS = {
-    "trig-sincos": ("TrigRF", {"variant": "sincos"}),
-    "trig-offset": ("TrigRF", {"variant": "offset"}),
-    "positive": ("PositiveRF", {}),
-    "hyperbolic": ("HyperbolicRF", {}),
-    "elu": ("EluFeatures", {}),
-    "relu": ("ReluFeatures", {}),
-}
-RANDOM_FAMILIES = ("trig-sincos", "trig-offset", "positive", "hyperbolic")
-SAMPLERS = ("gaussian", "orthogonal", "structured", "qmc")
-FAMILY_LABEL = {
-    "trig-sincos": "trig sin/cos",
-    "trig-offset": "trig cos+offset",
-    "positive": "positive",
-    "hyperbolic": "hyperbolic",
-    "elu": "elu+1",
-    "relu": "relu",
-}
-SAMPLER_LABEL = {
-    "gaussian": "iid",
-    "orthogonal": "orthogonal",
-    "structured": "SORF",
-    "qmc": "QMC",
-}
-# closed-form MSE in ka.theory (issue 3): iid and chi-norm orthogonal rows for every random
-# family; deterministic maps have a closed-form (bias-only) error.  SORF / QMC: none.
-_THEORY = {(f, s) for f in RANDOM_FAMILIES for s in ("gaussian", "orthogonal")} | {
-    ("elu", None),
-    ("relu", None),
-}
+import kernelapprox as ka
+from kernelapprox.samplers import SAMPLERS as _SAMPLER_CLASSES
+
+#: Sampler names, in the order the studies show them.
+SAMPLERS = tuple(_SAMPLER_CLASSES)
+#: Legend labels of the samplers (``Sampler.label``).
+SAMPLER_LABEL = {name: cls().label for name, cls in _SAMPLER_CLASSES.items()}
 
 
 @dataclass(frozen=True)
 class EstimatorSpec:
-    """How to build one estimator of exp(q.k).
+    """A registered estimator with one sampler: what a study cell builds.
 
     Attributes:
-        key: unique id, e.g. ``"positive-orthogonal"``, ``"trig-sincos-gaussian"``, ``"elu"``.
-        label: legend label.
-        family: ``"trig-sincos" | "trig-offset" | "positive" | "hyperbolic" | "elu" | "relu"``.
-        sampler: ``"gaussian" | "orthogonal" | "structured" | "qmc"``, or None (deterministic).
-        is_random: whether the features are random (False for elu/relu).
-        has_theory: whether ``ka.theory.mse`` has a closed form for it.
-        kwargs: extra constructor keyword arguments (e.g. a sampler object's options).
+        estimator: the registered :class:`kernelapprox.Estimator`.
+        sampler: a sampler name (``"gaussian" | "orthogonal" | "structured" | "qmc"``), or None
+            for a deterministic map.
     """
 
-    key: str
-    label: str
-    family: str
+    estimator: ka.Estimator
     sampler: str | None
-    is_random: bool = True
-    has_theory: bool = False
-    kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def key(self) -> str:
+        """Unique id: ``"<estimator>-<sampler>"``, or the estimator's name if deterministic."""
+        return self.family if self.sampler is None else f"{self.family}-{self.sampler}"
+
+    @property
+    def family(self) -> str:
+        """The estimator's canonical name (``"trig-sincos"``, ``"positive"``, ``"elu"``, ...)."""
+        return self.estimator.name
+
+    @property
+    def label(self) -> str:
+        """Legend label, e.g. ``"positive (orthogonal)"``."""
+        if self.sampler is None:
+            return self.estimator.label
+        return f"{self.estimator.label} ({SAMPLER_LABEL.get(self.sampler, self.sampler)})"
+
+    @property
+    def is_random(self) -> bool:
+        return self.estimator.is_random
+
+    @property
+    def positive(self) -> bool:
+        """Whether the features are non-negative (signed maps can have attention denominators <= 0)."""
+        return self.estimator.positive
+
+    def closed_forms(self) -> frozenset[str]:
+        """The closed forms ``kernelapprox.theory`` has for this estimator with this sampler."""
+        return self.estimator.closed_forms(self.sampler)
+
+    @property
+    def has_theory(self) -> bool:
+        """Whether ``ka.theory.mse`` has a closed form (moments, or the exact error of a deterministic map)."""
+        return bool(self.closed_forms() & {"moments", "exact_error"})
 
     def build(
         self,
@@ -77,43 +85,35 @@ class EstimatorSpec:
         seed: int = 0,
         dtype: torch.dtype = torch.float64,
         device: str | torch.device = "cpu",
-    ) -> torch.nn.Module:
+    ) -> ka.FeatureMap:
         """The feature map: ``batch_shape`` independent draws (one projection each) from ``seed``.
 
-        Deterministic maps (elu/relu) ignore ``num_features``, ``batch_shape`` and ``seed``;
-        their output has no batch dimensions and broadcasts against the random ones.
+        Deterministic maps ignore ``num_features``, ``batch_shape`` and ``seed``; their output has
+        no batch dimensions and broadcasts against the random ones.
         """
-        import kernelapprox as ka
-
-        cls_name, fixed = FAMILY_CLASS[self.family]
-        cls = getattr(ka, cls_name)
-        kw: dict[str, Any] = {**fixed, **self.kwargs}
-        if not self.is_random:
-            params = inspect.signature(cls).parameters
-            if "num_features" in params and params["num_features"].default is inspect.Parameter.empty:
-                kw["num_features"] = num_features
-            opt = {"dtype": dtype, "device": device}
-            kw.update({k: v for k, v in opt.items() if k in params})
-            return cls(dim, **kw).to(device=device, dtype=dtype)
-        return cls(
-            dim,
-            num_features,
-            sampler=self.sampler,
-            seed=seed,
-            batch_shape=tuple(batch_shape),
-            dtype=dtype,
-            device=device,
-            **kw,
-        )
+        kw: dict[str, Any] = {"seed": seed, "batch_shape": tuple(batch_shape), "dtype": dtype, "device": device}
+        if self.sampler is not None:
+            kw["sampler"] = self.sampler
+        return self.estimator.build(dim, num_features, **kw)
 
 
-ESTIMATORS: dict[str, EstimatorSpec] = {}
+def specs() -> list[EstimatorSpec]:
+    """Every registered estimator x sampler, in registration order (samplers in :data:`SAMPLERS` order)."""
+    out = []
+    for est in ka.estimators():
+        if est.is_random:
+            out.extend(EstimatorSpec(est, smp) for smp in SAMPLERS)
+        else:
+            out.append(EstimatorSpec(est, None))
+    return out
 
 
-def register(spec: EstimatorSpec) -> EstimatorSpec:
-    """Add ``spec`` to :data:`ESTIMATORS` (replacing one with the same key) and return it."""
-    ESTIMATORS[spec.key] = spec
-    return spec
+def _as_set(x: Iterable[Any] | Any | None) -> set | None:
+    if x is None:
+        return None
+    if isinstance(x, str):
+        return {x}
+    return set(x)
 
 
 def select(
@@ -121,13 +121,12 @@ def select(
     samplers: Iterable[str | None] | str | None = None,
     random: bool | None = None,
     keys: Iterable[str] | None = None,
+    closed_form: str | None = None,
 ) -> list[EstimatorSpec]:
-    """Registered specs filtered by family, sampler, randomness and/or key (registration order)."""
-    fam = {families} if isinstance(families, str) else (set(families) if families else None)
-    smp = {samplers} if isinstance(samplers, str) else (set(samplers) if samplers else None)
-    ks = set(keys) if keys else None
+    """Specs filtered by family (estimator name), sampler, randomness, key and/or closed form."""
+    fam, smp, ks = _as_set(families), _as_set(samplers), _as_set(keys)
     out = []
-    for s in ESTIMATORS.values():
+    for s in specs():
         if fam is not None and s.family not in fam:
             continue
         if smp is not None and s.sampler not in smp:
@@ -136,37 +135,18 @@ def select(
             continue
         if ks is not None and s.key not in ks:
             continue
+        if closed_form is not None and closed_form not in s.closed_forms():
+            continue
         out.append(s)
     return out
 
 
 def get(key: str) -> EstimatorSpec:
-    """The spec registered under ``key``."""
-    return ESTIMATORS[key]
+    """The spec with this key (``KeyError`` naming the valid keys otherwise)."""
+    for s in specs():
+        if s.key == key:
+            return s
+    raise KeyError(f"no study estimator {key!r}; valid keys: {[s.key for s in specs()]}")
 
 
-for _fam in RANDOM_FAMILIES:
-    for _smp in SAMPLERS:
-        register(
-            EstimatorSpec(
-                key=f"{_fam}-{_smp}",
-                label=f"{FAMILY_LABEL[_fam]} ({SAMPLER_LABEL[_smp]})",
-                family=_fam,
-                sampler=_smp,
-                is_random=True,
-                has_theory=(_fam, _smp) in _THEORY,
-            )
-        )
-for _fam in ("elu", "relu"):
-    register(
-        EstimatorSpec(
-            key=_fam,
-            label=FAMILY_LABEL[_fam],
-            family=_fam,
-            sampler=None,
-            is_random=False,
-            has_theory=True,
-        )
-    )
-
-__all__ = ["ESTIMATORS", "EstimatorSpec", "get", "register", "select"]
+__all__ = ["SAMPLERS", "SAMPLER_LABEL", "EstimatorSpec", "get", "select", "specs"]

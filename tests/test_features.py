@@ -27,8 +27,8 @@ SAMPLERS = {
 }
 
 MAPS = {
-    "trig_sincos": lambda d, r, **kw: ka.TrigRF(d, r, variant="sincos", **kw),
-    "trig_offset": lambda d, r, **kw: ka.TrigRF(d, r, variant="offset", **kw),
+    "trig-sincos": lambda d, r, **kw: ka.TrigRF(d, r, variant="sincos", **kw),
+    "trig-offset": lambda d, r, **kw: ka.TrigRF(d, r, variant="offset", **kw),
     "positive": lambda d, r, **kw: ka.PositiveRF(d, r, **kw),
     "hyperbolic": lambda d, r, **kw: ka.HyperbolicRF(d, r, **kw),
 }
@@ -41,9 +41,9 @@ def phi_by_formula(name: str, fm, x: torch.Tensor) -> torch.Tensor:
     r = W.shape[-2]
     u = x @ W.mT
     h = 0.5 * (x * x).sum(-1, keepdim=True)
-    if name == "trig_sincos":
+    if name == "trig-sincos":
         return torch.exp(h) / math.sqrt(r) * torch.cat([torch.sin(u), torch.cos(u)], -1)
-    if name == "trig_offset":
+    if name == "trig-offset":
         b = fm.offsets.to(F64).unsqueeze(-2)
         return torch.exp(h) * math.sqrt(2 / r) * torch.cos(u + b)
     if name == "positive":
@@ -72,7 +72,7 @@ def test_features_match_formula(name, sampler):
 
 @pytest.mark.parametrize(
     "name,feature_dim",
-    [("trig_sincos", 14), ("trig_offset", 7), ("positive", 7), ("hyperbolic", 14)],
+    [("trig-sincos", 14), ("trig-offset", 7), ("positive", 7), ("hyperbolic", 14)],
 )
 def test_feature_dim(name, feature_dim):
     fm = MAPS[name](3, 7, seed=0)
@@ -140,7 +140,7 @@ def test_log_features_reconstruct(name, shared):
     torch.testing.assert_close(f * ls.exp()[..., None], fm(x), rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("name", ["positive", "hyperbolic", "trig_sincos", "trig_offset"])
+@pytest.mark.parametrize("name", ["positive", "hyperbolic", "trig-sincos", "trig-offset"])
 def test_log_features_bounded_at_large_norm(name):
     """The stabilised part stays bounded where the plain features overflow (|x| = 40 in float32)."""
     fm = MAPS[name](8, 16, seed=0)
@@ -159,7 +159,7 @@ def test_log_features_bounded_at_large_norm(name):
             log_phi = u - half - 0.5 * math.log(r)
         elif name == "hyperbolic":
             log_phi = torch.cat((u, -u), -1) - half - 0.5 * math.log(2 * r)
-        elif name == "trig_sincos":
+        elif name == "trig-sincos":
             log_phi = torch.log(torch.cat((torch.sin(u), torch.cos(u)), -1).abs()) + half - 0.5 * math.log(r)
         else:
             c = torch.cos(u + fm.offsets.double())
@@ -267,7 +267,7 @@ def test_unbiased(name, sampler_id, request):
         W, b = request.getfixturevalue("qmc_projections")[sampler_id]
         cls = ka.PositiveRF if name == "positive" else ka.HyperbolicRF if name == "hyperbolic" else ka.TrigRF
         kw = {"variant": name[5:]} if cls is ka.TrigRF else {}
-        if name == "trig_offset":
+        if name == "trig-offset":
             kw["offsets"] = b
         fm = cls.from_projection(W, **kw)
     else:

@@ -11,8 +11,8 @@ from conftest import F64, randn
 import kernelapprox as ka
 
 MAKERS = {
-    "trig_sincos": lambda **kw: ka.TrigRF(5, 12, **kw),
-    "trig_offset": lambda **kw: ka.TrigRF(5, 12, variant="offset", **kw),
+    "trig-sincos": lambda **kw: ka.TrigRF(5, 12, **kw),
+    "trig-offset": lambda **kw: ka.TrigRF(5, 12, variant="offset", **kw),
     "positive": lambda **kw: ka.PositiveRF(5, 12, **kw),
     "positive_orth": lambda **kw: ka.PositiveRF(5, 12, sampler="orthogonal", **kw),
     "positive_sorf": lambda **kw: ka.PositiveRF(5, 12, sampler="structured", **kw),
@@ -35,7 +35,7 @@ def test_projection_is_a_buffer_not_a_parameter(name):
     # the projection (dense W, or the SORF sign diagonals) lives in buffers
     assert sum(b.numel() for b in buffers) >= 12 * 5 or name == "positive_sorf"
     assert fm.state_dict()  # and is saved
-    if name == "trig_offset":
+    if name == "trig-offset":
         assert any(torch.equal(b, fm.offsets) for b in buffers)
         assert fm.offsets.shape == (12,)
         assert (fm.offsets >= 0).all() and (fm.offsets < 2 * torch.pi).all()
@@ -116,7 +116,7 @@ def test_redraw(name):
     assert torch.equal(
         MAKERS[name](seed=7, dtype=F64, batch_shape=(2,)).weight, w7
     )  # = constructing with seed 7
-    if name == "trig_offset":
+    if name == "trig-offset":
         off7 = fm.offsets.clone()
         fm.redraw(seed=8)
         assert (fm.offsets - off7).abs().max() > 1e-3

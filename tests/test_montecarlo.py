@@ -89,23 +89,46 @@ def test_variance_ci_coverage():
 
 
 def test_quantile_ci_covers_and_has_the_right_shape():
+    """Exact order-statistic intervals: coverage >= 95% for any continuous law.
+
+    Coverage is measured on 2000 independent samples of S = 200 exponential draws, for p = 0.5 and
+    0.9. The interval is conservative (coverage in [0.95, ~0.97] by the discreteness of the
+    binomial); the binomial standard error of a coverage estimate near 0.95 over 2000 trials is
+    sqrt(.95 * .05 / 2000) = 0.0049, so a coverage below 0.95 - 4.5 * 0.0049 = 0.928 would be a
+    real defect (a bootstrap interval at S = 200 covers ~0.93 for p = 0.9).
+    """
     rng = np.random.default_rng(2)
+    probs = np.array([0.5, 0.9])
+    truth = -np.log(1 - probs)
+    hits = np.zeros(2)
+    trials = 2000
+    for _ in range(trials):
+        _, lo, hi = mc.quantile_ci(rng.exponential(size=200), probs)
+        hits += (lo <= truth) & (truth <= hi)
+    cover = hits / trials
+    assert np.all(cover >= 0.95 - 4.5 * math.sqrt(0.95 * 0.05 / trials)), cover
     x = rng.exponential(size=5000)
-    qs, lo, hi = mc.quantile_ci(x, [0.5, 0.9], n_resamples=199, seed=0)
+    qs, lo, hi = mc.quantile_ci(x, [0.5, 0.9])
     assert qs.shape == lo.shape == hi.shape == (2,)
-    truth = -np.log(1 - np.array([0.5, 0.9]))
-    assert np.all(lo < truth) and np.all(truth < hi)
-    # the interval width matches the asymptotic sd of a sample quantile, sqrt(p(1-p))/(f(x_p) sqrt(S)).
-    # atol = 0.3 on the ratio: with B = 199 resamples each percentile endpoint (2.5%/97.5% of the
-    # bootstrap distribution) has Monte Carlo sd sqrt(.025*.975/199)/phi(1.96) = 0.19 quantile-sd,
-    # i.e. ~0.07 relative on the width 3.92 sd; the bootstrap of a sample quantile itself has
-    # relative error of order S^{-1/4} = 0.12 (Hall & Martin 1988). 0.3 is ~2 combined sd of this
-    # deterministic (seeded) value -- it is a sanity check of the scale (it detects a missing
-    # sqrt(S), a factor 70, or a 1.96 vs 1 quantile mix-up, a factor 2), not a precision test;
-    # coverage is what mean_ci/variance_ci are tested on.
-    sd = np.sqrt(np.array([0.25, 0.09])) / (np.exp(-truth) * math.sqrt(5000))
-    np.testing.assert_allclose((hi - lo) / (2 * 1.96 * sd), 1.0, atol=0.3)
-    med, a, b = mc.quantile_ci(x, 0.5, n_resamples=99)
+    # the endpoints are order statistics x_(l), x_(u) with binomial ranks: check one by hand
+    # (smallest interval symmetric in tail probability with P(l <= B < u) >= 0.95, B ~ Bin(S, p)).
+    xs = np.sort(x)
+    assert lo[0] in xs and hi[0] in xs
+    from scipy import stats
+
+    l_rank, u_rank = np.searchsorted(xs, lo[0]) + 1, np.searchsorted(xs, hi[0]) + 1
+    cov = stats.binom.cdf(u_rank - 1, 5000, 0.5) - stats.binom.cdf(l_rank - 1, 5000, 0.5)
+    assert cov >= 0.95
+    # The width matches the asymptotic 2 * 1.96 sd of a sample quantile, sd = sqrt(p(1-p)) /
+    # (f(x_p) sqrt(S)). The width x_(u) - x_(l) is a sum of k = u - l ~ 2 * 1.96 sqrt(S p (1-p))
+    # nearly exponential spacings, so its own relative sd is ~ 1/sqrt(k) (8.5% at p = 0.5, 11% at
+    # p = 0.9); allowed: 4.5 of those plus the rank rounding 2/k. A scale check: it catches a
+    # missing sqrt(S) or a wrong quantile level, not a few percent.
+    k = 2 * 1.96 * np.sqrt(5000 * probs * (1 - probs))
+    sd = np.sqrt(probs * (1 - probs)) / (np.exp(-truth) * math.sqrt(5000))
+    ratio = (hi - lo) / (2 * 1.96 * sd)
+    assert np.all(np.abs(ratio - 1.0) < 4.5 / np.sqrt(k) + 2 / k), ratio
+    med, a, b = mc.quantile_ci(x, 0.5)
     assert np.ndim(med) == 0 and a <= med <= b
     with pytest.raises(ValueError, match="probabilities"):
         mc.quantile_ci(x, 1.5)
@@ -140,7 +163,7 @@ def test_batched_draws_shapes_seeds_and_independence():
 def test_kernel_error_matches_theory(fm):
     q, k, _ = small_inputs()
     S = 30_000
-    res = mc.kernel_error(fm, q, k, draws=S, seed=1, chunk_size=5000, n_resamples=99, quantiles=(0.5, 0.9))
+    res = mc.kernel_error(fm, q, k, draws=S, seed=1, chunk_size=5000, quantiles=(0.5, 0.9))
     assert res["draws"] == S and res["mse"].shape == (4, 5)
     exact = torch.exp(q @ k.T).numpy()
     np.testing.assert_allclose(res["exact"], exact, rtol=1e-12)
@@ -186,7 +209,7 @@ def test_kernel_error_hundred_thousand_draws():
     """S = 1e5 through the batched path (a few seconds for a 4 x 4 kernel on 2 cores)."""
     q, k, _ = small_inputs(n=4, m=4)
     fm = ka.PositiveRF(4, 16)
-    res = mc.kernel_error(fm, q, k, draws=100_000, seed=0, n_resamples=99, quantiles=(0.5,),
+    res = mc.kernel_error(fm, q, k, draws=100_000, seed=0, quantiles=(0.5,),
                           max_bytes=16 * 2**20)
     assert res["per_draw"]["relative_rms"].shape == (100_000,)
     th = ka.theory.mse(fm, q, k).numpy()
@@ -199,9 +222,9 @@ def test_kernel_error_batch_dims_frame_and_seed():
     q = torch.randn(2, 3, 4, generator=g, dtype=F64) * 0.3
     k = torch.randn(1, 5, 4, generator=g, dtype=F64) * 0.3
     fm = ka.TrigRF(4, 8)
-    a = mc.kernel_error(fm, q, k, draws=500, seed=5, chunk_size=64, n_resamples=9, quantiles=(0.5,))
-    b = mc.kernel_error(fm, q, k, draws=500, seed=5, chunk_size=64, n_resamples=9, quantiles=(0.5,))
-    c = mc.kernel_error(fm, q, k, draws=500, seed=6, chunk_size=64, n_resamples=9, quantiles=(0.5,))
+    a = mc.kernel_error(fm, q, k, draws=500, seed=5, chunk_size=64, quantiles=(0.5,))
+    b = mc.kernel_error(fm, q, k, draws=500, seed=5, chunk_size=64, quantiles=(0.5,))
+    c = mc.kernel_error(fm, q, k, draws=500, seed=6, chunk_size=64, quantiles=(0.5,))
     assert a["mse"].shape == (2, 3, 5)
     np.testing.assert_array_equal(a["mse"], b["mse"])
     assert not np.array_equal(a["mse"], c["mse"])
@@ -237,7 +260,7 @@ def test_attention_error_deterministic_equals_linear_attention(causal):
 def test_attention_error_statistics():
     q, k, v = small_inputs(n=6, m=6, d=4, dv=3)
     fm = ka.PositiveRF(4, 32)
-    res = mc.attention_error(fm, q, k, v, draws=20_000, causal=True, seed=0, n_resamples=49,
+    res = mc.attention_error(fm, q, k, v, draws=20_000, causal=True, seed=0,
                              quantiles=(0.5, 0.99))
     assert res["variance"].shape == (6, 3)
     np.testing.assert_allclose(res["variance"][0], 0.0, atol=1e-25)  # o_0 = v_0 exactly

@@ -200,8 +200,8 @@ def test_elu_attention_bf16_very_negative_inputs():
 
 def small_map(name):
     return {
-        "trig_sincos": lambda: ka.TrigRF(3, 4, seed=0, dtype=F64),
-        "trig_offset": lambda: ka.TrigRF(3, 4, variant="offset", seed=0, dtype=F64),
+        "trig-sincos": lambda: ka.TrigRF(3, 4, seed=0, dtype=F64),
+        "trig-offset": lambda: ka.TrigRF(3, 4, variant="offset", seed=0, dtype=F64),
         "positive": lambda: ka.PositiveRF(3, 4, sampler="orthogonal", seed=0, dtype=F64),
         "hyperbolic": lambda: ka.HyperbolicRF(3, 4, seed=0, dtype=F64),
         "structured": lambda: ka.PositiveRF(3, 4, sampler="structured", seed=0, dtype=F64),
@@ -210,7 +210,7 @@ def small_map(name):
     }[name]()
 
 
-GRAD_MAPS = ["trig_sincos", "trig_offset", "positive", "hyperbolic", "structured", "elu", "relu"]
+GRAD_MAPS = ["trig-sincos", "trig-offset", "positive", "hyperbolic", "structured", "elu", "relu"]
 
 
 def leaf(*shape, seed, scale=0.5):

@@ -23,11 +23,10 @@ from studies._framework import (
     Context,
     df_to_markdown,
     load_studies,
-    mean_ci,
     row,
     run_study,
 )
-from studies.estimators import ESTIMATORS, select
+from studies.estimators import select, specs
 
 REPO = Path(__file__).resolve().parent.parent
 STUDIES = load_studies(strict=True)  # a study that fails to import fails here, not silently
@@ -45,13 +44,14 @@ def test_every_study_is_registered() -> None:
 # ---------------------------------------------------------------------------------------------
 # framework units
 # ---------------------------------------------------------------------------------------------
-def test_mean_ci_matches_t_interval() -> None:
+def test_row_uses_the_t_interval_of_montecarlo() -> None:
     x = np.array([1.0, 2.0, 3.0, 4.0])
-    m, lo, hi = mean_ci(x)
+    r = row("m", x)
     half = 3.182446305284263 * x.std(ddof=1) / 2  # t_{0.975, 3} * s / sqrt(4)
-    assert m == pytest.approx(2.5)
-    assert (lo, hi) == pytest.approx((2.5 - half, 2.5 + half))
-    assert mean_ci(np.array([5.0])) == (5.0, 5.0, 5.0)
+    assert r["mean"] == pytest.approx(2.5)
+    assert (r["ci_low"], r["ci_high"]) == pytest.approx((2.5 - half, 2.5 + half))
+    one = row("m", np.array([5.0]))
+    assert (one["mean"], one["ci_low"], one["ci_high"], one["n_draws"]) == (5.0, 5.0, 5.0, 1)
 
 
 def test_row_and_markdown() -> None:
@@ -73,7 +73,7 @@ def test_context_seeds_are_deterministic_and_distinct() -> None:
 
 def test_every_registered_estimator_builds_batched() -> None:
     q = torch.randn(5, 4, dtype=torch.float64) / 2
-    for spec in ESTIMATORS.values():
+    for spec in specs():
         fm = spec.build(4, 8, batch_shape=(3,), seed=1)
         K = fm.kernel(q, q)
         assert K.shape[-2:] == (5, 5) and torch.isfinite(K).all(), spec.key

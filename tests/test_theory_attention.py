@@ -67,10 +67,10 @@ def make(kind: str, d: int, r: int, **kw):
         return ka.PositiveRF(d, r, seed=0, **kw)
     if kind == "hyperbolic":
         return ka.HyperbolicRF(d, r, seed=0, **kw)
-    return ka.TrigRF(d, r, variant=kind, seed=0, **kw)
+    return ka.get_estimator(kind).build(d, r, seed=0, **kw)
 
 
-KINDS = ["positive", "hyperbolic", "sincos", "offset"]
+KINDS = ["positive", "hyperbolic", "trig-sincos", "trig-offset"]
 
 
 def kernel_draws(fm, q, k, draws: int) -> torch.Tensor:
@@ -123,10 +123,10 @@ def test_normaliser_relative_variance_matches_monte_carlo(kind):
 CASES = [
     ("positive", 0.5, 64, False),
     ("hyperbolic", 0.5, 64, False),
-    ("sincos", 0.5, 64, False),
-    ("offset", 0.5, 64, False),
+    ("trig-sincos", 0.5, 64, False),
+    ("trig-offset", 0.5, 64, False),
     ("positive", 0.5, 64, True),
-    ("sincos", 0.5, 64, True),
+    ("trig-sincos", 0.5, 64, True),
     ("positive", 0.75, 256, False),
 ]
 
@@ -136,7 +136,7 @@ def test_delta_method_within_ten_percent(kind, rho, r, causal):
     d, n, dv, S = 16, 8, 2, 10_000
     q, k, v = scaled_inputs(d, n, n, dv, rho=rho, seed=5)
     fm = make(kind, d, r)
-    res = attention_error(fm, q, k, v, draws=S, causal=causal, seed=2, quantiles=(0.5,), n_resamples=9)
+    res = attention_error(fm, q, k, v, draws=S, causal=causal, seed=2, quantiles=(0.5,))
     delta = attention_variance(fm, q, k, v, causal=causal).numpy()
     mc, se = res["variance"], res["variance_se"]
     if causal:  # row 0 attends to one key only: o_0 = v_0 exactly, variance 0 both ways
@@ -158,7 +158,7 @@ def test_first_order_fails_when_normaliser_spreads():
     d, n, dv, S, r = 16, 8, 2, 6000, 16
     q, k, v = scaled_inputs(d, n, n, dv, rho=1.5, seed=5)
     fm = make("positive", d, r)
-    res = attention_error(fm, q, k, v, draws=S, seed=2, quantiles=(0.5,), n_resamples=9)
+    res = attention_error(fm, q, k, v, draws=S, seed=2, quantiles=(0.5,))
     delta = attention_variance(fm, q, k, v).numpy()
     assert (res["variance_se"] <= 0.05 * res["variance"]).all()
     assert (delta > 2 * (res["variance"] + 3 * res["variance_se"])).all()

@@ -47,8 +47,8 @@ S_DRAWS = 100_000
 CHUNK = 25_000
 
 KIND_CLS = {
-    "trig_sincos": (ka.TrigRF, {"variant": "sincos"}),
-    "trig_offset": (ka.TrigRF, {"variant": "offset"}),
+    "trig-sincos": (ka.TrigRF, {"variant": "sincos"}),
+    "trig-offset": (ka.TrigRF, {"variant": "offset"}),
     "positive": (ka.PositiveRF, {}),
     "hyperbolic": (ka.HyperbolicRF, {}),
 }
@@ -121,7 +121,7 @@ def test_mse_matches_monte_carlo(kind, orth):
 
 
 # several blocks with d not dividing r (two full blocks of 3 + one row), odd d (no Laguerre form)
-@pytest.mark.parametrize("kind", ["trig_sincos", "positive"])
+@pytest.mark.parametrize("kind", ["trig-sincos", "positive"])
 def test_orf_several_blocks_odd_dim(kind):
     _check_mc(kind, "chi", d=3, r=7, seed=5)
 
@@ -292,13 +292,13 @@ def test_large_arguments_finite_or_true_overflow():
     a[0, 0] = 15.0
     b = a.copy()
     b[0, 1] = 0.5  # s = 0.25, e^{|a|^2+|b|^2} = e^{450.25}: finite
-    mom = M.estimator_moments("trig_sincos", a, b, 8)
+    mom = M.estimator_moments("trig-sincos", a, b, 8)
     assert np.isfinite(mom.variance[0, 0])
     rel = mom.mse[0, 0] / np.exp(2 * 225.0)
     assert rel == pytest.approx(np.exp(0.25) * (1 - np.exp(-0.25)) ** 2 / 16, rel=1e-9)
     a[0, 0] = 20.0  # e^{800}: the true variance overflows float64
     b[0, 0] = 20.0
-    assert np.isinf(M.estimator_moments("trig_sincos", a, b, 8).variance[0, 0])
+    assert np.isinf(M.estimator_moments("trig-sincos", a, b, 8).variance[0, 0])
     # near-cancellation: q ≈ -k to 1e-9 keeps the positive MSE accurate (t from coordinates)
     z = np.array([[0.3, -0.2, 0.5, 0.1]])
     w = -z + 1e-9
@@ -320,8 +320,8 @@ def test_dispatch_reads_feature_map():
     q = torch.randn(generator=torch.Generator().manual_seed(320), size=(3, 4), dtype=F64) / 2
     k = torch.randn(generator=torch.Generator().manual_seed(321), size=(5, 4), dtype=F64) / 2
     cases = [
-        (ka.TrigRF(4, 6, seed=0), "trig_sincos", None),
-        (ka.TrigRF(4, 6, variant="offset", sampler="orthogonal", seed=0), "trig_offset", "chi"),
+        (ka.TrigRF(4, 6, seed=0), "trig-sincos", None),
+        (ka.TrigRF(4, 6, variant="offset", sampler="orthogonal", seed=0), "trig-offset", "chi"),
         (ka.PositiveRF(4, 6, sampler=OrthogonalSampler("fixed"), seed=0), "positive", "fixed"),
         (ka.HyperbolicRF(4, 9, sampler="orthogonal", seed=0), "hyperbolic", "chi"),
     ]
@@ -345,7 +345,7 @@ def test_dispatch_reads_feature_map():
         M.positive_mse(q, k, 4, orthogonal="haar")
     with pytest.raises(ValueError, match="num_features"):
         M.positive_mse(q, k, 0)
-    with pytest.raises(ValueError, match="kind"):
+    with pytest.raises(ValueError, match="unknown estimator"):
         M.estimator_moments("cosine", q, k, 4)
 
 

@@ -86,7 +86,7 @@ def mse_study(draws: int, d: int = 16) -> pd.DataFrame:
                     th = float(ka.theory.mse(fm, qq, kk).reshape(-1)[0])
                 except NotImplementedError:
                     continue
-                res = kernel_error(fm, qq, kk, draws=draws, seed=r, n_resamples=9, quantiles=(0.5,))
+                res = kernel_error(fm, qq, kk, draws=draws, seed=r, quantiles=(0.5,))
                 K = float(res["exact"].reshape(-1)[0])
                 m, se = float(res["mse"].reshape(-1)[0]), float(res["mse_se"].reshape(-1)[0])
                 rows.append(
@@ -142,7 +142,7 @@ def delta_study(draws: int, d: int = 16, n: int = 8, dv: int = 2) -> pd.DataFram
             q, k, v = scaled_inputs(d, n, dv, rho, seed=5)
             for r in (16, 64, 256):
                 fm = make(d, r)
-                res = attention_error(fm, q, k, v, draws=draws, seed=r, n_resamples=9, quantiles=(0.5,))
+                res = attention_error(fm, q, k, v, draws=draws, seed=r, quantiles=(0.5,))
                 delta = attention_variance(fm, q, k, v).numpy().ravel()
                 var, se = res["variance"].ravel(), res["variance_se"].ravel()
                 ratio = delta / var

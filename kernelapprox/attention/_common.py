@@ -10,6 +10,12 @@ from ..features import FeatureMap
 from .state import LinearAttentionState
 
 
+def check_feature_map(feature_map: object) -> FeatureMap:
+    if not isinstance(feature_map, FeatureMap):
+        raise TypeError(f"feature_map must be a kernelapprox FeatureMap, got {type(feature_map).__name__}")
+    return feature_map
+
+
 def prepare(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -18,8 +24,13 @@ def prepare(
     causal: bool,
     initial_state: LinearAttentionState | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype, torch.dtype]:
-    if not isinstance(feature_map, FeatureMap):
-        raise TypeError(f"feature_map must be a kernelapprox FeatureMap, got {type(feature_map).__name__}")
+    """Validate the inputs of an attention call once, and cast them to the compute dtype.
+
+    Returns ``q, k, v`` in ``compute_dtype(q, k, v, feature map)`` (at least float32), the output
+    dtype ``promote(q, k, v)`` and the compute dtype. The feature map is then called inside
+    :func:`~kernelapprox._validation.inputs_validated`, so nothing is checked twice.
+    """
+    check_feature_map(feature_map)
     check_qkv(q, k, v, causal=causal)
     if q.shape[-1] != feature_map.dim:
         raise ValueError(
@@ -27,11 +38,22 @@ def prepare(
         )
     for name, t in (("q", q), ("k", k), ("v", v)):
         broadcast_batch(name, t.shape[:-2], feature_map.batch_shape)
-    if initial_state is not None and not isinstance(initial_state, LinearAttentionState):
-        raise TypeError(f"initial_state must be a LinearAttentionState, got {type(initial_state).__name__}")
+    if initial_state is not None:
+        if not isinstance(initial_state, LinearAttentionState):
+            raise TypeError(f"initial_state must be a LinearAttentionState, got {type(initial_state).__name__}")
+        check_state(initial_state, feature_map.feature_dim, v.shape[-1], "initial_state")
     out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    cdt = compute_dtype(out_dtype)
+    cdt = compute_dtype(out_dtype, feature_map.param_dtype)
     return q.to(cdt), k.to(cdt), v.to(cdt), out_dtype, cdt
+
+
+def check_state(state: LinearAttentionState, feature_dim: int, dv: int, name: str) -> None:
+    """Raise ``ValueError`` unless ``state.kv`` has shape (..., feature_dim, dv + 1)."""
+    if tuple(state.kv.shape[-2:]) != (feature_dim, dv + 1):
+        raise ValueError(
+            f"{name} has kv of shape {tuple(state.kv.shape)}, expected (..., {feature_dim}, {dv + 1}) "
+            f"= (..., feature_dim, dv + 1) for this feature map and v"
+        )
 
 
 def key_side(
@@ -49,11 +71,6 @@ def key_side(
     gk = gk.unsqueeze(-1)  # (..., 1, 1)
     if initial_state is None:
         return fk, None, None, gk
-    if initial_state.kv.shape[-2] != fk.shape[-1]:
-        raise ValueError(
-            f"initial_state has kv of shape {tuple(initial_state.kv.shape)}, expected "
-            f"(..., {fk.shape[-1]}, dv + 1) for a feature map with feature_dim={fk.shape[-1]}"
-        )
     old_kv = initial_state.kv.to(fk.dtype)
     old_ls = initial_state.log_scale.to(gk.dtype)
     # The scales are stabilisers only: their choice is a constant for autograd.
@@ -62,12 +79,9 @@ def key_side(
     return fk, torch.exp(gk - g).to(dt), old_kv * torch.exp(old_ls - g).to(dt), g
 
 
-def check_state_dv(initial_state: LinearAttentionState | None, v: torch.Tensor) -> None:
-    if initial_state is not None and initial_state.kv.shape[-1] != v.shape[-1] + 1:
-        raise ValueError(
-            f"initial_state has kv of shape {tuple(initial_state.kv.shape)}, expected last dimension "
-            f"dv + 1 = {v.shape[-1] + 1} for v of shape {tuple(v.shape)}"
-        )
+def with_ones(v: torch.Tensor) -> torch.Tensor:
+    """``[v, 1]`` (..., m, dv + 1): numerator and denominator share one GEMM (and its rounding)."""
+    return torch.cat((v, v.new_ones(*v.shape[:-1], 1)), dim=-1)
 
 
 def split(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

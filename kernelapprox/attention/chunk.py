@@ -7,16 +7,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._validation import no_autocast
+from .._validation import inputs_validated, no_autocast
 from ..features import FeatureMap
-from ._common import check_state_dv, normalise, prepare, split
+from ._common import normalise, prepare, split, with_ones
 from .state import LinearAttentionState
 
 
 def _exp_diff(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``exp(a - b)`` with ``-inf - -inf`` read as ``exp(-inf) = 0`` (an empty past)."""
+    """``exp(a - b)`` with ``a = -inf`` read as weight 0 (an empty past, a padded key), also when
+    ``b = -inf``; NaN and ``+inf`` propagate."""
     out = torch.exp(a - b)
-    return torch.where(torch.isfinite(a), out, torch.zeros_like(out)).to(dtype)
+    return torch.where(a == float("-inf"), torch.zeros_like(out), out).to(dtype)
 
 
 @no_autocast
@@ -45,6 +46,10 @@ def chunk_linear_attention(
     underflow the past). The carried state is rescaled to the running maximum, exactly as in
     :class:`RecurrentLinearAttention`, so the two forms agree to rounding.
 
+    Output :math:`i` depends on positions :math:`\le i` only, also for non-finite inputs: a NaN or
+    Inf at position :math:`j` reaches rows :math:`\ge j` (as in the recurrent form), never rows
+    before it, whatever the chunk size; padding after the sequence has no effect.
+
     Chunk states are formed for groups of chunks sized so that they never outweigh the features:
     peak memory :math:`O(n(F + d_v) + F d_v)` per head for any ``chunk_size``, and no
     :math:`(n, F, d_v)` tensor. Cost :math:`O(nFd_v + nC(F + d_v))` for chunk size :math:`C`.
@@ -64,17 +69,26 @@ def chunk_linear_attention(
 
     Returns
     -------
-    out : Tensor, shape (..., n, dv)
+    out : Tensor, shape (..., n, dv), dtype ``promote(q, k, v)``
     state : LinearAttentionState, if ``return_state``
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> q, k, v = torch.randn(3, 1, 40, 8).unbind(0)
+    >>> k[0, 30, 0] = float("nan")
+    >>> out = chunk_linear_attention(q / 2, k / 2, v, ka.PositiveRF(8, 16, seed=0), chunk_size=16)
+    >>> bool(out[0, :30].isfinite().all()), bool(out[0, 30:].isnan().all())
+    (True, True)
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int (a number of tokens), got {chunk_size!r}")
     q, k, v, out_dtype, cdt = prepare(q, k, v, feature_map, True, initial_state)
-    check_state_dv(initial_state, v)
-    fq = feature_map._query_features(q)  # the per-query scale cancels
-    fk, s = feature_map.log_features(k)  # per-key log scales s: (..., n), float64 for random maps
+    with inputs_validated():
+        fq = feature_map.query_features(q)  # the per-query scale cancels
+        fk, s = feature_map.log_features(k)  # per-key log scales s: (..., n), float64 for random maps
     s = s.double()  # keeps the gradient of the per-key scale; the stabilisers below are detached
-    v1 = torch.cat((v, v.new_ones(*v.shape[:-1], 1)), dim=-1)
+    v1 = with_ones(v)
     lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v1.shape[:-2], s.shape[:-1])
     n, Fd, dv1 = fq.shape[-2], fq.shape[-1], v1.shape[-1]
     C = chunk_size
@@ -90,6 +104,16 @@ def chunk_linear_attention(
     v1 = v1.expand(*lead, *v1.shape[-2:]).reshape(*lead, nc, C, dv1)
     s = s.expand(*lead, s.shape[-1]).reshape(*lead, nc, C)
     sd = s.detach()
+
+    # Causality for non-finite values. Inside a chunk, products with masked (future) entries are
+    # formed before the mask applies, and 0 * NaN = NaN: a NaN/Inf at position j would reach rows
+    # i < j. Keys: the masked scores are replaced (masked_fill), not multiplied by 0. Values: the
+    # intra-chunk product uses finite values only, and row i of column c is set to NaN where a
+    # value at a position <= i of its chunk is non-finite (earlier chunks reach it through the
+    # carried state, which keeps the raw values).
+    v_bad = ~torch.isfinite(v1)
+    v_poison = torch.cumsum(v_bad, dim=-2, dtype=torch.int32) > 0  # (..., nc, C, dv1)
+    v1_finite = v1.masked_fill(v_bad, 0.0)
 
     # Scales: G0 (initial state), running max within each chunk, and across chunks.
     if initial_state is None:
@@ -107,7 +131,8 @@ def chunk_linear_attention(
 
     # Chunk contributions at their own (inclusive) scale: v rows weighted by exp(s_j - G_incl).
     w_state = _exp_diff(s, G_incl.unsqueeze(-1), cdt).unsqueeze(-1)  # (..., nc, C, 1)
-    # Intra-chunk weights exp(s_j - M_i), j <= i.
+    # Intra-chunk weights exp(s_j - M_i), j <= i (masked before the product too, so that an
+    # overflowing future weight cannot turn a zero gradient into NaN).
     mask = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()
     E = _exp_diff(s.unsqueeze(-2).expand(*s.shape, C), M.unsqueeze(-1), cdt)
     E = E.masked_fill(~mask, 0.0)  # (..., nc, C_i, C_j)
@@ -125,8 +150,9 @@ def chunk_linear_attention(
             state = state * decay[..., c, None, None] + kv_c[..., c - a, :, :]
         excl = torch.stack(excl, dim=-3)  # (..., g, F, dv1) at scales G_excl
         fq_g = fq[..., a:b, :, :]
-        A = torch.matmul(fq_g, fk[..., a:b, :, :].mT) * E[..., a:b, :, :]
-        outs.append(torch.matmul(fq_g, excl) * w_inter[..., a:b, :, :] + torch.matmul(A, v1[..., a:b, :, :]))
+        A = (torch.matmul(fq_g, fk[..., a:b, :, :].mT) * E[..., a:b, :, :]).masked_fill(~mask, 0.0)
+        intra = torch.matmul(A, v1_finite[..., a:b, :, :]).masked_fill(v_poison[..., a:b, :, :], float("nan"))
+        outs.append(torch.matmul(fq_g, excl) * w_inter[..., a:b, :, :] + intra)
     out = torch.cat(outs, dim=-3).reshape(*lead, nc * C, dv1)[..., :n, :]
     out = normalise(*split(out), feature_map.positive, eps).to(out_dtype)
     if return_state:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import no_autocast
+from .._validation import inputs_validated, no_autocast
 from ..features import FeatureMap
-from ._common import check_state_dv, key_side, normalise, prepare, split
+from ._common import key_side, normalise, prepare, split, with_ones
 from .state import LinearAttentionState
 
 
@@ -41,19 +41,26 @@ def parallel_linear_attention(
 
     Returns
     -------
-    out : Tensor, shape (..., n, dv)
+    out : Tensor, shape (..., n, dv), dtype ``promote(q, k, v)``
     state : LinearAttentionState, if ``return_state``
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> q, k, v = torch.randn(3, 2, 50, 8).unbind(0)
+    >>> fm = ka.PositiveRF(8, 32, seed=0)
+    >>> parallel_linear_attention(q / 2, k / 2, v, fm).shape
+    torch.Size([2, 50, 8])
     """
     q, k, v, out_dtype, _ = prepare(q, k, v, feature_map, False, initial_state)
-    check_state_dv(initial_state, v)
-    fk, w, kv0, g = key_side(feature_map, k, initial_state)
-    # [S | z] = phi(K)^T [V, 1] in one GEMM: numerator and denominator then share their rounding
-    # (a constant v is returned exactly; separate reductions disagree by ~n*eps at long n).
-    v1 = torch.cat((v, v.new_ones(*v.shape[:-1], 1)), dim=-1)
-    kv = torch.matmul(fk.mT, v1)
-    if kv0 is not None:
-        kv = kv * w + kv0
-    fq = feature_map._query_features(q)  # the per-query scale cancels
+    with inputs_validated():
+        fk, w, kv0, g = key_side(feature_map, k, initial_state)
+        # [S | z] = phi(K)^T [V, 1] in one GEMM: numerator and denominator then share their
+        # rounding (a constant v is returned exactly; separate reductions disagree by ~n*eps).
+        kv = torch.matmul(fk.mT, with_ones(v))
+        if kv0 is not None:
+            kv = kv * w + kv0
+        fq = feature_map.query_features(q)  # the per-query scale cancels
     out = normalise(*split(torch.matmul(fq, kv)), feature_map.positive, eps).to(out_dtype)
     if return_state:
         return out, LinearAttentionState(kv, g.expand(*kv.shape[:-2], 1, 1))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import check_floating, compute_dtype, no_autocast
+from .._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
 from ..features import FeatureMap
-from ._common import normalise, split
+from ._common import check_feature_map, check_state, normalise, split, with_ones
 from .state import LinearAttentionState
 
 
@@ -47,8 +47,7 @@ class RecurrentLinearAttention:
         state: LinearAttentionState | None = None,
         eps: float = 1e-6,
     ) -> None:
-        if not isinstance(feature_map, FeatureMap):
-            raise TypeError(f"feature_map must be a kernelapprox FeatureMap, got {type(feature_map).__name__}")
+        check_feature_map(feature_map)
         if state is not None and not isinstance(state, LinearAttentionState):
             raise TypeError(f"state must be a LinearAttentionState, got {type(state).__name__}")
         self.feature_map = feature_map
@@ -72,38 +71,39 @@ class RecurrentLinearAttention:
 
         Returns
         -------
-        Tensor, shape (..., dv), dtype ``promote(q_t, k_t, v_t)``.
+        Tensor, shape (..., dv), dtype ``promote(q_t, k_t, v_t)`` (computed in
+        ``promote(q_t, k_t, v_t, feature map)``, at least float32).
         """
         for name, t in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
             check_floating(name, t)
             if t.dim() < 1:
                 raise ValueError(f"{name} must have shape (..., features), got a scalar")
-        d = self.feature_map.dim
+        fm = self.feature_map
+        d = fm.dim
         if q_t.shape[-1] != d or k_t.shape[-1] != d:
             raise ValueError(
                 f"q_t and k_t must have last dimension dim={d}, got {tuple(q_t.shape)} and {tuple(k_t.shape)}"
             )
+        for name, t in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+            broadcast_batch(name, t.shape[:-1], fm.batch_shape)
+        if self.state is not None:
+            check_state(self.state, fm.feature_dim, v_t.shape[-1], "state")
         out_dtype = torch.promote_types(torch.promote_types(q_t.dtype, k_t.dtype), v_t.dtype)
-        cdt = compute_dtype(out_dtype)
+        cdt = compute_dtype(out_dtype, fm.param_dtype)
         q, k, v = q_t.to(cdt).unsqueeze(-2), k_t.to(cdt).unsqueeze(-2), v_t.to(cdt).unsqueeze(-2)
-        fk, gk = self.feature_map.log_features(k, shared=True)  # (..., 1, F), (..., 1)
+        with inputs_validated():
+            fk, gk = fm.log_features(k, shared=True)  # (..., 1, F), (..., 1)
+            fq = fm.query_features(q)
         gk = gk.unsqueeze(-1)  # (..., 1, 1)
-        v1 = torch.cat((v, v.new_ones(*v.shape[:-1], 1)), dim=-1)
-        upd = torch.matmul(fk.mT, v1)  # (..., F, dv + 1)
+        upd = torch.matmul(fk.mT, with_ones(v))  # (..., F, dv + 1)
         if self.state is None:
             kv, g = upd, gk.detach()
         else:
             old = self.state
-            if old.kv.shape[-2:] != upd.shape[-2:]:
-                raise ValueError(
-                    f"state has kv of shape {tuple(old.kv.shape)}, incompatible with this step's "
-                    f"(..., {upd.shape[-2]}, {upd.shape[-1]})"
-                )
             old_ls = old.log_scale.to(gk.dtype)
             g = torch.maximum(old_ls, gk).detach()
             kv = old.kv.to(cdt) * torch.exp(old_ls - g).to(cdt) + upd * torch.exp(gk - g).to(cdt)
         self.state = LinearAttentionState(kv, g.expand(*kv.shape[:-2], 1, 1))
         self.steps += 1
-        fq = self.feature_map._query_features(q)
-        out = normalise(*split(torch.matmul(fq, kv)), self.feature_map.positive, self.eps)
+        out = normalise(*split(torch.matmul(fq, kv)), fm.positive, self.eps)
         return out.squeeze(-2).to(out_dtype)

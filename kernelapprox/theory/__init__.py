@@ -2,7 +2,9 @@ r"""Theory of the random-feature estimators: pointwise moments, concentration, u
 
 * :mod:`.moments` — closed-form bias, variance and MSE of every entry of ``fm.kernel(q, k)``
   (iid, χ-norm and fixed-norm orthogonal rows); :func:`bias`, :func:`variance`, :func:`mse`,
-  :func:`relative_mse` dispatch on a feature map.
+  :func:`relative_mse` dispatch on a feature map through its registered identity
+  (:func:`kernelapprox.estimator_of`) and the closed forms it declares
+  (:class:`kernelapprox.EstimatorTheory`: ``POSITIVE_THEORY``, ``TRIG_SINCOS_THEORY``, ...).
 * :mod:`.concentration` — Chebyshev / CLT / Hoeffding / Bernstein bounds on
   :math:`P(|\hat K - K| \ge \varepsilon K)` and :func:`required_features` inverting them.
 * :mod:`.uniform` — uniform convergence over the ball :math:`B(R)` (Rahimi–Recht,
@@ -19,7 +21,11 @@ from __future__ import annotations
 from .attention import attention_variance, kernel_covariance, normaliser_relative_variance
 from .concentration import failure_probability, required_features
 from .moments import (
-    KINDS,
+    HYPERBOLIC_THEORY,
+    POSITIVE_THEORY,
+    TRIG_OFFSET_THEORY,
+    TRIG_SINCOS_THEORY,
+    Components,
     Moments,
     bias,
     deterministic_error,
@@ -50,8 +56,12 @@ from .uniform import (
 )
 
 __all__ = [
-    "KINDS",
+    "Components",
     "Moments",
+    "POSITIVE_THEORY",
+    "HYPERBOLIC_THEORY",
+    "TRIG_SINCOS_THEORY",
+    "TRIG_OFFSET_THEORY",
     "bias",
     "variance",
     "mse",

@@ -52,7 +52,8 @@ At :math:`j=l` these reduce to Performer Lemma 2 (positive, hyperbolic, trig) an
 Sutherland–Schneider variance of the offset features (``estimators.md`` §1–2).
 
 Every case is a sum of terms :math:`c\,e^{\alpha\|q\|^2+\beta(q^\top k_j+q^\top k_l)+\gamma k_j^\top
-k_l}` with :math:`(c,\alpha,\beta,\gamma)` in ``_PAIR_TERMS``. Because the weights
+k_l}` with :math:`(c,\alpha,\beta,\gamma)` in each estimator's ``EstimatorTheory.attention_pair_terms``
+(``kernelapprox.theory.moments``). Because the weights
 :math:`a_{jc}=v_{jc}-o_{ic}` satisfy :math:`\sum_jK_{ij}a_{jc}=0` exactly, the
 :math:`-K_{ij}K_{il}` part of the covariance drops out of the quadratic form, and
 
@@ -83,57 +84,39 @@ from kernelapprox._validation import check_floating
 
 __all__ = ["attention_variance", "kernel_covariance", "normaliser_relative_variance"]
 
-# (coefficient c, alpha, beta, gamma) of E[X_j X_l] = sum c exp(alpha|q|^2 + beta(q.k_j+q.k_l)
-# + gamma k_j.k_l) for one projection, iid Gaussian omega (see the module docstring).
-_PAIR_TERMS: dict[str, tuple[tuple[float, float, float, float], ...]] = {
-    "positive": ((1.0, 1.0, 2.0, 1.0),),
-    "hyperbolic": ((0.5, 1.0, 2.0, 1.0), (0.5, -1.0, 0.0, -1.0)),
-    "trig_sincos": ((0.5, -1.0, 2.0, -1.0), (0.5, 1.0, 0.0, 1.0)),
-    "trig_offset": ((0.5, -1.0, 2.0, -1.0), (1.0, 1.0, 0.0, 1.0)),
-}
-
 # Bytes of float64 scratch allowed for one block of query rows, (rows, m, dv) tensors.
 _BLOCK_BYTES = 64 * 2**20
 
-
-def _class_names(fm: object) -> set[str]:
-    return {c.__name__ for c in type(fm).__mro__}
+_PairTerms = tuple[tuple[float, float, float, float], ...]
 
 
-def _estimator_kind(fm: object) -> str:
-    """Classify a feature map: 'positive', 'hyperbolic', 'trig_sincos', 'trig_offset' or
-    'deterministic'; raise NotImplementedError where no closed form is available."""
-    names = _class_names(fm)
-    if not getattr(fm, "is_random", True):
-        return "deterministic"
-    # most specific first: a subclass of another map must not be taken for its parent
-    if "HyperbolicRF" in names:
-        kind = "hyperbolic"
-    elif "TrigRF" in names:
-        variant = getattr(fm, "variant", "sincos")
-        if variant not in ("sincos", "offset"):
-            raise NotImplementedError(
-                f"attention_variance: TrigRF variant {variant!r} has no closed form here; "
-                "use kernelapprox.montecarlo.attention_error"
-            )
-        kind = f"trig_{variant}"
-    elif "PositiveRF" in names:
-        kind = "positive"
-    else:
+def _pair_terms(fm: object) -> _PairTerms | None:
+    """The estimator's attention pair terms (``EstimatorTheory.attention_pair_terms``, see the
+    module docstring), ``None`` for a deterministic map; ``NotImplementedError`` where the
+    delta-method closed form is not available."""
+    from kernelapprox.registry import estimator_of
+
+    try:
+        est = estimator_of(fm)
+    except (LookupError, TypeError) as e:
+        raise NotImplementedError(f"attention_variance: {e}; use kernelapprox.montecarlo.attention_error") from None
+    if not est.is_random:
+        return None
+    th = est.theory
+    if th is None or th.attention_pair_terms is None:
         raise NotImplementedError(
-            f"attention_variance has no closed form for {type(fm).__name__}; "
+            f"attention_variance has no closed form for the {est.name!r} estimator; "
             "use kernelapprox.montecarlo.attention_error"
         )
     sampler = getattr(fm, "sampler", None)
-    sampler_name = getattr(sampler, "name", sampler)
-    if sampler_name != "gaussian":
+    if getattr(sampler, "row_law", None) != "iid":
         raise NotImplementedError(
             f"attention_variance is derived for iid Gaussian projections (sampler='gaussian'); "
-            f"got sampler={sampler_name!r}. Rows that are orthogonal, structured or "
+            f"got sampler={getattr(sampler, 'name', sampler)!r}. Rows that are orthogonal, structured or "
             "quasi-random are dependent and the pair covariances change; "
             "use kernelapprox.montecarlo.attention_error for them"
         )
-    return kind
+    return th.attention_pair_terms
 
 
 def _check_inputs(fm: object, q: object, k: object, v: object | None) -> None:
@@ -216,19 +199,19 @@ def kernel_covariance(fm: torch.nn.Module, q: torch.Tensor, k: torch.Tensor) -> 
     torch.Size([3, 5, 5])
     """
     _check_inputs(fm, q, k, None)
-    kind = _estimator_kind(fm)
+    terms = _pair_terms(fm)
     q = q.to(torch.float64)
     k = k.to(torch.float64)
     qk = q @ k.mT  # (..., n, m)
     shape = qk.shape + (qk.shape[-1],)
-    if kind == "deterministic":
+    if terms is None:
         return torch.zeros(shape, dtype=torch.float64, device=q.device)
     r = fm.num_features
     qq = (q * q).sum(-1)[..., :, None, None]  # (..., n, 1, 1)
     kk = (k @ k.mT)[..., None, :, :]  # (..., 1, m, m)
     s = qk[..., :, :, None] + qk[..., :, None, :]  # q.k_j + q.k_l
     second = torch.zeros((), dtype=torch.float64, device=q.device)
-    for c, a, b, g in _PAIR_TERMS[kind]:
+    for c, a, b, g in terms:
         second = second + c * torch.exp(a * qq + b * s + g * kk)
     return (second - torch.exp(s)) / r
 
@@ -389,7 +372,7 @@ def _delta_quadratic(
     causal: bool,
 ) -> torch.Tensor:
     """The delta-method variance (v given, (..., n, dv)) or Var(D_i)/D_i^2 (v None, (..., n, 1))."""
-    kind = _estimator_kind(fm)
+    terms = _pair_terms(fm)
     n, m = q.shape[-2], k.shape[-2]
     if causal and n != m:
         raise ValueError(f"causal=True needs as many queries as keys, got n={n} and m={m}")
@@ -404,7 +387,7 @@ def _delta_quadratic(
     k = k.expand(batch + k.shape[-2:])
     v = v.expand(batch + v.shape[-2:])
     dv = v.shape[-1]
-    if kind == "deterministic":
+    if terms is None:
         return torch.zeros(batch + (n, dv), dtype=torch.float64, device=q.device)
     r = fm.num_features
 
@@ -412,7 +395,7 @@ def _delta_quadratic(
     knorm = torch.diagonal(kk, dim1=-2, dim2=-1)  # (..., m)
     # H^gamma_jl = exp(gamma k_j.k_l - |k_j|^2/2 - |k_l|^2/2) = exp(-|k_j - gamma k_l|^2/2)
     half = 0.5 * (knorm[..., :, None] + knorm[..., None, :])
-    kernels = {g: torch.exp(g * kk - half) for g in {t[3] for t in _PAIR_TERMS[kind]}}
+    kernels = {g: torch.exp(g * kk - half) for g in {t[3] for t in terms}}
 
     out = torch.empty(batch + (n, dv), dtype=torch.float64, device=q.device)
     rows = max(1, _BLOCK_BYTES // (8 * max(1, m * dv * math.prod(batch))))
@@ -434,7 +417,7 @@ def _delta_quadratic(
             centred = v[..., None, :, :] - o[..., :, None, :]  # (..., b, m, dv)
         qn = (qb * qb).sum(-1, keepdim=True)  # (..., b, 1)
         var = torch.zeros(log_a.shape[:-1] + (dv,), dtype=torch.float64, device=q.device)
-        for c, a, b, g in _PAIR_TERMS[kind]:
+        for c, a, b, g in terms:
             u = log_a + (b - 1.0) * logits + 0.5 * knorm[..., None, :] + 0.5 * a * qn
             if mask is not None:
                 u = u.masked_fill(mask, -math.inf)

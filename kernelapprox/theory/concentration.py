@@ -62,15 +62,16 @@ from typing import Any
 import numpy as np
 from scipy.special import ndtr
 
+from kernelapprox.registry import EstimatorTheory, get_estimator
+
 from .moments import (
-    KINDS,
+    Components,
     _check_orthogonal,
     _check_r,
-    _Components,
-    _components,
     _geometry,
     _out,
     _prepare,
+    _theory_for,
     feature_map_kind,
 )
 
@@ -79,13 +80,6 @@ __all__ = ["METHODS", "failure_probability", "required_features"]
 #: Bounds understood by :func:`failure_probability` and :func:`required_features`.
 METHODS = ("chebyshev", "clt", "hoeffding", "bernstein")
 
-_ALIASES = {
-    "trig": "trig_sincos",
-    "sincos": "trig_sincos",
-    "offset": "trig_offset",
-    "positive": "positive",
-    "hyperbolic": "hyperbolic",
-}
 _R_MAX = 2**62
 
 
@@ -105,25 +99,26 @@ def _check_delta(delta: object) -> float:
     return float(delta)
 
 
-def _resolve(fm_or_kind: Any, orthogonal: str | None) -> tuple[str, str | None, int | None, int | None]:
-    """(kind, orthogonal, num_features or None, dim or None) from a feature map or a kind name."""
+def _resolve(fm_or_kind: Any, orthogonal: str | None) -> tuple[str, EstimatorTheory, str | None, int | None, int | None]:
+    """(name, theory, orthogonal, num_features or None, dim or None) from a feature map or an
+    estimator name."""
     if isinstance(fm_or_kind, str):
-        kind = _ALIASES.get(fm_or_kind, fm_or_kind)
-        if kind not in KINDS:
+        est = get_estimator(fm_or_kind)
+        if not est.is_random:
             raise ValueError(
-                f"fm_or_kind must be a feature map or one of {sorted(set(_ALIASES) | set(KINDS))}, "
-                f"got {fm_or_kind!r}"
+                f"{est.name!r} is deterministic: its error does not shrink with r "
+                "(see ka.theory.deterministic_error)"
             )
-        return kind, _check_orthogonal(orthogonal), None, None
-    kind, orth = feature_map_kind(fm_or_kind)
-    if kind == "deterministic":
+        return est.name, _theory_for(est), _check_orthogonal(orthogonal), None, None
+    name, orth = feature_map_kind(fm_or_kind)
+    if not fm_or_kind.is_random:
         raise ValueError(
             f"{type(fm_or_kind).__name__} is deterministic: its error does not shrink with r "
             "(see ka.theory.deterministic_error)"
         )
     if orthogonal is not None and orthogonal != orth:
         raise ValueError(f"orthogonal={orthogonal!r} contradicts the feature map's sampler ({orth!r})")
-    return kind, orth, int(fm_or_kind.num_features), int(fm_or_kind.dim)
+    return name, _theory_for(name), orth, int(fm_or_kind.num_features), int(fm_or_kind.dim)
 
 
 def _pairs_and_sq(r: np.ndarray, d: int, orthogonal: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -140,7 +135,14 @@ def _pairs_and_sq(r: np.ndarray, d: int, orthogonal: str | None) -> tuple[np.nda
 
 
 def _bound(
-    method: str, kind: str, comp: _Components, d: int, orthogonal: str | None, r: np.ndarray, eps: float
+    method: str,
+    name: str,
+    theory: EstimatorTheory,
+    comp: Components,
+    d: int,
+    orthogonal: str | None,
+    r: np.ndarray,
+    eps: float,
 ) -> np.ndarray:
     """Failure-probability bound (relative units) for integer array r broadcast against the entries."""
     r = np.asarray(r, dtype=np.float64)
@@ -159,16 +161,14 @@ def _bound(
                 (np.abs(rb) >= eps).astype(np.float64),
             )
         else:
-            if kind not in ("trig_sincos", "trig_offset"):
+            if theory.term_bound is None:
                 raise ValueError(
-                    f"method={method!r} needs bounded per-projection terms (trig features); the "
-                    f"{kind} per-projection term is log-normal (unbounded, heavy right tail): use "
+                    f"method={method!r} needs bounded per-projection terms (e.g. trig features); "
+                    f"the {name!r} estimator declares none (positive features: the per-projection "
+                    "term is log-normal, unbounded with a heavy right tail): use "
                     "method='chebyshev' (valid) or 'clt' (asymptotic)"
                 )
-            # a / K: C / (C e^{-s/2}) = e^{s/2} for sin/cos, twice that for offset
-            a = np.exp(0.5 * _s_of(comp))
-            if kind == "trig_offset":
-                a = 2.0 * a
+            a = theory.term_bound(comp)  # |X_i| <= a K
             tau = eps - np.abs(rb)
             if method == "hoeffding":
                 expo = -(r * r) * tau * tau / (2.0 * a * a * sq)
@@ -178,11 +178,6 @@ def _bound(
                 expo = -(r * r) * tau * tau / 2.0 / (r * r * var_rel + M * r * tau / 3.0)
             out = np.where(tau > 0, 2.0 * np.exp(expo), 1.0)
     return np.clip(np.nan_to_num(out, nan=1.0), 0.0, 1.0)
-
-
-def _s_of(comp: _Components) -> np.ndarray:
-    # trig components: scale = |x|^2 + |y|^2 and xy = x.y, so s = |x - y|^2 = scale - 2 xy
-    return np.maximum(comp.scale - 2.0 * comp.xy, 0.0)
 
 
 def _check_method(method: object) -> str:
@@ -209,7 +204,8 @@ def failure_probability(
     ----------
     fm_or_kind : FeatureMap or str
         A random feature map (its ``num_features``, ``dim``, sampler and variant are used) or a
-        kind: ``"trig"``/``"trig_sincos"``, ``"trig_offset"``, ``"positive"``, ``"hyperbolic"``.
+        registered estimator name with closed-form moments (``"trig-sincos"``, ``"trig-offset"``,
+        ``"positive"``, ``"hyperbolic"``, ...).
     eps : float
         Relative error level, > 0.
     q : array or Tensor, shape (..., n, d)
@@ -234,14 +230,14 @@ def failure_probability(
     """
     eps = _check_eps(eps)
     method = _check_method(method)
-    kind, orth, r_fm, _ = _resolve(fm_or_kind, orthogonal)
+    name, theory, orth, r_fm, _ = _resolve(fm_or_kind, orthogonal)
     r = r_fm if num_features is None else _check_r(num_features)
     if r is None:
-        raise ValueError("num_features is required when fm_or_kind is a kind name")
+        raise ValueError("num_features is required when fm_or_kind is an estimator name")
     qa, ka, dev = _prepare(q, k)
     geo = _geometry(qa, ka)
-    comp = _components(kind, geo, orth)
-    return _out(_bound(method, kind, comp, geo.d, orth, np.asarray(r), eps), dev)
+    comp = theory.components(geo, orth)
+    return _out(_bound(method, name, theory, comp, geo.d, orth, np.asarray(r), eps), dev)
 
 
 def required_features(
@@ -275,8 +271,8 @@ def required_features(
     Parameters
     ----------
     fm_or_kind : FeatureMap or str
-        A random feature map (its ``num_features`` is ignored) or a kind (``"trig"``,
-        ``"trig_offset"``, ``"positive"``, ``"hyperbolic"``).
+        A random feature map (its ``num_features`` is ignored) or a registered estimator name
+        (``"trig-sincos"``, ``"trig-offset"``, ``"positive"``, ``"hyperbolic"``, ...).
     eps : float
         Relative error level, > 0.
     delta : float
@@ -320,14 +316,14 @@ def required_features(
         raise ValueError(f"reduce must be 'max' or None, got {reduce!r}")
     if q is None or k is None:
         raise ValueError("q and k are required: the pointwise error depends on the (q, k) pair")
-    kind, orth, _, _ = _resolve(fm_or_kind, orthogonal)
+    name, theory, orth, _, _ = _resolve(fm_or_kind, orthogonal)
     qa, ka, dev = _prepare(q, k)
     geo = _geometry(qa, ka)
-    comp = _components(kind, geo, orth)
+    comp = theory.components(geo, orth)
     shape = comp.v1.shape
 
     def ok(r: np.ndarray) -> np.ndarray:
-        return _bound(method, kind, comp, geo.d, orth, r, eps) <= delta
+        return _bound(method, name, theory, comp, geo.d, orth, r, eps) <= delta
 
     # exponential search for an upper end, then bisection with the invariant: lo fails, hi passes
     hi = np.ones(shape, dtype=np.int64)

@@ -95,9 +95,15 @@ import numpy as np
 import torch
 from scipy.special import gammaln, hyp0f1, hyp1f1, ive, jv
 
+from kernelapprox.registry import Estimator, EstimatorTheory, estimator_of, get_estimator
+
 __all__ = [
-    "KINDS",
+    "Components",
     "Moments",
+    "POSITIVE_THEORY",
+    "HYPERBOLIC_THEORY",
+    "TRIG_SINCOS_THEORY",
+    "TRIG_OFFSET_THEORY",
     "orf_pair_count",
     "estimator_moments",
     "trig_sincos_mse",
@@ -118,9 +124,10 @@ __all__ = [
     "relative_mse",
 ]
 
-#: Estimator kinds understood by the low-level functions.
-KINDS = ("trig_sincos", "trig_offset", "positive", "hyperbolic")
 _ORTHOGONAL = (None, "chi", "fixed")
+#: ``Sampler.row_law`` -> the ``orthogonal`` argument of the formulas.
+_LAW_TO_ORTHOGONAL: dict[str, str | None] = {"iid": None, "orthogonal-chi": "chi", "orthogonal-fixed": "fixed"}
+_ALL_LAWS = frozenset(_LAW_TO_ORTHOGONAL)
 
 _NO_CLOSED_FORM = (
     "no closed form for the {name!r} sampler ({what}): its rows are dependent in a way this module "
@@ -379,14 +386,22 @@ def _hyp0f1_neg(b: float, x: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 
 
-class _Components(NamedTuple):
-    """``Var(K^) = exp(scale) * (v1 / r + P(r)/r^2 * cv)``; relative bias ``rbias``; ``xy = log SM``."""
+class Components(NamedTuple):
+    """Closed-form ingredients of one estimator at every ``(q_i, k_j)`` pair (float64 arrays).
+
+    ``Var(K^) = exp(scale) * (v1 / r + P(r) / r^2 * cv)`` with ``P(r)`` from
+    :func:`orf_pair_count` (0 for iid rows); ``rbias = (E K^ - SM) / SM``; ``xy = log SM = q.k``;
+    ``s = |q - k|^2`` and ``t = |q + k|^2``. An :class:`~kernelapprox.EstimatorTheory`'s
+    ``components(geo, orthogonal)`` returns one.
+    """
 
     scale: np.ndarray  # log of the common scale factor
     v1: np.ndarray  # per-projection variance / exp(scale)
     cv: np.ndarray  # same-block pair covariance / exp(scale) (0 for iid rows)
     rbias: np.ndarray  # (E K^ - SM) / SM
     xy: np.ndarray  # log SM = x.y
+    s: np.ndarray  # |x - y|^2
+    t: np.ndarray  # |x + y|^2
 
 
 class _Core(NamedTuple):
@@ -400,72 +415,146 @@ def _log_pos(scale_log: np.ndarray, bracket: np.ndarray) -> np.ndarray:
         return scale_log + np.log(np.maximum(bracket, 0.0))
 
 
-def _components(kind: str, geo: _Geometry, orthogonal: str | None) -> _Components:
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    d = geo.d
-    s, t = geo.s, geo.t
+def _exp_family(geo: _Geometry, orthogonal: str | None, hyperbolic: bool) -> Components:
+    r"""Positive (:math:`X = \Lambda e^{w^\top z}`) and hyperbolic (:math:`X = \Lambda\cosh w^\top z`)
+    features: they share the mean, the ORF pair moment and the fixed-norm machinery."""
+    d, s, t = geo.d, geo.s, geo.t
     cv = np.zeros_like(s)
     if orthogonal != "fixed":
         rbias = np.zeros_like(s)
-        if kind in ("positive", "hyperbolic"):
-            # Var X = Lambda^2 e^{2t} * v1,  Lambda^2 e^{2t} = exp(-(|x|^2+|y|^2) + 2t)
-            scale = -(geo.nx + geo.ny) + 2.0 * t
-            if kind == "positive":
-                v1 = -np.expm1(-t)  # (e^{2t} - e^t) / e^{2t}
-            else:
-                v1 = 0.5 * np.expm1(-t) ** 2  # (e^t - 1)^2 / (2 e^{2t})
-            if orthogonal == "chi":
-                # same-block pair covariance Lambda^2 (1F1(d; d/2; t/2) - e^t), scaled by e^{-2t}
-                small = t <= 70.0
-                if small.any():
-                    cv[small] = _pair_excess(d, 0.5 * t[small]) * np.exp(-2.0 * t[small])
-                big = ~small
-                if big.any():
-                    # |cv| <= e^{-t}: below double precision relative to v1 here, kept for completeness
-                    tb = t[big]
-                    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                        rho = np.exp(np.log(hyp1f1(d, d / 2.0, np.minimum(tb, 1400.0) / 2.0)) - tb)
-                    rho = np.where(np.isfinite(rho), rho, 0.0)
-                    cv[big] = -np.exp(-tb) * (1.0 - rho)
-        else:
-            # Var X = C^2 * v1, C^2 = exp(|x|^2 + |y|^2)
-            scale = geo.nx + geo.ny
-            v1 = 0.5 * np.expm1(-s) ** 2
-            if kind == "trig_offset":
-                v1 = v1 + 0.5  # 1 + e^{-2s}/2 - e^{-s} = (1 - e^{-s})^2/2 + 1/2
-            if orthogonal == "chi":
-                cv = _pair_excess(d, -0.5 * s)
-        return _Components(scale, v1, cv, rbias, geo.xy)
-
-    # fixed-norm ORF (rows of norm sqrt(d)): 0F1 moments, biased
+        # Var X = Lambda^2 e^{2t} * v1,  Lambda^2 e^{2t} = exp(-(|x|^2+|y|^2) + 2t)
+        scale = -(geo.nx + geo.ny) + 2.0 * t
+        v1 = 0.5 * np.expm1(-t) ** 2 if hyperbolic else -np.expm1(-t)  # (e^t-1)^2/(2e^{2t}); (e^{2t}-e^t)/e^{2t}
+        if orthogonal == "chi":
+            # same-block pair covariance Lambda^2 (1F1(d; d/2; t/2) - e^t), scaled by e^{-2t}
+            # (equal for positive and hyperbolic: w_i and -w_j are also an orthogonal pair)
+            small = t <= 70.0
+            if small.any():
+                cv[small] = _pair_excess(d, 0.5 * t[small]) * np.exp(-2.0 * t[small])
+            big = ~small
+            if big.any():
+                # |cv| <= e^{-t}: below double precision relative to v1 here, kept for completeness
+                tb = t[big]
+                with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                    rho = np.exp(np.log(hyp1f1(d, d / 2.0, np.minimum(tb, 1400.0) / 2.0)) - tb)
+                rho = np.where(np.isfinite(rho), rho, 0.0)
+                cv[big] = -np.exp(-tb) * (1.0 - rho)
+        return Components(scale, v1, cv, rbias, geo.xy, s, t)
+    # fixed-norm ORF (rows of norm sqrt(d)): 0F1 moments, biased (estimates SMREG)
     b = d / 2.0
-    if kind in ("positive", "hyperbolic"):
-        l1 = _log_hyp0f1_pos(b, d * t / 4.0)  # mean / Lambda
-        l2 = _log_hyp0f1_pos(b, d * t / 2.0)  # pair moment / Lambda^2
-        l4 = _log_hyp0f1_pos(b, d * t)  # E e^{2 w.z}
-        rbias = np.expm1(l1 - 0.5 * t)  # SMREG / SM - 1
-        scale = -(geo.nx + geo.ny) + l4
-        mu2 = np.exp(2.0 * l1 - l4)
-        m2 = np.ones_like(t) if kind == "positive" else 0.5 * (np.exp(-l4) + 1.0)
-        v1 = m2 - mu2
-        cv = np.exp(l2 - l4) - mu2
-    else:
-        F1 = _hyp0f1_neg(b, -d * s / 4.0)  # mean / C
-        F2 = _hyp0f1_neg(b, -d * s / 2.0)  # pair moment / C^2
-        F4 = _hyp0f1_neg(b, -d * s)  # E cos(2 w.Delta)
-        with np.errstate(divide="ignore", over="ignore"):
-            rbias = np.sign(F1) * np.exp(np.log(np.abs(F1)) + 0.5 * s) - 1.0
-        scale = geo.nx + geo.ny
-        m2 = 0.5 * (1.0 + F4)
-        if kind == "trig_offset":
-            m2 = m2 + 0.5
-        v1 = m2 - F1 * F1
-        cv = F2 - F1 * F1
-    return _Components(scale, v1, cv, rbias, geo.xy)
+    l1 = _log_hyp0f1_pos(b, d * t / 4.0)  # mean / Lambda
+    l2 = _log_hyp0f1_pos(b, d * t / 2.0)  # pair moment / Lambda^2
+    l4 = _log_hyp0f1_pos(b, d * t)  # E e^{2 w.z}
+    rbias = np.expm1(l1 - 0.5 * t)  # SMREG / SM - 1
+    scale = -(geo.nx + geo.ny) + l4
+    mu2 = np.exp(2.0 * l1 - l4)
+    m2 = 0.5 * (np.exp(-l4) + 1.0) if hyperbolic else np.ones_like(t)
+    return Components(scale, m2 - mu2, np.exp(l2 - l4) - mu2, rbias, geo.xy, s, t)
 
 
-def _core(kind: str, geo: _Geometry, r: int, orthogonal: str | None) -> _Core:
+def _trig_family(geo: _Geometry, orthogonal: str | None, offset: bool) -> Components:
+    r"""Trigonometric features, sin/cos (:math:`X = C\cos w^\top\Delta`) or offset
+    (:math:`X = 2C\cos(w^\top x + b)\cos(w^\top y + b)`: the random phase adds 1/2 to the
+    per-projection second moment and averages out of the ORF pair moment)."""
+    d, s, t = geo.d, geo.s, geo.t
+    cv = np.zeros_like(s)
+    scale = geo.nx + geo.ny  # Var X = C^2 * v1, C^2 = exp(|x|^2 + |y|^2)
+    if orthogonal != "fixed":
+        rbias = np.zeros_like(s)
+        v1 = 0.5 * np.expm1(-s) ** 2
+        if offset:
+            v1 = v1 + 0.5  # 1 + e^{-2s}/2 - e^{-s} = (1 - e^{-s})^2/2 + 1/2
+        if orthogonal == "chi":
+            cv = _pair_excess(d, -0.5 * s)
+        return Components(scale, v1, cv, rbias, geo.xy, s, t)
+    b = d / 2.0
+    F1 = _hyp0f1_neg(b, -d * s / 4.0)  # mean / C
+    F2 = _hyp0f1_neg(b, -d * s / 2.0)  # pair moment / C^2
+    F4 = _hyp0f1_neg(b, -d * s)  # E cos(2 w.Delta)
+    with np.errstate(divide="ignore", over="ignore"):
+        rbias = np.sign(F1) * np.exp(np.log(np.abs(F1)) + 0.5 * s) - 1.0
+    m2 = 0.5 * (1.0 + F4)
+    if offset:
+        m2 = m2 + 0.5
+    return Components(scale, m2 - F1 * F1, F2 - F1 * F1, rbias, geo.xy, s, t)
+
+
+def positive_components(geo: _Geometry, orthogonal: str | None) -> Components:
+    """:class:`Components` of ``PositiveRF`` (see :func:`positive_mse`)."""
+    return _exp_family(geo, orthogonal, hyperbolic=False)
+
+
+def hyperbolic_components(geo: _Geometry, orthogonal: str | None) -> Components:
+    """:class:`Components` of ``HyperbolicRF`` (see :func:`hyperbolic_mse`)."""
+    return _exp_family(geo, orthogonal, hyperbolic=True)
+
+
+def trig_sincos_components(geo: _Geometry, orthogonal: str | None) -> Components:
+    """:class:`Components` of ``TrigRF(variant="sincos")`` (see :func:`trig_sincos_mse`)."""
+    return _trig_family(geo, orthogonal, offset=False)
+
+
+def trig_offset_components(geo: _Geometry, orthogonal: str | None) -> Components:
+    """:class:`Components` of ``TrigRF(variant="offset")`` (see :func:`trig_offset_mse`)."""
+    return _trig_family(geo, orthogonal, offset=True)
+
+
+def _trig_sincos_term_bound(c: Components) -> np.ndarray:
+    # |X_i| <= C and C / SM = C / (C e^{-s/2}) = e^{s/2}
+    return np.exp(0.5 * c.s)
+
+
+def _trig_offset_term_bound(c: Components) -> np.ndarray:
+    # |X_i| = |2C cos(.) cos(.)| <= 2C
+    return 2.0 * np.exp(0.5 * c.s)
+
+
+# The closed forms of each built-in estimator, registered with its class in kernelapprox.features.
+# Attention pair terms (c, alpha, beta, gamma): E[X_j X_l] = sum c exp(alpha|q|^2 + beta(q.k_j +
+# q.k_l) + gamma k_j.k_l) for one iid Gaussian projection, derived in kernelapprox.theory.attention.
+POSITIVE_THEORY = EstimatorTheory(
+    components=positive_components,
+    row_laws=_ALL_LAWS,
+    attention_pair_terms=((1.0, 1.0, 2.0, 1.0),),
+)
+HYPERBOLIC_THEORY = EstimatorTheory(
+    components=hyperbolic_components,
+    row_laws=_ALL_LAWS,
+    attention_pair_terms=((0.5, 1.0, 2.0, 1.0), (0.5, -1.0, 0.0, -1.0)),
+)
+TRIG_SINCOS_THEORY = EstimatorTheory(
+    components=trig_sincos_components,
+    row_laws=_ALL_LAWS,
+    attention_pair_terms=((0.5, -1.0, 2.0, -1.0), (0.5, 1.0, 0.0, 1.0)),
+    term_bound=_trig_sincos_term_bound,
+    uniform_variant="sincos",
+)
+TRIG_OFFSET_THEORY = EstimatorTheory(
+    components=trig_offset_components,
+    row_laws=_ALL_LAWS,
+    attention_pair_terms=((0.5, -1.0, 2.0, -1.0), (1.0, 1.0, 0.0, 1.0)),
+    term_bound=_trig_offset_term_bound,
+    uniform_variant="offset",
+)
+
+
+def _theory_for(kind: Any) -> EstimatorTheory:
+    """The closed-form theory of an estimator name (or :class:`~kernelapprox.Estimator`)."""
+    est = get_estimator(kind)
+    th = est.theory
+    if th is None or th.components is None:
+        raise NotImplementedError(
+            f"estimator {est.name!r} has no closed-form moments; estimate its error by Monte Carlo "
+            "with ka.montecarlo.kernel_error"
+        )
+    return th
+
+
+def _components(kind: Any, geo: _Geometry, orthogonal: str | None) -> Components:
+    return _theory_for(kind).components(geo, orthogonal)
+
+
+def _core(kind: Any, geo: _Geometry, r: int, orthogonal: str | None) -> _Core:
     c = _components(kind, geo, orthogonal)
     P = 0 if orthogonal is None else orf_pair_count(r, geo.d)
     g = c.v1 / r + (P / (r * r)) * c.cv
@@ -489,7 +578,7 @@ def _finish(core: _Core, what: str) -> np.ndarray:
 
 
 def estimator_moments(
-    kind: str,
+    kind: str | Estimator,
     q: Any,
     k: Any,
     num_features: int,
@@ -503,9 +592,10 @@ def estimator_moments(
 
     Parameters
     ----------
-    kind : {"trig_sincos", "trig_offset", "positive", "hyperbolic"}
-        The estimator (``TrigRF(variant="sincos")``, ``TrigRF(variant="offset")``, ``PositiveRF``,
-        ``HyperbolicRF``).
+    kind : str or Estimator
+        A registered estimator with closed-form moments, by name (``"trig-sincos"``,
+        ``"trig-offset"``, ``"positive"``, ``"hyperbolic"``, or any estimator registered with an
+        :class:`~kernelapprox.EstimatorTheory`).
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
     num_features : int
@@ -534,7 +624,7 @@ def estimator_moments(
     return Moments(*(_out(_finish(core, w), dev) for w in ("bias", "variance", "mse")))
 
 
-def _mse_of(kind: str, q: Any, k: Any, num_features: int, orthogonal: str | None) -> Any:
+def _mse_of(kind: Any, q: Any, k: Any, num_features: int, orthogonal: str | None) -> Any:
     r = _check_r(num_features)
     orthogonal = _check_orthogonal(orthogonal)
     qa, ka, dev = _prepare(q, k)
@@ -584,7 +674,7 @@ def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
     >>> x = np.zeros((1, 3)); float(trig_sincos_mse(x, x, 16)[0, 0])  # exact at x = y
     0.0
     """
-    return _mse_of("trig_sincos", q, k, num_features, orthogonal)
+    return _mse_of("trig-sincos", q, k, num_features, orthogonal)
 
 
 def trig_offset_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
@@ -624,7 +714,7 @@ def trig_offset_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
     >>> x = np.zeros((1, 3)); round(float(trig_offset_mse(x, x, 10)[0, 0]), 12)  # 1/(2r) at x = y = 0
     0.05
     """
-    return _mse_of("trig_offset", q, k, num_features, orthogonal)
+    return _mse_of("trig-offset", q, k, num_features, orthogonal)
 
 
 def positive_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
@@ -713,7 +803,7 @@ def hyperbolic_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None 
     return _mse_of("hyperbolic", q, k, num_features, orthogonal)
 
 
-def _bias_of(kind: str, q: Any, k: Any, orthogonal: str | None) -> Any:
+def _bias_of(kind: Any, q: Any, k: Any, orthogonal: str | None) -> Any:
     orthogonal = _check_orthogonal(orthogonal)
     qa, ka, dev = _prepare(q, k)
     return _out(_finish(_core(kind, _geometry(qa, ka), 1, orthogonal), "bias"), dev)
@@ -743,7 +833,7 @@ def trig_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
     >>> float(trig_bias(x, y)[0, 0])
     0.0
     """
-    return _bias_of("trig_sincos", q, k, orthogonal)
+    return _bias_of("trig-sincos", q, k, orthogonal)
 
 
 def positive_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
@@ -920,47 +1010,55 @@ def performer_theorem2_bound(q: Any, k: Any, num_features: int) -> Any:
 
 
 def feature_map_kind(fm: Any) -> tuple[str, str | None]:
-    """``(kind, orthogonal)`` of a feature map, or ``("deterministic", None)`` for elu/relu.
+    """``(estimator name, orthogonal)`` of a feature map with closed-form moments, or
+    ``(name, None)`` for a deterministic map (its error is exact, see :func:`deterministic_error`).
 
-    Raises ``NotImplementedError`` for samplers without a closed form (``structured``, ``qmc``,
-    projections of unknown provenance) and ``TypeError`` for objects that are not feature maps.
+    The identity comes from the registry (:func:`kernelapprox.estimator_of`), the row law from
+    ``fm.sampler.row_law``.
+
+    Raises
+    ------
+    TypeError
+        ``fm`` is not a registered feature map.
+    NotImplementedError
+        The estimator has no closed-form moments, or not for its sampler (``structured``, ``qmc``,
+        a projection of unknown provenance).
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> feature_map_kind(ka.TrigRF(4, 8, sampler="orthogonal", seed=0))
+    ('trig-sincos', 'chi')
     """
-    from kernelapprox.features import EluFeatures, HyperbolicRF, PositiveRF, ReluFeatures, TrigRF
-
-    if isinstance(fm, (EluFeatures, ReluFeatures)):
-        return "deterministic", None
-    if isinstance(fm, TrigRF):
-        kind = "trig_sincos" if fm.variant == "sincos" else "trig_offset"
-    elif isinstance(fm, PositiveRF):
-        kind = "positive"
-    elif isinstance(fm, HyperbolicRF):
-        kind = "hyperbolic"
-    else:
-        raise TypeError(
-            "fm must be a kernelapprox feature map (TrigRF, PositiveRF, HyperbolicRF, EluFeatures, "
-            f"ReluFeatures), got {type(fm).__name__}"
-        )
-    name = getattr(fm.sampler, "name", None)
-    if name == "gaussian":
-        return kind, None
-    if name == "orthogonal":
-        return kind, _check_orthogonal(fm.sampler.norms)
-    what = {
-        "structured": "SORF rows are biased (Yu et al. 2016 Thm 3)",
-        "qmc": "rows are negatively dependent low-discrepancy points",
-        "given": "the projection was supplied by the caller, its distribution is unknown",
-    }.get(name, "unknown sampler")
-    raise NotImplementedError(_NO_CLOSED_FORM.format(name=name, what=what))
+    try:
+        est = estimator_of(fm)
+    except LookupError as e:
+        raise TypeError(str(e)) from None
+    if not est.is_random:
+        return est.name, None
+    th = _theory_for(est)
+    law = getattr(fm.sampler, "row_law", None)
+    if law not in th.row_laws:
+        name = getattr(fm.sampler, "name", type(fm.sampler).__name__)
+        what = {
+            "structured": "SORF rows are biased (Yu et al. 2016 Thm 3)",
+            "qmc": "rows are negatively dependent low-discrepancy points",
+            "given": "the projection was supplied by the caller, its distribution is unknown",
+        }.get(name, f"row law {law!r} is not covered by the {est.name!r} theory")
+        raise NotImplementedError(_NO_CLOSED_FORM.format(name=name, what=what))
+    return est.name, _LAW_TO_ORTHOGONAL[law]
 
 
 def deterministic_error(fm: Any, q: Any, k: Any) -> Any:
-    r"""Error :math:`\varphi(q)^\top\varphi(k) - e^{q^\top k}` of a deterministic map (elu+1, ReLU).
+    r"""Error :math:`\varphi(q)^\top\varphi(k) - e^{q^\top k}` of a deterministic map (elu+1, ReLU, ...).
 
-    These maps are not random: the error is a pure bias (variance 0), computed in float64.
+    These maps are not random: the error is a pure bias (variance 0), computed in float64 from
+    ``fm.kernel`` (log domain) and the exact kernel.
 
     Parameters
     ----------
-    fm : EluFeatures or ReluFeatures
+    fm : FeatureMap
+        A deterministic map (``fm.is_random`` false).
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
 
@@ -975,15 +1073,15 @@ def deterministic_error(fm: Any, q: Any, k: Any) -> Any:
     >>> float(deterministic_error(ka.EluFeatures(3), x, x)[0, 0])  # (1,1,1).(1,1,1) - e^0
     2.0
     """
-    from kernelapprox.features import EluFeatures, ReluFeatures
+    from kernelapprox.features import FeatureMap
 
-    if not isinstance(fm, (EluFeatures, ReluFeatures)):
-        raise TypeError(f"fm must be EluFeatures or ReluFeatures, got {type(fm).__name__}")
+    if not isinstance(fm, FeatureMap) or fm.is_random:
+        raise TypeError(f"fm must be a deterministic FeatureMap (is_random false), got {type(fm).__name__}")
     qa, ka, dev = _prepare(q, k)
     if qa.shape[-1] != fm.dim:
         raise ValueError(f"q has last dimension {qa.shape[-1]}, expected fm.dim={fm.dim}")
     qt, kt = torch.from_numpy(qa), torch.from_numpy(ka)
-    est = torch.matmul(fm(qt), fm(kt).mT).numpy()
+    est = fm.kernel(qt, kt, compute_dtype=torch.float64).cpu().numpy()
     with np.errstate(over="ignore"):
         exact = np.exp(np.matmul(qa, np.swapaxes(ka, -1, -2)))
     return _out(est - exact, dev)
@@ -991,7 +1089,7 @@ def deterministic_error(fm: Any, q: Any, k: Any) -> Any:
 
 def _dispatch(fm: Any, q: Any, k: Any, what: str) -> Any:
     kind, orthogonal = feature_map_kind(fm)
-    if kind == "deterministic":
+    if not fm.is_random:
         err = deterministic_error(fm, q, k)
         if what == "bias":
             return err

@@ -336,10 +336,10 @@ def required_features_uniform(
 
     Parameters
     ----------
-    kind : str or TrigRF
-        ``"trig"``/``"trig_sincos"``/``"sincos"``, ``"trig_offset"``/``"offset"``, or a ``TrigRF``
-        (its variant is used). Positive/hyperbolic features have no uniform bound here (Performer
-        Theorem 4 is about trig features with ORF): ``ValueError``.
+    kind : str or FeatureMap
+        An estimator with uniform bounds (``"trig-sincos"``, ``"trig-offset"``) or such a
+        feature map (``TrigRF``). Positive/hyperbolic features have no uniform bound here
+        (Performer Theorem 4 is about trig features with ORF): ``ValueError``.
     eps : float
         Absolute sup error, > 0.
     delta : float
@@ -357,7 +357,7 @@ def required_features_uniform(
 
     Examples
     --------
-    >>> required_features_uniform("trig", 0.5, 0.05, 2, 0.5) == rahimi_recht_features(0.5, 0.05, 2, 0.5)
+    >>> required_features_uniform("trig-sincos", 0.5, 0.05, 2, 0.5) == rahimi_recht_features(0.5, 0.05, 2, 0.5)
     True
     """
     variant = _variant(kind)
@@ -371,28 +371,29 @@ def required_features_uniform(
 
 
 def _variant(kind: Any) -> str:
-    if isinstance(kind, str):
-        table = {
-            "trig": "sincos",
-            "trig_sincos": "sincos",
-            "sincos": "sincos",
-            "trig_offset": "offset",
-            "offset": "offset",
-        }
-        if kind in table:
-            return table[kind]
-        if kind in ("positive", "hyperbolic"):
-            raise ValueError(
-                f"no uniform-convergence bound for {kind!r} features here: Performer Theorem 4 "
-                "(and the other bounds) cover trigonometric features; positive features only have "
-                "pointwise results (use ka.theory.required_features)"
-            )
-        raise ValueError(f"kind must be 'trig', 'trig_sincos' or 'trig_offset' (or a TrigRF), got {kind!r}")
-    from kernelapprox.features import TrigRF
+    """The ``uniform_variant`` of an estimator name or a feature map (registry identity)."""
+    from kernelapprox.features import FeatureMap
+    from kernelapprox.registry import estimator_of, get_estimator
 
-    if isinstance(kind, TrigRF):
-        return kind.variant
-    raise ValueError(
-        f"kind must be 'trig', 'trig_sincos', 'trig_offset' or a TrigRF, got {type(kind).__name__}: "
-        "uniform bounds here cover trigonometric features only"
-    )
+    if isinstance(kind, str):
+        est = get_estimator(kind)
+    elif isinstance(kind, FeatureMap):
+        est = estimator_of(kind)
+    else:
+        raise TypeError(f"kind must be an estimator name or a feature map, got {type(kind).__name__}")
+    th = est.theory
+    variant = None if th is None else th.uniform_variant
+    if variant is None:
+        covered = [e.name for e in _uniform_estimators()]
+        raise ValueError(
+            f"no uniform-convergence bound for the {est.name!r} estimator here (covered: {covered}); "
+            "Performer Theorem 4 and the other bounds are about trigonometric features; positive "
+            "features only have pointwise results (use ka.theory.required_features)"
+        )
+    return variant
+
+
+def _uniform_estimators() -> list:
+    from kernelapprox.registry import estimators
+
+    return estimators(closed_form="uniform")

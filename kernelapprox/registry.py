@@ -1,0 +1,409 @@
+r"""One estimator identity: every feature map class declares who it is here, once.
+
+An :class:`Estimator` is the identity of one estimator of :math:`\exp(q^\top k)`: a short
+canonical name (``"positive"``, ``"trig-sincos"``, ...), the :class:`~kernelapprox.FeatureMap`
+class that computes it and the constructor arguments that select it (``TrigRF`` is two estimators,
+``variant="sincos"`` and ``variant="offset"``), a legend label, the rule giving ``feature_dim``
+from ``(r, d)``, and its closed-form theory (an :class:`EstimatorTheory`, or none). Whether it is
+random and whether its features are positive are read from the class (``is_random``,
+``positive``), where the code that depends on them lives.
+
+Everything that needs to know *which* estimator a feature map is -- :mod:`kernelapprox.theory`,
+:mod:`kernelapprox.montecarlo`, the studies, the tests -- asks this registry
+(:func:`estimator_of`, :func:`get_estimator`, :func:`estimators`); nothing dispatches on class
+names. Adding an estimator is one class, its theory functions (optional) and one
+:func:`register_estimator` call; it then appears in every study whose selection matches.
+
+Examples
+--------
+>>> import kernelapprox as ka
+>>> class MyPositiveRF(ka.PositiveRF):
+...     '''FAVOR+ under another name (say, instrumented): a different estimator until registered.'''
+>>> est = ka.register_estimator(MyPositiveRF, name="my-positive", label="my positive",
+...                             feature_dim="r", theory=ka.get_estimator("positive").theory)
+>>> fm = est.build(4, 8, seed=0)
+>>> ka.estimator_of(fm).name, fm.feature_dim, sorted(est.closed_forms("gaussian"))
+('my-positive', 8, ['attention_variance', 'moments'])
+>>> ka.unregister_estimator("my-positive")
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .features import FeatureMap
+
+__all__ = [
+    "Estimator",
+    "EstimatorTheory",
+    "register_estimator",
+    "unregister_estimator",
+    "get_estimator",
+    "estimator_of",
+    "estimators",
+    "CLOSED_FORMS",
+]
+
+#: Names of the closed forms an :class:`EstimatorTheory` can provide.
+#:
+#: * ``"moments"``: bias, variance and MSE of every kernel entry (``ka.theory.bias/variance/mse``),
+#:   for the row laws listed in ``EstimatorTheory.row_laws``;
+#: * ``"attention_variance"``: the delta-method variance of attention outputs (iid rows);
+#: * ``"bounded_terms"``: per-projection terms bounded, so Hoeffding and Bernstein bounds apply;
+#: * ``"uniform"``: uniform-convergence bounds over a ball (``ka.theory.required_features_uniform``);
+#: * ``"exact_error"``: a deterministic map, whose error against :math:`e^{q^\top k}` is computed
+#:   exactly (no randomness, bias only).
+CLOSED_FORMS = ("moments", "attention_variance", "bounded_terms", "uniform", "exact_error")
+
+
+@dataclass(frozen=True)
+class EstimatorTheory:
+    r"""The closed forms of one random estimator, as functions the generic theory code calls.
+
+    The estimator is :math:`\hat K = \frac1r\sum_{i=1}^r X_i`, an average of per-projection terms
+    (see :mod:`kernelapprox.theory.moments`).
+
+    Attributes
+    ----------
+    components : callable, optional
+        ``components(geo, orthogonal) -> kernelapprox.theory.moments.Components``: the scale,
+        per-projection variance, same-block pair covariance, relative bias and
+        :math:`\log e^{q^\top k}` of every entry, for the row law ``orthogonal`` (``None`` = iid,
+        ``"chi"``, ``"fixed"``). ``None``: no closed-form moments.
+    row_laws : frozenset of str
+        The :attr:`Sampler.row_law <kernelapprox.samplers.Sampler.row_law>` values covered by
+        ``components`` (``"iid"``, ``"orthogonal-chi"``, ``"orthogonal-fixed"``).
+    attention_pair_terms : tuple of (c, alpha, beta, gamma), optional
+        :math:`E[X_jX_l]` for two keys sharing a query, iid Gaussian rows:
+        :math:`\sum c\,e^{\alpha\|q\|^2+\beta(q^\top k_j+q^\top k_l)+\gamma k_j^\top k_l}`
+        (:mod:`kernelapprox.theory.attention`).
+    term_bound : callable, optional
+        ``term_bound(components) -> a / K``, a bound on :math:`|X_i|` relative to the kernel, when
+        the per-projection terms are bounded (Hoeffding and Bernstein bounds then apply).
+    uniform_variant : str, optional
+        ``"sincos"`` or ``"offset"``: the uniform-convergence bounds of
+        :mod:`kernelapprox.theory.uniform` cover this estimator.
+    """
+
+    components: Callable[..., Any] | None = None
+    row_laws: frozenset[str] = frozenset()
+    attention_pair_terms: tuple[tuple[float, float, float, float], ...] | None = None
+    term_bound: Callable[..., Any] | None = None
+    uniform_variant: str | None = None
+
+    def closed_forms(self, row_law: str | None) -> frozenset[str]:
+        """The closed forms available for projections drawn with ``row_law`` (``None``: unknown)."""
+        out = set()
+        if self.components is not None and row_law in self.row_laws:
+            out.add("moments")
+            if self.term_bound is not None:
+                out.add("bounded_terms")
+        if self.attention_pair_terms is not None and row_law == "iid":
+            out.add("attention_variance")
+        if self.uniform_variant is not None and row_law == "iid":
+            out.add("uniform")
+        return frozenset(out)
+
+
+_FEATURE_DIM_RULES: dict[str, Callable[[int, int], int]] = {
+    "r": lambda r, d: r,
+    "2r": lambda r, d: 2 * r,
+    "d": lambda r, d: d,
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Estimator:
+    """The identity of one estimator (see the module docstring). Build it with
+    :func:`register_estimator`.
+
+    Attributes
+    ----------
+    name : str
+        Canonical short name, unique, e.g. ``"trig-sincos"``.
+    cls : type
+        The :class:`~kernelapprox.FeatureMap` subclass.
+    params : Mapping
+        Constructor arguments that select this estimator within ``cls`` (e.g.
+        ``{"variant": "offset"}``); a map *is* this estimator when its attributes equal them.
+    label : str
+        Legend label for figures and tables.
+    feature_dim_rule : str
+        ``"r"``, ``"2r"``, ``"d"`` or ``"custom"``.
+    """
+
+    name: str
+    cls: type
+    params: Mapping[str, Any] = field(default_factory=dict)
+    label: str = ""
+    feature_dim_rule: str = "r"
+    _feature_dim: Callable[[int, int], int] | None = field(default=None, repr=False)
+    _theory: EstimatorTheory | str | None = field(default=None, repr=False)
+
+    # ------------------------------------------------------------------ facts read from the class
+    @property
+    def is_random(self) -> bool:
+        """Whether the features are random (drawn projections)."""
+        return bool(self.cls.is_random)
+
+    @property
+    def positive(self) -> bool:
+        """Whether the features are always non-negative (attention denominators cannot vanish)."""
+        return bool(self.cls.positive)
+
+    # ------------------------------------------------------------------ declared here
+    def feature_dim(self, num_features: int, dim: int) -> int:
+        """``feature_dim`` of the map with ``r = num_features`` projections on inputs of ``dim``."""
+        fn = self._feature_dim or _FEATURE_DIM_RULES[self.feature_dim_rule]
+        return int(fn(int(num_features), int(dim)))
+
+    @property
+    def theory(self) -> EstimatorTheory | None:
+        """The closed forms (imported on first use: the theory modules need scipy)."""
+        th = self._theory
+        if isinstance(th, str):
+            module, _, attr = th.partition(":")
+            th = getattr(importlib.import_module(module), attr)
+            if not isinstance(th, EstimatorTheory):
+                raise TypeError(f"theory of {self.name!r} ({self._theory}) is not an EstimatorTheory")
+            object.__setattr__(self, "_theory", th)
+        return th
+
+    def closed_forms(self, sampler: object = None) -> frozenset[str]:
+        """The closed forms available for this estimator with projections from ``sampler``.
+
+        Parameters
+        ----------
+        sampler : str or Sampler, optional
+            A sampler name or object (its ``row_law`` decides). Ignored for deterministic maps.
+
+        Returns
+        -------
+        frozenset of str
+            A subset of :data:`CLOSED_FORMS`.
+        """
+        if not self.is_random:
+            return frozenset({"exact_error"})
+        th = self.theory
+        if th is None:
+            return frozenset()
+        from .samplers import get_sampler
+
+        law = None if sampler is None else get_sampler(sampler).row_law
+        return th.closed_forms(law)
+
+    def matches(self, fm: object) -> bool:
+        """Whether ``fm`` is this estimator: exactly of class ``cls``, with ``params`` matching."""
+        return type(fm) is self.cls and all(getattr(fm, k, _MISSING) == v for k, v in self.params.items())
+
+    def build(self, dim: int, num_features: int | None = None, **kwargs: Any) -> FeatureMap:
+        """Construct the feature map: ``cls(dim, num_features, **params, **kwargs)``.
+
+        Deterministic maps accept (and ignore) the random maps' arguments, so generic code can
+        build any estimator the same way.
+
+        Examples
+        --------
+        >>> import kernelapprox as ka
+        >>> fm = ka.get_estimator("trig-offset").build(4, 16, seed=0)
+        >>> type(fm).__name__, fm.variant, fm.feature_dim
+        ('TrigRF', 'offset', 16)
+        """
+        return self.cls(dim, num_features, **{**self.params, **kwargs})
+
+    def __repr__(self) -> str:
+        params = "".join(f", {k}={v!r}" for k, v in self.params.items())
+        return f"Estimator({self.name!r}, {self.cls.__name__}{params})"
+
+
+_MISSING = object()
+_REGISTRY: dict[str, Estimator] = {}
+
+
+def register_estimator(
+    cls: type,
+    *,
+    name: str,
+    label: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    feature_dim: str | Callable[[int, int], int] = "r",
+    theory: EstimatorTheory | str | None = None,
+    replace: bool = False,
+) -> Estimator:
+    """Register a feature map class (with the constructor ``params`` that select it) as an estimator.
+
+    One call per estimator: it then has an identity (:func:`estimator_of`), its theory is found by
+    :mod:`kernelapprox.theory`, and the studies select it by name, randomness and closed forms.
+
+    Parameters
+    ----------
+    cls : type
+        A :class:`~kernelapprox.FeatureMap` subclass whose constructor takes ``(dim, num_features,
+        **kwargs)`` like the built-in maps.
+    name : str
+        Canonical short name: lower case, words joined by ``-`` (e.g. ``"my-rf"``).
+    label : str, optional
+        Legend label (default: ``name``).
+    params : Mapping, optional
+        Constructor arguments that select this estimator within ``cls``.
+    feature_dim : {"r", "2r", "d"} or callable, default "r"
+        ``feature_dim`` as a function of ``(r, d)``.
+    theory : EstimatorTheory or str, optional
+        Closed forms, or ``"module:attribute"`` naming one (imported on first use).
+    replace : bool, default False
+        Allow replacing an estimator registered under the same name.
+
+    Returns
+    -------
+    Estimator
+
+    Raises
+    ------
+    TypeError
+        ``cls`` is not a FeatureMap subclass, or ``theory`` has the wrong type.
+    ValueError
+        Bad ``name`` or ``feature_dim``, or ``name`` (or the same ``cls`` and ``params``) already
+        registered without ``replace=True``.
+    """
+    from .features import FeatureMap
+
+    if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
+        raise TypeError(f"cls must be a FeatureMap subclass, got {cls!r}")
+    if not isinstance(name, str) or not name or name != name.strip().lower() or " " in name or "_" in name:
+        raise ValueError(
+            f"name must be a non-empty lower-case string with words joined by '-', got {name!r}"
+        )
+    if theory is not None and not isinstance(theory, (EstimatorTheory, str)):
+        raise TypeError(f"theory must be an EstimatorTheory or 'module:attribute', got {type(theory).__name__}")
+    params = dict(params or {})
+    if callable(feature_dim):
+        rule, fn = "custom", feature_dim
+    elif feature_dim in _FEATURE_DIM_RULES:
+        rule, fn = feature_dim, None
+    else:
+        raise ValueError(f"feature_dim must be one of {sorted(_FEATURE_DIM_RULES)} or a callable, got {feature_dim!r}")
+    est = Estimator(
+        name=name,
+        cls=cls,
+        params=params,
+        label=label or name,
+        feature_dim_rule=rule,
+        _feature_dim=fn,
+        _theory=theory,
+    )
+    if not replace:
+        if name in _REGISTRY:
+            raise ValueError(f"an estimator named {name!r} is already registered ({_REGISTRY[name]!r}); pass replace=True")
+        for other in _REGISTRY.values():
+            if other.cls is cls and dict(other.params) == params:
+                raise ValueError(
+                    f"{cls.__name__} with params {params} is already registered as {other.name!r}"
+                )
+    _REGISTRY[name] = est
+    return est
+
+
+def unregister_estimator(name: str) -> None:
+    """Remove the estimator registered under ``name`` (``KeyError`` if there is none)."""
+    if name not in _REGISTRY:
+        raise KeyError(f"no estimator named {name!r}; registered: {sorted(_REGISTRY)}")
+    del _REGISTRY[name]
+
+
+def get_estimator(name: str | Estimator) -> Estimator:
+    """The estimator registered under ``name`` (an :class:`Estimator` is returned as is).
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> ka.get_estimator("positive").cls.__name__
+    'PositiveRF'
+    """
+    if isinstance(name, Estimator):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"estimator name must be a str, got {type(name).__name__}")
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown estimator {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def estimator_of(fm: object) -> Estimator:
+    """The registered identity of a feature map (exact class and params match).
+
+    Raises
+    ------
+    TypeError
+        ``fm`` is not a FeatureMap.
+    LookupError
+        Its class (with its params) is not registered; a subclass of a registered map is a
+        different estimator until registered itself.
+    """
+    from .features import FeatureMap
+
+    if not isinstance(fm, FeatureMap):
+        raise TypeError(f"expected a kernelapprox FeatureMap, got {type(fm).__name__}")
+    for est in _REGISTRY.values():
+        if est.matches(fm):
+            return est
+    raise LookupError(
+        f"{type(fm).__name__} is not a registered estimator (a subclass of a registered map is a "
+        "different estimator); register it once with ka.register_estimator("
+        f"{type(fm).__name__}, name=...)"
+    )
+
+
+def _rule_for(fm: object) -> Estimator | None:
+    """The registration that fixes ``fm``'s feature_dim: its own, else that of the nearest
+    registered base class with matching params (feature_dim is structural, so it is inherited)."""
+    for klass in type(fm).__mro__:
+        for est in _REGISTRY.values():
+            if est.cls is klass and all(getattr(fm, k, _MISSING) == v for k, v in est.params.items()):
+                return est
+    return None
+
+
+def estimators(
+    *,
+    random: bool | None = None,
+    closed_form: str | None = None,
+    sampler: object = None,
+    names: Iterable[str] | None = None,
+) -> list[Estimator]:
+    """Registered estimators in registration order, optionally filtered.
+
+    Parameters
+    ----------
+    random : bool, optional
+        Keep random (True) or deterministic (False) maps only.
+    closed_form : str, optional
+        Keep estimators with this closed form (one of :data:`CLOSED_FORMS`) for ``sampler``.
+    sampler : str or Sampler, optional
+        The sampler ``closed_form`` refers to (default: iid ``"gaussian"``).
+    names : iterable of str, optional
+        Keep these names only.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> [e.name for e in ka.estimators(closed_form="uniform")]
+    ['trig-sincos', 'trig-offset']
+    """
+    if closed_form is not None and closed_form not in CLOSED_FORMS:
+        raise ValueError(f"closed_form must be one of {CLOSED_FORMS}, got {closed_form!r}")
+    keep = None if names is None else set(names)
+    out = []
+    for est in _REGISTRY.values():
+        if random is not None and est.is_random != random:
+            continue
+        if keep is not None and est.name not in keep:
+            continue
+        if closed_form is not None and closed_form not in est.closed_forms(sampler or "gaussian"):
+            continue
+        out.append(est)
+    return out
