@@ -47,6 +47,8 @@ __all__ = [
     "mean_ci",
     "variance_ci",
     "quantile_ci",
+    "ratio_of_means_ci",
+    "StreamingMoments",
     "batched_draws",
     "kernel_error",
     "attention_error",
@@ -459,6 +461,115 @@ class _PowerSums:
         out["mse_se"] = mse_se
         out["mse_ci"] = np.stack([e2 - t * mse_se, e2 + t * mse_se])
         return out
+
+
+class StreamingMoments:
+    r"""Mean and variance of draws that arrive in chunks (along axis 0), with confidence intervals.
+
+    Keeps float64 sums of :math:`(x - c)^p`, :math:`p = 1..4`, with :math:`c` the mean of the
+    first chunk (so the variance does not cancel when the mean is far from 0). The intervals are
+    those of :func:`mean_ci` (Student t) and :func:`variance_ci` (fourth moment), computed from
+    the sums: use it when the draws do not fit in memory at once.
+
+    Examples
+    --------
+    >>> acc = StreamingMoments()
+    >>> for chunk in torch.randn(10, 1000, 3, dtype=torch.float64).unbind(0):
+    ...     acc.update(chunk)
+    >>> mean, se, lo, hi = acc.mean_ci()
+    >>> acc.count, mean.shape, bool(np.all(lo < hi))
+    (10000, (3,), True)
+    """
+
+    def __init__(self) -> None:
+        self._acc: _PowerSums | None = None
+
+    def update(self, x: torch.Tensor | np.ndarray) -> None:
+        """Add the draws ``x`` (shape ``(b, ...)``, ``b`` draws of an array of any shape)."""
+        t = torch.as_tensor(x).detach().to(torch.float64)
+        if t.dim() == 0:
+            raise ValueError("x must hold draws along axis 0, got a scalar")
+        if self._acc is None:
+            self._acc = _PowerSums(t.mean(0))
+        self._acc.update(t)
+
+    @property
+    def count(self) -> int:
+        """Number of draws seen."""
+        return 0 if self._acc is None else self._acc.count
+
+    def _summary(self, confidence: float) -> dict[str, np.ndarray]:
+        if self.count < 2:
+            raise ValueError(f"need at least 2 draws, got {self.count}")
+        assert self._acc is not None  # for the type checker: count >= 2
+        return self._acc.summary(_check_confidence(confidence))
+
+    def mean_ci(self, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``mean, se, low, high`` of the mean (Student t), as :func:`mean_ci`."""
+        out = self._summary(confidence)
+        return out["mean"], out["bias_se"], out["mean_ci"][0], out["mean_ci"][1]
+
+    def variance_ci(self, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``variance, se, low, high`` of the variance (fourth moment), as :func:`variance_ci`."""
+        out = self._summary(confidence)
+        return out["variance"], out["variance_se"], out["variance_ci"][0], out["variance_ci"][1]
+
+
+def ratio_of_means_ci(
+    x: np.ndarray | torch.Tensor,
+    y: np.ndarray | torch.Tensor,
+    *,
+    axis: int = 0,
+    confidence: float = 0.95,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    r"""Ratio of the means of two *independent* samples of positive draws, with a delta-method CI.
+
+    .. math::
+
+        \hat
+ho = ar x/ar y,\qquad
+        \mathrm{se}(\log\hat
+ho)^2 = rac{s_x^2}{S_xar x^2} + rac{s_y^2}{S_yar y^2},\qquad
+        \hat
+ho\, e^{\pm z\,\mathrm{se}}.
+
+    Valid for large samples with finite variances. For heavy-tailed draws (squared errors of
+    positive random features at large :math:`\|q+k\|`, whose fourth moment grows like
+    :math:`e^{8\|q+k\|^2}`) the sample variances are unreliable and the interval is too narrow;
+    check convergence before trusting it.
+
+    Parameters
+    ----------
+    x, y : array_like or torch.Tensor
+        Draws along ``axis`` (at least 2 each); the other dimensions must broadcast.
+    axis : int, default 0
+    confidence : float, default 0.95
+
+    Returns
+    -------
+    ratio, se_log, low, high : numpy.ndarray
+        float64, the broadcast shape without ``axis``.
+
+    Examples
+    --------
+    >>> x, y = np.array([1.0, 3.0, 2.0, 2.0]), np.array([1.0, 1.0, 0.5, 1.5])
+    >>> ratio, se, lo, hi = ratio_of_means_ci(x, y)
+    >>> float(ratio), bool(lo < ratio < hi)
+    (2.0, True)
+    """
+    from scipy import stats
+
+    confidence = _check_confidence(confidence)
+    xa, ya = _as_numpy("x", x), _as_numpy("y", y)
+    sx, sy = xa.shape[axis], ya.shape[axis]
+    if sx < 2 or sy < 2:
+        raise ValueError(f"ratio_of_means_ci needs at least 2 draws of each, got {sx} and {sy}")
+    mx, my = xa.mean(axis=axis), ya.mean(axis=axis)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = mx / my
+        se = np.sqrt(xa.var(axis=axis, ddof=1) / (sx * mx**2) + ya.var(axis=axis, ddof=1) / (sy * my**2))
+    z = stats.norm.ppf(0.5 + confidence / 2)
+    return ratio, se, ratio * np.exp(-z * se), ratio * np.exp(z * se)
 
 
 # ------------------------------------------------------------------------------- drivers

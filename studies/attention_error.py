@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+import kernelapprox.montecarlo as mc
 from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure
 from studies.estimators import EstimatorSpec, get, select
 
@@ -120,6 +121,12 @@ def _build(spec: EstimatorSpec, d: int, r: int, batch_shape: tuple[int, ...], se
         torch.set_num_threads(old)
 
 
+def _output_error(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Per draw, ||O^ - O||_F / ||O||_F over all heads: (S, H, n, dv) -> (S,), on CPU."""
+    s, dv = out.shape[0], out.shape[-1]
+    return mc.attention_relative_error(out.reshape(s, -1, dv), exact.reshape(s, -1, dv)).cpu()
+
+
 def _signed_families() -> list[str]:
     """Estimators whose features take both signs (attention denominators can be <= 0)."""
     return sorted({s.family for s in select() if not s.positive})
@@ -162,8 +169,8 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
     q, k, v, rows_idx, o_ref, A = (ref[x] for x in ("q", "k", "v", "rows", "out", "A"))
     if key == UNIFORM:
         mean_v = v.mean(-2, keepdim=True).expand_as(o_ref)
-        err = ((mean_v - o_ref).flatten(1).norm(dim=1) / o_ref.flatten(1).norm(dim=1)).cpu()
-        tv = (0.5 * (A - 1.0 / n).abs().sum(-1)).flatten(1).mean(1).cpu()
+        err = _output_error(mean_v, o_ref)
+        tv = mc.total_variation(torch.full_like(A, 1.0 / n), A).flatten(1).mean(1).cpu()
         extra = {"r": 0, "feature_dim": 0, "family": UNIFORM, "sampler": "none",
                  "label": UNIFORM_LABEL}
         return [
@@ -188,13 +195,12 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
                             dtype, ctx.device)
                 qc, kc, vc, Oc = q[s0:s1], k[s0:s1], v[s0:s1], o_ref[s0:s1]
                 Oh = ka.linear_attention(qc, kc, vc, fm)
-                err = (Oh - Oc).flatten(1).norm(dim=1) / Oc.flatten(1).norm(dim=1)
-                errs.append(err.cpu())
+                errs.append(_output_error(Oh, Oc))
                 fk, _ = fm.log_features(kc, shared=True)  # (Sc, H, n, F), one scale per sequence
                 fqs, _ = fm.log_features(qc[..., rows_idx, :])  # per-row scales cancel below
                 G = fqs @ fk.mT
                 Ah = G / G.sum(-1, keepdim=True)
-                tv = 0.5 * (Ah - A[s0:s1]).abs().sum(-1)  # (Sc, H, R)
+                tv = mc.total_variation(Ah, A[s0:s1])  # (Sc, H, R)
                 tvs.append(tv.flatten(1).mean(1).cpu())
                 if fm.positive:
                     fracs.append(torch.zeros(s1 - s0, dtype=torch.float64))

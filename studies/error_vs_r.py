@@ -25,6 +25,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+import kernelapprox as ka
+import kernelapprox.montecarlo as mc
 from studies._framework import (
     Context,
     Study,
@@ -123,12 +125,12 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
         fm = spec.build(d, r, batch_shape=(S,), seed=ctx.seed_for(cell, r), dtype=ctx.dtype,
                         device=ctx.device)
         for reg, (q, k) in data.items():
-            K = torch.exp(q @ k.mT)
-            err = fm.kernel(q, k) - K
-            if err.dim() == 2:
-                err = err.unsqueeze(0)
-            rel_entry = ((err / K) ** 2).mean(dim=(-2, -1))
-            rel_frob = (err**2).sum(dim=(-2, -1)) / (K**2).sum()
+            K = ka.softmax_kernel(q, k)
+            est = fm.kernel(q, k)
+            if est.dim() == 2:
+                est = est.unsqueeze(0)
+            rel_entry = mc.relative_rms(est, K) ** 2  # mean over pairs of ((K^ - K) / K)^2
+            rel_frob = mc.relative_frobenius(est, K) ** 2  # ||K^ - K||_F^2 / ||K||_F^2
             th_entry, th_frob = _theory(spec, d, r, q, k, K)
             extra = {"r": r if spec.is_random else d, "regime": reg,
                      "feature_dim": fm.feature_dim, "family": spec.family,

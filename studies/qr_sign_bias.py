@@ -35,6 +35,7 @@ import pandas as pd
 import torch
 from scipy import stats
 
+import kernelapprox.montecarlo as mc
 from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure
 
 VARIANTS: dict[str, str] = {
@@ -104,12 +105,6 @@ def _feature_map(variant: str, d: int, batch: int, generator: torch.Generator) -
     return ka.PositiveRF.from_projection(W)
 
 
-def _t_ci(mean: np.ndarray, sd: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    se = sd / math.sqrt(n)
-    half = stats.t.ppf(0.975, n - 1) * se
-    return mean - half, mean + half, se
-
-
 def run_cell(cell: dict, ctx: Context) -> list[dict]:
     """Per-row and overall means of ``Y_i(x)`` for every variant and norm of x, batched over draws.
 
@@ -132,27 +127,17 @@ def _run_cell(cell: dict, ctx: Context) -> list[dict]:
     rows: list[dict] = []
     for variant in VARIANTS:
         g = ctx.generator("qr", d, direction, variant)
-        s1 = torch.zeros(len(norms), d, dtype=torch.float64)
-        s2 = torch.zeros_like(s1)
-        o1 = torch.zeros(len(norms), dtype=torch.float64)
-        o2 = torch.zeros_like(o1)
+        rows_acc, overall_acc = mc.StreamingMoments(), mc.StreamingMoments()
         done = 0
         while done < S:  # chunks of draws, each chunk one batched evaluation
             b = min(CHUNK, S - done)
             fm = _feature_map(variant, d, b, g)
             Y = fm(X) * math.sqrt(d)  # (b, m, r=d): Y_i = exp(w_i.x - |x|^2/2)
-            s1 += Y.sum(0)
-            s2 += (Y * Y).sum(0)
-            ov = Y.mean(-1)  # (b, m): the estimate of exp(q.k) over its target
-            o1 += ov.sum(0)
-            o2 += (ov * ov).sum(0)
+            rows_acc.update(Y)
+            overall_acc.update(Y.mean(-1))  # (b, m): the estimate of exp(q.k) over its target
             done += b
-        mean = (s1 / S).numpy()
-        sd = np.sqrt(np.maximum((s2.numpy() - S * mean**2) / (S - 1), 0.0))
-        lo, hi, se = _t_ci(mean, sd, S)
-        omean = (o1 / S).numpy()
-        osd = np.sqrt(np.maximum((o2.numpy() - S * omean**2) / (S - 1), 0.0))
-        olo, ohi, ose = _t_ci(omean, osd, S)
+        mean, se, lo, hi = rows_acc.mean_ci()  # Student t per (norm, row)
+        omean, ose, olo, ohi = overall_acc.mean_ci()
         for j, rho in enumerate(norms):
             z = (mean[j] - 1.0) / se[j]
             common = {"variant": variant, "x_norm": float(rho)}

@@ -1,15 +1,16 @@
 """Linear attention (parallel, causal chunked, recurrent) and the exact softmax references.
 
-Every form is compared in float64 to the quadratic formula written out by hand
-(``conftest.lin_attn_ref``: A = phi(q) phi(k)^T, masked with tril when causal, out = A v / A 1),
-at 1e-10, so a causal path that ignores q or k (the xformers bug) cannot pass.
+Every fast form is compared in float64 with the independent references of
+``kernelapprox.attention.naive`` (the plain quadratic formula A = phi(q) phi(k)^T, masked with tril
+when causal, out = A v / A 1, and the plain recurrence), forward and backward, at 1e-10, so a
+causal path that ignores q or k (the xformers bug) cannot pass.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import F64, lin_attn_ref, randn, softmax_attn_ref, with_norm
+from conftest import F64, randn, softmax_attn_ref, with_norm
 
 import kernelapprox as ka
 
@@ -44,6 +45,125 @@ def scale_for(name):
     return 0.3 if name == "trig" else 0.5
 
 
+# --------------------------------------------------------------------------- every fast form vs naive
+
+
+def _grad_inputs(name: str, n: int = 23):
+    """float64 leaves (q, k, v) for gradient checks; ReLU inputs shifted so no feature row is all 0."""
+    q, k, v = qkv(n=n, scale=scale_for(name), seed=11)
+    if name == "relu":
+        q, k = q.abs() + 0.1, k.abs() + 0.1
+    return [t.clone().requires_grad_(True) for t in (q, k, v)]
+
+
+def _recurrent(q, k, v, fm):
+    rnn = ka.RecurrentLinearAttention(fm)
+    return torch.stack([rnn.step(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(q.shape[-2])], -2)
+
+
+def _two_segments(q, k, v, fm, split=9):
+    o1, st = ka.linear_attention(q[..., :split, :], k[..., :split, :], v[..., :split, :], fm, causal=True,
+                                 chunk_size=4, return_state=True)
+    o2 = ka.linear_attention(q[..., split:, :], k[..., split:, :], v[..., split:, :], fm, causal=True,
+                             chunk_size=5, initial_state=st)
+    return torch.cat([o1, o2], -2)
+
+
+FAST_FORMS = {
+    # name: (fast form, causal reference?)
+    "parallel": (lambda q, k, v, fm: ka.linear_attention(q, k, v, fm), False),
+    "parallel_fn": (lambda q, k, v, fm: ka.parallel_linear_attention(q, k, v, fm), False),
+    "chunk1": (lambda q, k, v, fm: ka.linear_attention(q, k, v, fm, causal=True, chunk_size=1), True),
+    "chunk5": (lambda q, k, v, fm: ka.chunk_linear_attention(q, k, v, fm, chunk_size=5), True),
+    "chunk64": (lambda q, k, v, fm: ka.linear_attention(q, k, v, fm, causal=True, chunk_size=64), True),
+    "recurrent": (_recurrent, True),
+    "state_handover": (_two_segments, True),
+}
+ESTIMATOR_NAMES = [e.name for e in ka.estimators()]
+
+
+def _registered_map(name: str):
+    est = ka.get_estimator(name)
+    r = 64 if not est.positive else 16  # signed maps: more features keep denominators away from 0
+    return est.build(D, r, seed=3, dtype=F64)
+
+
+@pytest.mark.parametrize("form", list(FAST_FORMS))
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+def test_fast_form_equals_naive_forward_and_backward(name, form):
+    """One parametrised check of every fast form of every registered estimator against the naive
+    reference, forward (1e-10) and backward (gradients w.r.t. q, k and v, 1e-8)."""
+    fm = _registered_map(name)
+    fast, causal = FAST_FORMS[form]
+    q, k, v = _grad_inputs(name)
+    out = fast(q, k, v, fm)
+    ref = ka.naive_linear_attention(q, k, v, fm, causal=causal)
+    assert out.shape == ref.shape and out.dtype == F64
+    torch.testing.assert_close(out, ref, **TOL)
+    w = randn(*out.shape, seed=5)  # a random cotangent, so no gradient can cancel by symmetry
+    g_fast = torch.autograd.grad((out * w).sum(), (q, k, v))
+    g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b, what in zip(g_fast, g_ref, "qkv", strict=True):
+        assert b.abs().max() > 0, what
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=f"d/d{what}")
+
+
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+def test_naive_references_agree(name):
+    """The two references (quadratic and plain recurrence) agree with each other."""
+    fm = _registered_map(name)
+    q, k, v = (t.detach() for t in _grad_inputs(name))
+    torch.testing.assert_close(
+        ka.naive_recurrent_linear_attention(q, k, v, fm), ka.naive_linear_attention(q, k, v, fm, causal=True), **TOL
+    )
+
+
+def test_naive_shares_no_code_with_the_fast_paths():
+    """fla's pattern: the reference is independent of what it checks (no import from the fast
+    modules, no stabilised feature methods, no shared normalisation)."""
+    import ast
+    import inspect
+
+    import kernelapprox.attention.naive as naive
+
+    tree = ast.parse(inspect.getsource(naive))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not imported & {"_common", "chunk", "parallel", "recurrent", "state"}, imported
+    called = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    called |= {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    for name in ("log_features", "query_features", "normalise", "RecurrentLinearAttention", "kernel"):
+        assert name not in called, name
+
+
+def test_each_input_is_validated_once(monkeypatch):
+    """q, k, v are checked once per call (by the entry point), not again inside the feature map."""
+    import kernelapprox._validation as V
+    import kernelapprox.exact as E
+    import kernelapprox.features as Fm
+
+    calls = []
+    orig = V.check_floating
+
+    def counting(name, x):
+        calls.append(name)
+        return orig(name, x)
+
+    for mod in (V, E, Fm):
+        monkeypatch.setattr(mod, "check_floating", counting)
+    fm = make_map("positive")
+    q, k, v = qkv()
+    for causal in (False, True):
+        calls.clear()
+        ka.linear_attention(q, k, v, fm, causal=causal)
+        assert sorted(calls) == ["k", "q", "v"], calls
+    calls.clear()
+    fm.kernel(q, k)
+    assert sorted(calls) == ["k", "q"], calls
+    calls.clear()
+    fm(q)
+    assert calls == ["x"], calls
+
+
 # --------------------------------------------------------------------------- parallel and causal vs hand
 
 
@@ -53,7 +173,7 @@ def test_noncausal_equals_hand_formula(name):
     q, k, v = qkv(n=11, m=23, scale=scale_for(name))
     out = ka.linear_attention(q, k, v, fm)
     assert out.shape == (B, H, 11, DV) and out.dtype == F64
-    torch.testing.assert_close(out, lin_attn_ref(fm(q), fm(k), v, causal=False), **TOL)
+    torch.testing.assert_close(out, ka.naive_linear_attention(q, k, v, fm, causal=False), **TOL)
 
 
 def test_noncausal_elu_written_out():
@@ -71,7 +191,7 @@ def test_causal_equals_masked_quadratic(name, chunk_size):
     q, k, v = qkv(scale=scale_for(name))
     out = ka.linear_attention(q, k, v, fm, causal=True, chunk_size=chunk_size)
     assert out.shape == (B, H, N, DV) and out.dtype == F64
-    torch.testing.assert_close(out, lin_attn_ref(fm(q), fm(k), v, causal=True), **TOL)
+    torch.testing.assert_close(out, ka.naive_linear_attention(q, k, v, fm, causal=True), **TOL)
 
 
 def test_causal_depends_on_q_and_k():
@@ -82,7 +202,7 @@ def test_causal_depends_on_q_and_k():
     perm = torch.randperm(N, generator=torch.Generator().manual_seed(0))
     base = ka.linear_attention(q, k, v, fm, causal=True, chunk_size=16)
     for q2, k2 in ((q[..., perm, :], k), (q, k[..., perm, :]), (2 * q, k), (q, -k)):
-        ref2 = lin_attn_ref(fm(q2), fm(k2), v, causal=True)
+        ref2 = ka.naive_linear_attention(q2, k2, v, fm, causal=True)
         assert (ref2 - base).abs().max() > 1e-3  # the test input really changes the answer
         torch.testing.assert_close(
             ka.linear_attention(q2, k2, v, fm, causal=True, chunk_size=16), ref2, **TOL
@@ -108,7 +228,7 @@ def test_recurrent_equals_causal(name):
     rnn = ka.RecurrentLinearAttention(fm)
     steps = torch.stack([rnn.step(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(N)], dim=-2)
     assert steps.shape == (B, H, N, DV)
-    torch.testing.assert_close(steps, lin_attn_ref(fm(q), fm(k), v, causal=True), **TOL)
+    torch.testing.assert_close(steps, ka.naive_linear_attention(q, k, v, fm, causal=True), **TOL)
     torch.testing.assert_close(steps, ka.linear_attention(q, k, v, fm, causal=True, chunk_size=7), **TOL)
 
 
@@ -153,7 +273,7 @@ def test_state_handover_to_recurrent(name):
     )
     rnn = ka.RecurrentLinearAttention(fm, state=st)
     o2 = torch.stack([rnn.step(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(p, N)], dim=-2)
-    torch.testing.assert_close(torch.cat([o1, o2], -2), lin_attn_ref(fm(q), fm(k), v, causal=True), **TOL)
+    torch.testing.assert_close(torch.cat([o1, o2], -2), ka.naive_linear_attention(q, k, v, fm, causal=True), **TOL)
 
 
 def test_state_handover_when_key_scale_grows():
@@ -164,7 +284,7 @@ def test_state_handover_when_key_scale_grows():
     k = k.clone()
     k[..., 20:, :] = with_norm(k[..., 20:, :], 4.0)
     q[..., 20:, :] = with_norm(q[..., 20:, :], 3.0)
-    ref = lin_attn_ref(fm(q), fm(k), v, causal=True)
+    ref = ka.naive_linear_attention(q, k, v, fm, causal=True)
     o1, st = ka.linear_attention(
         q[..., :20, :], k[..., :20, :], v[..., :20, :], fm, causal=True, return_state=True
     )
@@ -195,7 +315,7 @@ def test_noncausal_with_initial_state():
         q[..., :15, :], k[..., :15, :], v[..., :15, :], fm, causal=True, return_state=True
     )
     out = ka.linear_attention(q[..., 15:, :], k[..., 15:, :], v[..., 15:, :], fm, initial_state=st)
-    torch.testing.assert_close(out, lin_attn_ref(fm(q[..., 15:, :]), fm(k), v, causal=False), **TOL)
+    torch.testing.assert_close(out, ka.naive_linear_attention(q[..., 15:, :], k, v, fm, causal=False), **TOL)
 
 
 # --------------------------------------------------------------------------- batch shapes of the map
@@ -208,7 +328,7 @@ def test_per_head_projection_in_attention():
         out = ka.linear_attention(q, k, v, fm, causal=causal, chunk_size=8)
         for h in range(H):
             single = ka.PositiveRF.from_projection(fm.weight[h])
-            ref = lin_attn_ref(single(q[:, h]), single(k[:, h]), v[:, h], causal=causal)
+            ref = ka.naive_linear_attention(q[:, h], k[:, h], v[:, h], single, causal=causal)
             torch.testing.assert_close(out[:, h], ref, **TOL)
 
 
@@ -220,7 +340,7 @@ def test_monte_carlo_batch_in_attention():
     assert out.shape == (S, B, H, N, DV)
     for s in range(S):
         single = ka.PositiveRF.from_projection(fm.weight[s, 0, 0])
-        torch.testing.assert_close(out[s], lin_attn_ref(single(q), single(k), v, causal=True), **TOL)
+        torch.testing.assert_close(out[s], ka.naive_linear_attention(q, k, v, single, causal=True), **TOL)
 
 
 # --------------------------------------------------------------------------- exact references

@@ -10,15 +10,12 @@ from conftest import F64, randn
 
 import kernelapprox as ka
 
-MAKERS = {
-    "trig-sincos": lambda **kw: ka.TrigRF(5, 12, **kw),
-    "trig-offset": lambda **kw: ka.TrigRF(5, 12, variant="offset", **kw),
-    "positive": lambda **kw: ka.PositiveRF(5, 12, **kw),
-    "positive_orth": lambda **kw: ka.PositiveRF(5, 12, sampler="orthogonal", **kw),
-    "positive_sorf": lambda **kw: ka.PositiveRF(5, 12, sampler="structured", **kw),
-    "positive_qmc": lambda **kw: ka.PositiveRF(5, 12, sampler="qmc", **kw),
-    "hyperbolic": lambda **kw: ka.HyperbolicRF(5, 12, **kw),
-}
+# every registered random estimator (iid rows), plus FAVOR+ with each other sampler
+MAKERS = {e.name: (lambda e=e, **kw: e.build(5, 12, **kw)) for e in ka.estimators(random=True)}
+MAKERS.update({
+    f"positive_{smp}": (lambda smp=smp, **kw: ka.PositiveRF(5, 12, sampler=smp, **kw))
+    for smp in ("orthogonal", "structured", "qmc")
+})
 CUDA = torch.cuda.is_available()
 
 
@@ -33,7 +30,7 @@ def test_projection_is_a_buffer_not_a_parameter(name):
     buffers = list(fm.buffers())
     assert buffers
     # the projection (dense W, or the SORF sign diagonals) lives in buffers
-    assert sum(b.numel() for b in buffers) >= 12 * 5 or name == "positive_sorf"
+    assert sum(b.numel() for b in buffers) >= 12 * 5 or name == "positive_structured"
     assert fm.state_dict()  # and is saved
     if name == "trig-offset":
         assert any(torch.equal(b, fm.offsets) for b in buffers)

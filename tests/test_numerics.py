@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import F64, lin_attn_ref, randn, with_norm
+from conftest import F64, randn, with_norm
 
 import kernelapprox as ka
 
@@ -96,13 +96,14 @@ def test_trig_kernel_beyond_naive_overflow():
 
 # --------------------------------------------------------------------------- attention in low precision
 
-ALL_MAPS = {
-    "positive": lambda: ka.PositiveRF(D, R, sampler="orthogonal", seed=0),
-    "hyperbolic": lambda: ka.HyperbolicRF(D, R // 2, seed=0),
-    "trig": lambda: ka.TrigRF(D, R, seed=0),
-    "elu": lambda: ka.EluFeatures(D),
-    "relu": lambda: ka.ReluFeatures(D),
-}
+def _build(name: str, sampler: str = "orthogonal"):
+    """Every registered estimator at D, with the same feature dimension R where it has projections."""
+    est = ka.get_estimator(name)
+    r = R if est.feature_dim(R, D) == R else R // 2  # 2r-wide maps get half the projections
+    return est.build(D, r, sampler=sampler, seed=0)
+
+
+ALL_MAPS = {e.name: (lambda name=e.name: _build(name)) for e in ka.estimators()}
 
 
 def attn_inputs(norm, n=64, dtype=torch.float32):
@@ -121,7 +122,7 @@ def test_linear_attention_float32_finite(name, norm, causal):
     out = ka.linear_attention(q, k, v, fm, causal=causal, chunk_size=16)
     assert out.dtype == torch.float32 and out.shape == v.shape
     assert torch.isfinite(out).all()
-    if name in ("positive", "hyperbolic"):
+    if fm.is_random and fm.positive:
         # a convex combination of v with weights accurate to ~1e-5 relative: same as float64
         fm64 = type(fm).from_projection(fm.weight.double())
         ref = ka.linear_attention(q.double(), k.double(), v.double(), fm64, causal=causal)
@@ -135,7 +136,7 @@ def test_linear_attention_16bit(name, causal, dtype):
     """16-bit inputs: output in the input dtype, finite, and (for positive maps) equal to the float64
     evaluation on the same rounded inputs up to 16-bit output rounding."""
     fm = ALL_MAPS[name]()
-    norms = [1.0] if name == "trig" else [1.0, 10.0]  # trig denominators are signed: small norms only
+    norms = [1.0] if not ka.get_estimator(name).positive else [1.0, 10.0]  # signed denominators: small norms only
     for norm in norms:
         q, k, v = attn_inputs(norm, dtype=dtype)
         out = ka.linear_attention(q, k, v, fm, causal=causal, chunk_size=16)
@@ -186,7 +187,7 @@ def test_elu_attention_bf16_very_negative_inputs():
     out = ka.linear_attention(q, k, v, fm, causal=True)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     q64 = q.detach().double().requires_grad_()
-    ref = lin_attn_ref(torch.exp(q64), torch.exp(k.double()), v.double(), causal=True)
+    ref = ka.naive_linear_attention(q64, k.double(), v.double(), ka.EluFeatures(4), causal=True)
     assert (out.double() - ref).abs().max() <= 2e-2 * v.abs().max().double()
     w = torch.randn(2, 32, 3, generator=g)
     (out.float() * w).sum().backward()
@@ -199,18 +200,12 @@ def test_elu_attention_bf16_very_negative_inputs():
 
 
 def small_map(name):
-    return {
-        "trig-sincos": lambda: ka.TrigRF(3, 4, seed=0, dtype=F64),
-        "trig-offset": lambda: ka.TrigRF(3, 4, variant="offset", seed=0, dtype=F64),
-        "positive": lambda: ka.PositiveRF(3, 4, sampler="orthogonal", seed=0, dtype=F64),
-        "hyperbolic": lambda: ka.HyperbolicRF(3, 4, seed=0, dtype=F64),
-        "structured": lambda: ka.PositiveRF(3, 4, sampler="structured", seed=0, dtype=F64),
-        "elu": lambda: ka.EluFeatures(3),
-        "relu": lambda: ka.ReluFeatures(3),
-    }[name]()
+    if name == "structured":
+        return ka.PositiveRF(3, 4, sampler="structured", seed=0, dtype=F64)
+    return ka.get_estimator(name).build(3, 4, sampler="orthogonal", seed=0, dtype=F64)
 
 
-GRAD_MAPS = ["trig-sincos", "trig-offset", "positive", "hyperbolic", "structured", "elu", "relu"]
+GRAD_MAPS = [e.name for e in ka.estimators()] + ["structured"]
 
 
 def leaf(*shape, seed, scale=0.5):
@@ -230,7 +225,7 @@ def test_gradcheck_features_and_kernel(name):
 @pytest.mark.parametrize("name", GRAD_MAPS)
 def test_gradcheck_linear_attention(name, causal):
     fm = small_map(name)
-    scale = 0.3 if name.startswith("trig") else 0.5
+    scale = 0.5 if small_map(name).positive else 0.3  # signed maps: denominators away from 0
     q, k, v = leaf(1, 4, 3, seed=3, scale=scale), leaf(1, 4, 3, seed=4, scale=scale), leaf(1, 4, 2, seed=5)
     if name == "relu":  # keep ReLU away from its kink and from all-zero rows
         q, k = (q.detach().abs() + 0.1).requires_grad_(), (k.detach().abs() + 0.1).requires_grad_()

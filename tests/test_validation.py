@@ -7,21 +7,13 @@ import torch
 
 import kernelapprox as ka
 
-RANDOM_MAPS = {
-    "trig": ka.TrigRF,
-    "positive": ka.PositiveRF,
-    "hyperbolic": ka.HyperbolicRF,
-}
+RANDOM_MAPS = {e.name: (lambda *a, e=e, **kw: e.build(*a, **kw)) for e in ka.estimators(random=True)}
 
 
-@pytest.fixture(params=["trig", "positive", "hyperbolic", "elu", "relu"])
+@pytest.fixture(params=[e.name for e in ka.estimators()])
 def fm6(request):
-    """A map with dim = 6 (distinctive number for the messages)."""
-    if request.param == "elu":
-        return ka.EluFeatures(6)
-    if request.param == "relu":
-        return ka.ReluFeatures(6)
-    return RANDOM_MAPS[request.param](6, 8, seed=0)
+    """Every registered estimator with dim = 6 (a distinctive number for the messages)."""
+    return ka.get_estimator(request.param).build(6, 8, seed=0)
 
 
 def test_last_dim_mismatch(fm6):
