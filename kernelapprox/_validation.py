@@ -11,7 +11,7 @@ import contextvars
 import functools
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import SupportsIndex, TypeVar, cast
 
 import torch
 
@@ -79,7 +79,7 @@ def _as_int(value: object) -> int | None:
     if isinstance(value, bool):
         return None
     try:
-        return operator.index(value)  # int, numpy integers, 0-d integer tensors
+        return operator.index(cast(SupportsIndex, value))  # int, numpy ints, 0-d int tensors
     except TypeError:
         return None
 

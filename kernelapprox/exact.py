@@ -15,7 +15,7 @@ from ._validation import check_floating, check_last_dim, compute_dtype, no_autoc
 __all__ = ["softmax_kernel", "softmax_attention", "check_qkv"]
 
 
-def check_qkv(q: object, k: object, v: object | None = None, *, causal: bool = False) -> None:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, causal: bool = False) -> None:
     """Validate attention inputs: q (..., n, d), k (..., m, d), v (..., m, dv), broadcastable leading dims."""
     check_floating("q", q)
     check_floating("k", k)

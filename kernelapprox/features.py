@@ -369,6 +369,7 @@ class RandomFeatureMap(FeatureMap):
     """
 
     is_random = True
+    projection: Projection
 
     def __init__(
         self,
@@ -672,6 +673,7 @@ class TrigRF(RandomFeatureMap):
     """
 
     positive = False
+    offsets: torch.Tensor
 
     def __init__(self, dim: int, num_features: int, *, variant: str = "sincos", **kwargs) -> None:
         if variant not in ("sincos", "offset"):
@@ -710,36 +712,37 @@ class TrigRF(RandomFeatureMap):
         self.register_buffer("offsets", offsets.detach().clone().to(device=ref.device, dtype=ref.dtype))
 
 
-    def _scaled(self, xc: torch.Tensor, need_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Bounded trigonometric part ``f`` (..., n, F) and per-row log scale (..., n) of the
-        prepared input ``xc``."""
+    def _trig(self, xc: torch.Tensor) -> torch.Tensor:
+        """Bounded trigonometric part ``f`` (..., n, F) of the prepared input ``xc``."""
         r = self.num_features
         if self.variant == "sincos":
             if _grad(xc, *self.projection.buffers()):
                 u = self.projection(xc)
-                f = torch.cat((torch.sin(u), torch.cos(u)), dim=-1)
-            else:
-                # Write Wx straight into the first half of the output (no separate (n, r)
-                # buffer), take its cosine into the second half, then its sine in place.
-                lead = torch.broadcast_shapes(xc.shape[:-2], self.batch_shape)
-                f = xc.new_empty(*lead, xc.shape[-2], 2 * r)
-                u = self.projection.project_into(xc, f[..., :r])
-                torch.cos(u, out=f[..., r:])
-                u.sin_()
-            ls = _sqnorm_half(xc) - 0.5 * math.log(r) if need_scale else None
-        else:
-            u = self.projection.affine(xc, col_bias=self.offsets)
-            f = torch.cos(u) if _grad(u) else u.cos_()
-            ls = _sqnorm_half(xc) + 0.5 * math.log(2.0 / r) if need_scale else None
-        if ls is None:
-            return f, None
+                return torch.cat((torch.sin(u), torch.cos(u)), dim=-1)
+            # Write Wx straight into the first half of the output (no separate (n, r) buffer),
+            # take its cosine into the second half, then its sine in place.
+            lead = torch.broadcast_shapes(xc.shape[:-2], self.batch_shape)
+            f = xc.new_empty(*lead, xc.shape[-2], 2 * r)
+            u = self.projection.project_into(xc, f[..., :r])
+            torch.cos(u, out=f[..., r:])
+            u.sin_()
+            return f
+        u = self.projection.affine(xc, col_bias=self.offsets)
+        return torch.cos(u) if _grad(u) else u.cos_()
+
+    def _scaled(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``f`` (..., n, F) and the per-row log scale (..., n) of the prepared input ``xc``."""
+        f = self._trig(xc)
+        r = self.num_features
+        log_c = -0.5 * math.log(r) if self.variant == "sincos" else 0.5 * math.log(2.0 / r)
+        ls = _sqnorm_half(xc) + log_c
         lead = f.shape[:-1]
         if ls.shape != lead:
             ls = ls.expand(lead)
         return f, ls
 
     def query_features(self, x):
-        return self._scaled(self._prepare("x", x)[0], need_scale=False)[0]
+        return self._trig(self._prepare("x", x)[0])
 
     def forward(self, x):
         xc, out_dtype = self._prepare("x", x)

@@ -31,11 +31,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from kernelapprox._validation import check_floating, check_positive_int
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kernelapprox.features import FeatureMap
 
 __all__ = [
     "relative_error",
@@ -59,7 +63,7 @@ _METRIC_DIMS = (-2, -1)
 
 
 # ------------------------------------------------------------------------------------ metrics
-def _pair(name_a: str, a: object, name_b: str, b: object) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     check_floating(name_a, a)
     check_floating(name_b, b)
     try:
@@ -501,8 +505,7 @@ class StreamingMoments:
     def _summary(self, confidence: float) -> dict[str, np.ndarray]:
         if self.count < 2:
             raise ValueError(f"need at least 2 draws, got {self.count}")
-        assert self._acc is not None  # for the type checker: count >= 2
-        return self._acc.summary(_check_confidence(confidence))
+        return cast(_PowerSums, self._acc).summary(_check_confidence(confidence))  # count >= 2
 
     def mean_ci(self, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``mean, se, low, high`` of the mean (Student t), as :func:`mean_ci`."""
@@ -579,7 +582,7 @@ def _chunk_seed(seed: int, index: int) -> int:
 
 
 def batched_draws(
-    fm: torch.nn.Module,
+    fm: FeatureMap,
     draws: int,
     *,
     seed: int = 0,
@@ -587,7 +590,7 @@ def batched_draws(
     extra_dims: int = 0,
     dtype: torch.dtype = torch.float64,
     device: torch.device | str | None = None,
-) -> Iterator[torch.nn.Module]:
+) -> Iterator[FeatureMap]:
     r"""Yield copies of a random feature map holding ``chunk_size`` independent projections each.
 
     Each copy is ``type(fm)(**fm.get_params())`` (same estimator, ``dim``, ``num_features``,
@@ -642,7 +645,7 @@ def batched_draws(
         yield current
 
 
-def _estimate(copy: torch.nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def _estimate(copy: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     r""":math:`\hat K` of every draw of ``copy``: ``(c, ..., n, m)``, from the stabilised features.
 
     The same value as ``copy.kernel(q, k)`` up to rounding; the key scale is shared over the
@@ -653,7 +656,7 @@ def _estimate(copy: torch.nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.
     return (fq @ fk.mT) * torch.exp(sq[..., :, None] + sk[..., None, :])
 
 
-def _auto_chunk(fm: torch.nn.Module, per_row: int, per_pair: int, chunk_size, max_bytes) -> int:
+def _auto_chunk(fm: FeatureMap, per_row: int, per_pair: int, chunk_size, max_bytes) -> int:
     if chunk_size is not None:
         return check_positive_int("chunk_size", chunk_size)
     max_bytes = check_positive_int("max_bytes", max_bytes)
@@ -698,10 +701,10 @@ def _summary_frame(per_draw: dict[str, np.ndarray], probs, confidence):
         row: dict = {"metric": name, "draws": values.size, "nonfinite": int((~finite).sum())}
         values = values[finite]
         if values.size >= 2 and np.ptp(values) > 0:
-            mean, se, lo, hi = mean_ci(values, confidence=confidence)
+            mean, se, lo, hi = (float(a) for a in mean_ci(values, confidence=confidence))
             qs, qlo, qhi = quantile_ci(values, probs, confidence=confidence)
         else:  # one distinct value (a deterministic map) or none left
-            centre = values[0] if values.size else np.nan
+            centre = float(values[0]) if values.size else math.nan
             mean, se, lo, hi = centre, 0.0, centre, centre
             qs = qlo = qhi = np.full(probs.shape, centre)
         row.update(mean=float(mean), mean_se=float(se), mean_low=float(lo), mean_high=float(hi))
@@ -729,7 +732,7 @@ def _entry_frame(stats_: dict[str, np.ndarray], exact: np.ndarray, last: tuple[s
 
 
 def kernel_error(
-    fm: torch.nn.Module,
+    fm: FeatureMap,
     q: torch.Tensor,
     k: torch.Tensor,
     draws: int = 10_000,
@@ -853,7 +856,7 @@ def kernel_error(
         draws = 1
         consume(fm.kernel(q, k).to(dtype).unsqueeze(0))
 
-    out = acc.summary(confidence)
+    out: dict[str, Any] = dict(acc.summary(confidence))
     if draws == 1:
         for key in ("bias_se", "variance", "variance_se", "mse_se"):
             out[key] = np.zeros_like(out["bias"])
@@ -876,7 +879,7 @@ def kernel_error(
 
 
 def attention_error(
-    fm: torch.nn.Module,
+    fm: FeatureMap,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -991,7 +994,7 @@ def attention_error(
         draws = 1
         consume(fm.kernel(q, k).to(dtype).unsqueeze(0))
 
-    out = acc.summary(confidence)
+    out: dict[str, Any] = dict(acc.summary(confidence))
     if draws == 1:
         for key in ("bias_se", "variance", "variance_se", "mse_se"):
             out[key] = np.zeros_like(out["bias"])

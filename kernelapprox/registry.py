@@ -32,10 +32,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:  # pragma: no cover
     from .features import FeatureMap
+    from .samplers import Sampler
 
 __all__ = [
     "Estimator",
@@ -148,12 +149,12 @@ class Estimator:
     @property
     def is_random(self) -> bool:
         """Whether the features are random (drawn projections)."""
-        return bool(self.cls.is_random)
+        return bool(getattr(self.cls, "is_random"))  # noqa: B009 - cls is a FeatureMap subclass
 
     @property
     def positive(self) -> bool:
         """Whether the features are always non-negative (attention denominators cannot vanish)."""
-        return bool(self.cls.positive)
+        return bool(getattr(self.cls, "positive"))  # noqa: B009
 
     # ------------------------------------------------------------------ declared here
     def feature_dim(self, num_features: int, dim: int) -> int:
@@ -193,7 +194,7 @@ class Estimator:
             return frozenset()
         from .samplers import get_sampler
 
-        law = None if sampler is None else get_sampler(sampler).row_law
+        law = None if sampler is None else get_sampler(cast("str | Sampler", sampler)).row_law
         return th.closed_forms(law)
 
     def matches(self, fm: object) -> bool:

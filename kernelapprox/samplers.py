@@ -197,6 +197,8 @@ class DenseProjection(Projection):
     weight : Tensor, shape (*batch_shape, r, d)
     """
 
+    _weight: torch.Tensor
+
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         if not isinstance(weight, torch.Tensor) or weight.dim() < 2:
@@ -250,6 +252,8 @@ class HadamardProjection(Projection):
     num_features : int
         ``r <= n_blocks * p``.
     """
+
+    signs: torch.Tensor
 
     def __init__(self, signs: torch.Tensor, dim: int, num_features: int) -> None:
         super().__init__()

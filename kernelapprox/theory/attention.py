@@ -77,10 +77,14 @@ to 0 (trig features, whose denominator is not positive). ``docs/theory.md`` show
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernelapprox._validation import check_floating
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kernelapprox.features import FeatureMap
 
 __all__ = ["attention_variance", "kernel_covariance", "normaliser_relative_variance"]
 
@@ -119,7 +123,7 @@ def _pair_terms(fm: object) -> _PairTerms | None:
     return th.attention_pair_terms
 
 
-def _check_inputs(fm: object, q: object, k: object, v: object | None) -> None:
+def _check_inputs(fm: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
     check_floating("q", q)
     check_floating("k", k)
     dim = getattr(fm, "dim", None)
@@ -145,7 +149,7 @@ def _check_inputs(fm: object, q: object, k: object, v: object | None) -> None:
             )
 
 
-def kernel_covariance(fm: torch.nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def kernel_covariance(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     r"""Covariance of two kernel estimates that share a query, :math:`\mathrm{Cov}(\hat K_{ij},
     \hat K_{il})`.
 
@@ -217,7 +221,7 @@ def kernel_covariance(fm: torch.nn.Module, q: torch.Tensor, k: torch.Tensor) -> 
 
 
 def attention_variance(
-    fm: torch.nn.Module,
+    fm: FeatureMap,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -302,7 +306,7 @@ def attention_variance(
 
 
 def normaliser_relative_variance(
-    fm: torch.nn.Module,
+    fm: FeatureMap,
     q: torch.Tensor,
     k: torch.Tensor,
     *,
@@ -365,7 +369,7 @@ def normaliser_relative_variance(
 
 
 def _delta_quadratic(
-    fm: torch.nn.Module,
+    fm: FeatureMap,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor | None,
@@ -379,9 +383,7 @@ def _delta_quadratic(
     q = q.to(torch.float64)
     k = k.to(torch.float64)
     normaliser = v is None
-    if normaliser:
-        v = torch.ones(m, 1, dtype=torch.float64, device=q.device)
-    v = v.to(torch.float64)
+    v = torch.ones(m, 1, dtype=torch.float64, device=q.device) if v is None else v.to(torch.float64)
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     q = q.expand(batch + q.shape[-2:])
     k = k.expand(batch + k.shape[-2:])

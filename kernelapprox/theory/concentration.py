@@ -68,6 +68,7 @@ from .moments import (
     Components,
     _check_orthogonal,
     _check_r,
+    _components,
     _geometry,
     _out,
     _prepare,
@@ -183,7 +184,7 @@ def _bound(
 def _check_method(method: object) -> str:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return method  # type: ignore[return-value]
+    return method
 
 
 def failure_probability(
@@ -236,7 +237,7 @@ def failure_probability(
         raise ValueError("num_features is required when fm_or_kind is an estimator name")
     qa, ka, dev = _prepare(q, k)
     geo = _geometry(qa, ka)
-    comp = theory.components(geo, orth)
+    comp = _components(name, geo, orth)
     return _out(_bound(method, name, theory, comp, geo.d, orth, np.asarray(r), eps), dev)
 
 
@@ -319,7 +320,7 @@ def required_features(
     name, theory, orth, _, _ = _resolve(fm_or_kind, orthogonal)
     qa, ka, dev = _prepare(q, k)
     geo = _geometry(qa, ka)
-    comp = theory.components(geo, orth)
+    comp = _components(name, geo, orth)
     shape = comp.v1.shape
 
     def ok(r: np.ndarray) -> np.ndarray:

@@ -89,7 +89,8 @@ References
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -124,7 +125,6 @@ __all__ = [
     "relative_mse",
 ]
 
-_ORTHOGONAL = (None, "chi", "fixed")
 #: ``Sampler.row_law`` -> the ``orthogonal`` argument of the formulas.
 _LAW_TO_ORTHOGONAL: dict[str, str | None] = {"iid": None, "orthogonal-chi": "chi", "orthogonal-fixed": "fixed"}
 _ALL_LAWS = frozenset(_LAW_TO_ORTHOGONAL)
@@ -230,9 +230,9 @@ def _check_r(num_features: object) -> int:
 
 
 def _check_orthogonal(orthogonal: object) -> str | None:
-    if orthogonal not in _ORTHOGONAL:
-        raise ValueError(f"orthogonal must be None, 'chi' or 'fixed', got {orthogonal!r}")
-    return orthogonal  # type: ignore[return-value]
+    if orthogonal is None or orthogonal in ("chi", "fixed"):
+        return orthogonal
+    raise ValueError(f"orthogonal must be None, 'chi' or 'fixed', got {orthogonal!r}")
 
 
 def orf_pair_count(num_features: int, dim: int) -> int:
@@ -551,7 +551,8 @@ def _theory_for(kind: Any) -> EstimatorTheory:
 
 
 def _components(kind: Any, geo: _Geometry, orthogonal: str | None) -> Components:
-    return _theory_for(kind).components(geo, orthogonal)
+    components = cast("Callable[..., Components]", _theory_for(kind).components)  # not None: checked there
+    return components(geo, orthogonal)
 
 
 def _core(kind: Any, geo: _Geometry, r: int, orthogonal: str | None) -> _Core:
