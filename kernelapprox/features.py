@@ -569,7 +569,10 @@ def _exp_shifted(
     if shared:
         with torch.no_grad():
             M = (m + c).amax(dim=-1, keepdim=True)
-        shift = (M - c).to(u.dtype)  # carries the gradient of c
+        # shift = M - c, written as m - ((m + c) - M): exactly m on the row attaining M (so its
+        # features stay <= 1 also where |c| >> |m| would cancel m out of M - c); carries the
+        # gradient of c.
+        shift = (m - ((m + c) - M)).to(u.dtype)
         ls = M
     else:
         shift = m
