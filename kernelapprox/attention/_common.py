@@ -60,23 +60,23 @@ def key_side(
     feature_map: FeatureMap,
     k: torch.Tensor,
     initial_state: LinearAttentionState | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor]:
     """Key features with one shared scale, and the old state brought to a common scale.
 
-    Returns ``fk (..., m, F)``; ``w (..., 1, 1)``, the factor by which this segment's key terms
-    must be multiplied (``None`` if 1); ``kv0 (..., F, dv+1)``, the rescaled initial state (or
-    ``None``); and the common ``log_scale (..., 1, 1)``.
+    Returns ``fk (..., m, F)``; ``None`` without an initial state, else ``(w, kv0)``: ``w
+    (..., 1, 1)`` the factor by which this segment's key terms must be multiplied and ``kv0 (...,
+    F, dv+1)`` the rescaled initial state; and the common ``log_scale (..., 1, 1)``.
     """
     fk, gk = feature_map.log_features(k, shared=True)  # gk: (..., 1)
     gk = gk.unsqueeze(-1)  # (..., 1, 1)
     if initial_state is None:
-        return fk, None, None, gk
+        return fk, None, gk
     old_kv = initial_state.kv.to(fk.dtype)
     old_ls = initial_state.log_scale.to(gk.dtype)
     # The scales are stabilisers only: their choice is a constant for autograd.
     g = torch.maximum(gk, old_ls).detach()
     dt = fk.dtype
-    return fk, torch.exp(gk - g).to(dt), old_kv * torch.exp(old_ls - g).to(dt), g
+    return fk, (torch.exp(gk - g).to(dt), old_kv * torch.exp(old_ls - g).to(dt)), g
 
 
 def with_ones(v: torch.Tensor) -> torch.Tensor:

@@ -144,11 +144,11 @@ def chunk_linear_attention(
     for a in range(0, nc, group):
         b = min(nc, a + group)
         kv_c = torch.matmul(fk[..., a:b, :, :].mT, v1[..., a:b, :, :] * w_state[..., a:b, :, :])
-        excl = []
+        states = []
         for c in range(a, b):  # sequential scan over chunks: O(F dv) per chunk
-            excl.append(state)
+            states.append(state)
             state = state * decay[..., c, None, None] + kv_c[..., c - a, :, :]
-        excl = torch.stack(excl, dim=-3)  # (..., g, F, dv1) at scales G_excl
+        excl = torch.stack(states, dim=-3)  # (..., g, F, dv1) at scales G_excl
         fq_g = fq[..., a:b, :, :]
         A = (torch.matmul(fq_g, fk[..., a:b, :, :].mT) * E[..., a:b, :, :]).masked_fill(~mask, 0.0)
         intra = torch.matmul(A, v1_finite[..., a:b, :, :]).masked_fill(v_poison[..., a:b, :, :], float("nan"))

@@ -54,11 +54,12 @@ def parallel_linear_attention(
     """
     q, k, v, out_dtype, _ = prepare(q, k, v, feature_map, False, initial_state)
     with inputs_validated():
-        fk, w, kv0, g = key_side(feature_map, k, initial_state)
+        fk, old, g = key_side(feature_map, k, initial_state)
         # [S | z] = phi(K)^T [V, 1] in one GEMM: numerator and denominator then share their
         # rounding (a constant v is returned exactly; separate reductions disagree by ~n*eps).
         kv = torch.matmul(fk.mT, with_ones(v))
-        if kv0 is not None:
+        if old is not None:
+            w, kv0 = old
             kv = kv * w + kv0
         fq = feature_map.query_features(q)  # the per-query scale cancels
     out = normalise(*split(torch.matmul(fq, kv)), feature_map.positive, eps).to(out_dtype)
