@@ -171,3 +171,18 @@ def test_from_projection_offsets():
     x = x5(F64)
     expected = torch.exp(0.5 * (x * x).sum(-1, keepdim=True)) * (2 / 12) ** 0.5 * torch.cos(x @ W.T + b)
     torch.testing.assert_close(fm(x), expected, rtol=1e-12, atol=0)
+
+
+def test_offset_phases_are_uniform_on_the_full_circle():
+    """b ~ U[0, 2 pi). Halving the range leaves phi(x).phi(y) unchanged in law (2b stays uniform
+    mod 2 pi), so no kernel test can see it, but it breaks the features' own law: E cos(w.x + b)
+    = 0 only for the full circle. A Kolmogorov-Smirnov test on 20 000 phases: under the null its
+    p-value is uniform (the threshold 1e-6 is a false alarm once in a million seeds); U[0, pi)
+    gives D = 0.5 and p ~ 0 (checked below on the same sample size, so the test has the power)."""
+    from scipy import stats
+
+    fm = ka.TrigRF(4, 500, variant="offset", batch_shape=(40,), seed=0, dtype=F64)
+    b = (fm.offsets / (2 * torch.pi)).flatten().numpy()
+    assert b.size == 20_000
+    assert stats.kstest(b, "uniform").pvalue > 1e-6
+    assert stats.kstest(b / 2, "uniform").pvalue < 1e-100  # what the half-range bug would give
