@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import Z_MAX, randn, zscores
+from conftest import Z_MAX, randn, seed, zscores
 
 import kernelapprox as ka
 
@@ -146,21 +146,24 @@ def test_numpy_integers_are_accepted():
     assert fm.weight.shape == (3, 8, 4)
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("method", ["sobol", "halton"])
 def test_qmc_shift_randomisation_is_unbiased(method):
-    """Same statistic as tests/test_features.py (see conftest): |z| < Z_MAX over S = 20000 draws."""
+    """Same statistic as tests/test_unbiased.py (see conftest): |z| < Z_MAX over S = 20000 draws,
+    with the same power guard se <= 0.0022 K (a 1 % bias shifts z by Z_MAX; measured se/K 0.0009-0.0016).
+    test_unbiased.py covers every estimator with this sampler; this is the original regression."""
     S = 20000
-    fm = ka.TrigRF(4, 16, sampler=ka.QMCSampler(method, "shift"), seed=0, batch_shape=(S,), dtype=F64)
+    fm = ka.TrigRF(4, 16, sampler=ka.QMCSampler(method, "shift"), seed=seed(800), batch_shape=(S,), dtype=F64)
     q = torch.tensor([[0.5, -0.2, 0.3, 0.1]], dtype=F64)
     k = torch.tensor([[0.1, 0.4, -0.3, 0.2], [-0.6, 0.2, 0.1, 0.5]], dtype=F64)
     z, se = zscores(fm.kernel(q, k), torch.exp(q @ k.T))
-    assert (se / torch.exp(q @ k.T)).max() < 0.05
+    assert (se / torch.exp(q @ k.T)).max() <= 0.01 / Z_MAX
     assert z.abs().max() < Z_MAX
     W = fm.weight
     assert not torch.equal(W[0], W[1])  # independent shifts
     from scipy import stats
 
-    assert stats.kstest(W[:, 3, 0].numpy(), "norm").pvalue > 1e-3
+    assert stats.kstest(W[:, 3, 0].numpy(), "norm").pvalue > 2 * stats.norm.sf(Z_MAX)  # 6.8e-6, as in test_samplers
 
 
 @pytest.mark.parametrize(

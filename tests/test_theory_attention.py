@@ -6,10 +6,21 @@ What is checked and how the tolerances are derived
    independent draws, the sample covariance :math:`\hat C_{jl}` is the mean of
    :math:`Y_s=(\hat K_{sj}-\bar K_j)(\hat K_{sl}-\bar K_l)`; its standard error is
    :math:`\mathrm{sd}(Y)/\sqrt S` (estimated from the draws: a fourth-moment quantity). We require
-   :math:`|z|\le4.5` for every entry (P(|N(0,1)|>4.5)=6.8e-6; ~50 checks in this file), and that
-   the se is below 10% of the largest covariance, so the check has power. Inputs have
-   :math:`\|q+k\|^2\le1` so the log-normal terms are light enough for the CLT on S=2e4 draws.
-2. **Normaliser relative variance** :math:`\mathrm{Var}(\hat D_i)/D_i^2` (exact): same z-check.
+   :math:`|z|<4.5` for every entry (P(|N(0,1)|>4.5)=6.8e-6; ~150 checks in this file) and a
+   power guard per entry, ``se < 0.1 * max(|Cov|, 5 % of the largest)``: an error of 45 % of an
+   entry (2.3 % of the largest covariance for entries below 5 % of it) shifts z by 4.5. That is
+   coarse on purpose -- a product of two centred estimates has ``sd(Y) >= |Cov| / |corr|``, so
+   relative resolution of weakly correlated entries costs ~1/corr^2 draws. S = 6e4; measured over
+   20 base seeds: max se/scale 0.009 (offset) to 0.07 (hyperbolic, sin/cos). (At S = 2e4 a seed
+   sweep had 3 of 20 seeds fail this *guard* at 0.11-0.12, never the z-check.) The diagonal (the
+   pointwise variance) is resolved to 5 % by ``test_mse_monte_carlo.py``. Inputs have
+   :math:`\|q+k\|^2\le1` so the log-normal terms are light enough for the CLT on these draws.
+2. **Normaliser relative variance** :math:`\mathrm{Var}(\hat D_i)/D_i^2` (exact): same z-check,
+   resolving a 5 % error in the formula (``se <= 0.011 * Var``, 4.5 se <= 5 %), S = 5e4. Inputs
+   have norm 0.4 (:math:`\|q+k\|^2\le0.64`): the se of a variance estimate needs the eighth
+   moment of the log-normal terms (a factor :math:`e^{24t}`); at norm 0.5 one of 20 base seeds gave
+   se/Var = 0.017 for hyperbolic features (a rare large draw) against 0.009-0.011 for the others,
+   at norm 0.4 the 20 seeds give 0.006-0.0094.
 3. **Delta-method variance** of each output coordinate (an *approximation*): the issue asks for
    agreement within 10% where q, k are attention-scaled and r >= 64. The Monte Carlo variance
    :math:`\hat V` has its own error: :math:`\mathrm{se}(\hat V)\approx\sqrt{(m_4-m_2^2)/S}` from the
@@ -38,6 +49,7 @@ import math
 
 import pytest
 import torch
+from conftest import seed
 
 import kernelapprox as ka
 from kernelapprox.montecarlo import attention_error, batched_draws
@@ -73,25 +85,26 @@ def make(kind: str, d: int, r: int, **kw):
 KINDS = ["positive", "hyperbolic", "trig-sincos", "trig-offset"]
 
 
-def kernel_draws(fm, q, k, draws: int) -> torch.Tensor:
-    return torch.cat([c.kernel(q, k) for c in batched_draws(fm, draws, seed=1, chunk_size=8000)])
+def kernel_draws(fm, q, k, draws: int, stream: int) -> torch.Tensor:
+    return torch.cat([c.kernel(q, k) for c in batched_draws(fm, draws, seed=seed(stream), chunk_size=8000)])
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind", KINDS)
 def test_pair_covariance_matches_monte_carlo(kind):
-    d, r, S = 4, 8, 20_000
-    q, k, _ = scaled_inputs(d, 2, 5, 1, rho=0.5, seed=3)
+    d, r, S = 4, 8, 60_000
+    q, k, _ = scaled_inputs(d, 2, 5, 1, rho=0.5, seed=seed(703))
     fm = make(kind, d, r)
-    Kh = kernel_draws(fm, q, k, S)[:, 0, :]  # (S, m): entries sharing q_0
+    Kh = kernel_draws(fm, q, k, S, stream=710 + KINDS.index(kind))[:, 0, :]  # (S, m): entries sharing q_0
     c = Kh - Kh.mean(0)
     prod = c[:, :, None] * c[:, None, :]  # (S, m, m)
     emp = prod.sum(0) / (S - 1)
     se = prod.std(0) / math.sqrt(S)
     th = kernel_covariance(fm, q, k)[0]
     z = (emp - th) / se
-    # Power guard, per entry: se < 0.1 * max(|th|, FLOOR * max|th|). Resolved entries get a 10%
-    # relative resolution (4.5 se < 45% of |th|). Some covariances are ~0 (sincos: an entry at
-    # 2e-5 of the largest -- the two estimates are nearly uncorrelated), where a relative
+    # Power guard, per entry: se < 0.1 * max(|th|, FLOOR * max|th|), so an error of 4.5 se = 45 % of
+    # |th| shifts z by Z_MAX (coarse: see the module docstring). Some covariances are ~0 (sincos: an
+    # entry at 2e-5 of the largest -- the two estimates are nearly uncorrelated), where a relative
     # resolution is meaningless and unattainable; for entries below FLOOR = 5% of the largest we
     # instead require an absolute resolution of 0.5% of the largest covariance, so an error of
     # more than 4.5 se ~ 2.3% of the largest covariance is still detected there.
@@ -105,17 +118,18 @@ def test_pair_covariance_matches_monte_carlo(kind):
                                rtol=1e-9, atol=0.0)
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind", KINDS)
 def test_normaliser_relative_variance_matches_monte_carlo(kind):
-    d, r, S = 8, 16, 20_000
-    q, k, _ = scaled_inputs(d, 4, 6, 1, rho=0.5, seed=4)
+    d, r, S = 8, 16, 50_000
+    q, k, _ = scaled_inputs(d, 4, 6, 1, rho=0.4, seed=seed(704))  # rho: module docstring, item 2
     fm = make(kind, d, r)
-    D = kernel_draws(fm, q, k, S).sum(-1)  # (S, n)
+    D = kernel_draws(fm, q, k, S, stream=720 + KINDS.index(kind)).sum(-1)  # (S, n)
     Dex = torch.exp(q @ k.T).sum(-1)
     c = (D - D.mean(0)) ** 2
     emp, se = c.mean(0) * S / (S - 1), c.std(0) / math.sqrt(S)
     th = normaliser_relative_variance(fm, q, k) * Dex**2
-    assert (se < 0.1 * th).all()
+    assert (se <= 0.05 / Z_MAX * th).all(), (se / th).max()  # a 5 % error shifts z by Z_MAX
     z = (emp - th) / se
     assert z.abs().max() < Z_MAX, f"{kind}: max |z| = {z.abs().max():.2f}"
 
@@ -131,12 +145,14 @@ CASES = [
 ]
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize(("kind", "rho", "r", "causal"), CASES)
 def test_delta_method_within_ten_percent(kind, rho, r, causal):
     d, n, dv, S = 16, 8, 2, 10_000
-    q, k, v = scaled_inputs(d, n, n, dv, rho=rho, seed=5)
+    q, k, v = scaled_inputs(d, n, n, dv, rho=rho, seed=seed(705))
     fm = make(kind, d, r)
-    res = attention_error(fm, q, k, v, draws=S, causal=causal, seed=2, quantiles=(0.5,))
+    res = attention_error(fm, q, k, v, draws=S, causal=causal, seed=seed(730 + CASES.index((kind, rho, r, causal))),
+                          quantiles=(0.5,))
     delta = attention_variance(fm, q, k, v, causal=causal).numpy()
     mc, se = res["variance"], res["variance_se"]
     if causal:  # row 0 attends to one key only: o_0 = v_0 exactly, variance 0 both ways
@@ -151,14 +167,15 @@ def test_delta_method_within_ten_percent(kind, rho, r, causal):
     assert normaliser_relative_variance(fm, q, k, causal=causal).max() < 0.1
 
 
+@pytest.mark.statistical
 def test_first_order_fails_when_normaliser_spreads():
     """rho = 1.5, r = 16: Var(D)/D^2 is of order 1 and the delta method over-states the variance
     of the (bounded) positive-feature output by more than 2x everywhere. A documented failure,
     asserted as such so that the docs' claim stays true."""
     d, n, dv, S, r = 16, 8, 2, 6000, 16
-    q, k, v = scaled_inputs(d, n, n, dv, rho=1.5, seed=5)
+    q, k, v = scaled_inputs(d, n, n, dv, rho=1.5, seed=seed(705))
     fm = make("positive", d, r)
-    res = attention_error(fm, q, k, v, draws=S, seed=2, quantiles=(0.5,))
+    res = attention_error(fm, q, k, v, draws=S, seed=seed(740), quantiles=(0.5,))
     delta = attention_variance(fm, q, k, v).numpy()
     assert (res["variance_se"] <= 0.05 * res["variance"]).all()
     assert (delta > 2 * (res["variance"] + 3 * res["variance_se"])).all()
