@@ -106,15 +106,6 @@ def with_norm(x: torch.Tensor, norm: float) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True) * norm
 
 
-def lin_attn_ref(phq: torch.Tensor, phk: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Quadratic-form linear attention by hand: A = phi(q) phi(k)^T (masked), out = A v / A 1."""
-    A = phq @ phk.mT
-    if causal:
-        n, m = A.shape[-2:]
-        A = A * torch.ones(n, m, dtype=torch.bool).tril()
-    return (A @ v) / A.sum(-1, keepdim=True)
-
-
 def softmax_attn_ref(q, k, v, causal: bool) -> torch.Tensor:
     s = q @ k.mT
     if causal:
