@@ -55,7 +55,7 @@ from ._validation import (
     no_autocast,
     validation_skipped,
 )
-from .registry import _rule_for, estimator_of, register_estimator
+from .registry import Estimator, _rule_for, estimator_of, register_estimator
 from .samplers import (
     DenseProjection,
     GivenSampler,
@@ -129,7 +129,7 @@ class FeatureMap(nn.Module):
 
     # ------------------------------------------------------------------ identity
     @property
-    def estimator(self):  # -> Estimator (annotation omitted: registry imports this module lazily)
+    def estimator(self) -> Estimator:
         """The registered identity of this map (:func:`kernelapprox.estimator_of`)."""
         return estimator_of(self)
 
