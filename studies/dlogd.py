@@ -1,6 +1,6 @@
 """dlogd: does the number of features for a UNIFORM error ε grow like d log d?
 
-What the literature claims (see ``shared/reference/estimators.md`` §6): Performer's Theorem 4 is a
+What the literature claims (Choromanski et al. 2021, arXiv:2009.14794, Thm 4 and §4): Theorem 4 is a
 uniform bound for *trigonometric features with orthogonal projections*,
 m = Θ((d/δ²) log(4 d^{3/4} R / δ)) with δ = ε/h*², and "take M = Θ(d log d) in practice" is said
 of positive features without proof; the *pointwise* MSE at fixed norms does not depend on d.
