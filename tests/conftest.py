@@ -127,3 +127,13 @@ def _few_threads():
     torch.set_num_threads(min(old, _threads_per_process()))
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, for files of tiny tensors (threads only cost there, and are slow on a
+    loaded 2-core machine). Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -70,13 +70,7 @@ def _name(dt: torch.dtype | None) -> str:
     return "none" if dt is None else str(dt).removeprefix("torch.")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tensors here are tiny: intra-op threads only cost (and are slow on a loaded 2-core machine)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: threads only cost
 
 
 @pytest.fixture(autouse=True)

@@ -46,13 +46,7 @@ MAP_NAMES = ["positive", "hyperbolic", "trig", "elu"]
 TOL = {"rtol": 1e-9, "atol": 1e-10}  # float64: chunked and recurrent differ by summation order only
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tensors here are tiny: intra-op threads only cost (and are slow on a loaded 2-core machine)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: threads only cost
 
 
 def make_map(name: str, dtype=F64):
