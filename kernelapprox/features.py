@@ -115,6 +115,10 @@ class FeatureMap(nn.Module):
 
     is_random: ClassVar[bool] = False
     positive: ClassVar[bool] = True
+    #: Parameters chosen from the data by :meth:`fit` (OPRF/FAVOR++, FAVOR#, Nyström landmarks).
+    data_dependent: ClassVar[bool] = False
+    #: Trainable parameters, fitted by :func:`kernelapprox.fit_feature_map` (Hedgehog).
+    learned: ClassVar[bool] = False
 
     dim: int
     num_features: int
@@ -337,6 +341,19 @@ class FeatureMap(nn.Module):
 
     def redraw(self, seed: int | None = None, generator: torch.Generator | None = None) -> FeatureMap:
         """Draw a new projection in place (a no-op for deterministic maps). Returns ``self``."""
+        return self
+
+    def fit(self, q: torch.Tensor, k: torch.Tensor) -> FeatureMap:
+        """Choose the data-dependent parameters from queries and keys. Returns ``self``.
+
+        A no-op for maps whose parameters do not depend on the data (``data_dependent`` false),
+        so generic code may call it on any map (``linear_attention(..., fit=True)`` does).
+
+        Parameters
+        ----------
+        q : Tensor, shape (..., n, d)
+        k : Tensor, shape (..., m, d)
+        """
         return self
 
 

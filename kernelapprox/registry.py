@@ -156,6 +156,16 @@ class Estimator:
         """Whether the features are always non-negative (attention denominators cannot vanish)."""
         return bool(getattr(self.cls, "positive"))  # noqa: B009
 
+    @property
+    def data_dependent(self) -> bool:
+        """Whether the map chooses parameters from the data (``fm.fit(q, k)`` before use)."""
+        return bool(getattr(self.cls, "data_dependent", False))
+
+    @property
+    def learned(self) -> bool:
+        """Whether the map has trainable parameters (fitted by ``ka.fit_feature_map``)."""
+        return bool(getattr(self.cls, "learned", False))
+
     # ------------------------------------------------------------------ declared here
     def feature_dim(self, num_features: int, dim: int) -> int:
         """``feature_dim`` of the map with ``r = num_features`` projections on inputs of ``dim``."""

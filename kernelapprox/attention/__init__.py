@@ -39,6 +39,7 @@ def linear_attention(
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
     eps: float = 1e-6,
+    fit: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
     r"""Linear attention with feature map :math:`\varphi` (queries and keys use the same map).
 
@@ -75,6 +76,11 @@ def linear_attention(
         :math:`M_i` = running maximum of the key log-scales, the same in all three forms): where
         it is :math:`\le \varepsilon` in absolute value it becomes :math:`den + 2\varepsilon`.
         Positive maps are only guarded against underflow.
+    fit : bool, default False
+        First choose the map's data-dependent parameters from this batch,
+        ``feature_map.fit(q, k)`` (in place; a no-op for maps without any), as the FAVOR++/FAVOR#
+        code does per batch. With ``causal=True`` the statistics then include future keys (the
+        official code does the same); fit on a calibration batch instead where that matters.
 
     Returns
     -------
@@ -90,6 +96,12 @@ def linear_attention(
     >>> out.shape
     torch.Size([2, 4, 128, 16])
     """
+    if not isinstance(fit, bool):
+        raise TypeError(f"fit must be a bool, got {fit!r}")
+    if fit:
+        if not isinstance(feature_map, FeatureMap):
+            raise TypeError(f"feature_map must be a kernelapprox FeatureMap, got {type(feature_map).__name__}")
+        feature_map.fit(q, k)
     if causal:
         return chunk_linear_attention(
             q, k, v, feature_map, chunk_size=chunk_size, initial_state=initial_state,
