@@ -119,6 +119,11 @@ class FeatureMap(nn.Module):
     data_dependent: ClassVar[bool] = False
     #: Trainable parameters, fitted by :func:`kernelapprox.fit_feature_map` (Hedgehog).
     learned: ClassVar[bool] = False
+    #: Queries and keys use the same map. Asymmetric estimators (FAVOR#'s SADERF, which scales
+    #: queries by :math:`\Psi` and keys by :math:`\Psi^{-1}`; hybrid features, whose weights are
+    #: an indefinite kernel) set it false and override :meth:`key_log_features`; every key-side
+    #: computation of the library goes through :meth:`key_log_features` / :meth:`key_features`.
+    symmetric: ClassVar[bool] = True
 
     dim: int
     num_features: int
@@ -127,7 +132,7 @@ class FeatureMap(nn.Module):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Every map computes its float32 internals in float32, also inside torch.autocast.
         super().__init_subclass__(**kwargs)
-        for name in ("forward", "log_features", "query_features", "kernel"):
+        for name in ("forward", "log_features", "query_features", "kernel", "key_log_features", "key_features"):
             if name in cls.__dict__:
                 setattr(cls, name, no_autocast(cls.__dict__[name]))
 
@@ -253,8 +258,46 @@ class FeatureMap(nn.Module):
         return self.log_features(x)[0]
 
     @no_autocast
+    def key_log_features(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""Stabilised *key* features :math:`\psi(y) = f\,e^{\text{log\_scale}}`, with
+        :math:`\hat K(x, y) = \varphi(x)^\top\psi(y)`.
+
+        Same contract as :meth:`log_features`, which it is for symmetric maps (the default).
+
+        Parameters
+        ----------
+        x : Tensor, shape (..., m, d)
+        shared : bool, default False
+
+        Returns
+        -------
+        f : Tensor, shape (*broadcast(x.shape[:-2], batch_shape), m, feature_dim)
+        log_scale : Tensor, shape (..., m) or (..., 1)
+        """
+        return self.log_features(x, shared)
+
+    @no_autocast
+    def key_features(self, x: torch.Tensor) -> torch.Tensor:
+        r""":math:`\psi(x)`, the plain key-side features (:meth:`forward` for symmetric maps).
+
+        Parameters
+        ----------
+        x : Tensor, shape (..., m, d)
+
+        Returns
+        -------
+        Tensor, shape (*broadcast(x.shape[:-2], batch_shape), m, feature_dim), dtype of ``x``.
+        """
+        if self.symmetric:
+            return self(x)
+        xc, out_dtype = self._prepare("x", x)
+        with inputs_validated():
+            f, ls = self.key_log_features(xc)
+        return (f * ls.exp().to(f.dtype).unsqueeze(-1)).to(out_dtype)
+
+    @no_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r""":math:`\varphi(x)`, the plain (unstabilised) features.
+        r""":math:`\varphi(x)`, the plain (unstabilised) features (query side; see :meth:`key_features`).
 
         Parameters
         ----------
@@ -324,7 +367,7 @@ class FeatureMap(nn.Module):
         cdt = self.compute_dtype(cdt)
         with inputs_validated():
             fq, sq = self.log_features(q.to(cdt))
-            fk, sk = self.log_features(k.to(cdt))
+            fk, sk = self.key_log_features(k.to(cdt))
         G = torch.matmul(fq, fk.mT)
         logs = sq.unsqueeze(-1) + sk.unsqueeze(-2)  # float64 for the random maps
         # Where the scale e^{s_i + t_j} is representable: one rounding. Elsewhere (the scale alone

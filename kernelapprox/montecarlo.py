@@ -652,7 +652,7 @@ def _estimate(copy: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> torch.Tenso
     sequence, so the scales combine as one broadcast product (no log of the Gram matrix).
     """
     fq, sq = copy.log_features(q)
-    fk, sk = copy.log_features(k, shared=True)
+    fk, sk = copy.key_log_features(k, shared=True)
     return (fq @ fk.mT) * torch.exp(sq[..., :, None] + sk[..., None, :])
 
 

@@ -196,7 +196,7 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
                 qc, kc, vc, Oc = q[s0:s1], k[s0:s1], v[s0:s1], o_ref[s0:s1]
                 Oh = ka.linear_attention(qc, kc, vc, fm)
                 errs.append(_output_error(Oh, Oc))
-                fk, _ = fm.log_features(kc, shared=True)  # (Sc, H, n, F), one scale per sequence
+                fk, _ = fm.key_log_features(kc, shared=True)  # (Sc, H, n, F), one scale per sequence
                 fqs, _ = fm.log_features(qc[..., rows_idx, :])  # per-row scales cancel below
                 G = fqs @ fk.mT
                 Ah = G / G.sum(-1, keepdim=True)

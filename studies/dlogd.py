@@ -112,7 +112,7 @@ def dense_points(d: int, R: float, ctx: Context) -> tuple[torch.Tensor, torch.Te
 
 def _pair_error(fm: torch.nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """|phi(q_p)·phi(k_p) − exp(q_p·k_p)| for paired rows of q, k (..., P, d) -> (..., P)."""
-    return ((fm(q) * fm(k)).sum(-1) - torch.exp((q * k).sum(-1))).abs()
+    return ((fm(q) * fm.key_features(k)).sum(-1) - torch.exp((q * k).sum(-1))).abs()
 
 
 def sup_errors(spec_key: str, d: int, r: int, R: float, ctx: Context, S: int, P: int,
@@ -214,7 +214,7 @@ def pointwise_rows(key: str, d: int, R: float, ctx: Context) -> list[dict]:
     fm = spec.build(d, POINTWISE_R, batch_shape=(S,), seed=ctx.seed_for("pw", key, d),
                     dtype=ctx.dtype, device=ctx.device)
     K = torch.exp((q * k).sum(-1))
-    est = (fm(q) * fm(k)).sum(-1)  # (S, A)
+    est = (fm(q) * fm.key_features(k)).sum(-1)  # (S, A)
     rel2 = ((est - K) / K) ** 2
     fm0 = spec.build(d, POINTWISE_R, seed=0, dtype=ctx.dtype, device=ctx.device)
     th_mse = torch.diagonal(ka.theory.mse(fm0, q, k)) / K**2

@@ -74,7 +74,7 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
         fm = spec.build(d, r, batch_shape=(S,), seed=ctx.seed_for(cell, smp), dtype=ctx.dtype,
                         device=ctx.device)
         fq, lq = fm.log_features(q)  # (S, P, F), (S, P)
-        fk, lk = fm.log_features(k)
+        fk, lk = fm.key_log_features(k)
         est = (fq * fk).sum(-1) * torch.exp(lq + lk)  # the diagonal of fm.kernel(q, k)
         sq[smp] = (mc.relative_error(est, K) ** 2).cpu().numpy()  # (S, P) squared relative errors
         if spec.has_theory:

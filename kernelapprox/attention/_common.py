@@ -67,7 +67,7 @@ def key_side(
     (..., 1, 1)`` the factor by which this segment's key terms must be multiplied and ``kv0 (...,
     F, dv+1)`` the rescaled initial state; and the common ``log_scale (..., 1, 1)``.
     """
-    fk, gk = feature_map.log_features(k, shared=True)  # gk: (..., 1)
+    fk, gk = feature_map.key_log_features(k, shared=True)  # gk: (..., 1)
     gk = gk.unsqueeze(-1)  # (..., 1, 1)
     if initial_state is None:
         return fk, None, gk

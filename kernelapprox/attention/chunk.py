@@ -86,7 +86,7 @@ def chunk_linear_attention(
     q, k, v, out_dtype, cdt = prepare(q, k, v, feature_map, True, initial_state)
     with inputs_validated():
         fq = feature_map.query_features(q)  # the per-query scale cancels
-        fk, s = feature_map.log_features(k)  # per-key log scales s: (..., n), float64 for random maps
+        fk, s = feature_map.key_log_features(k)  # per-key log scales s: (..., n), float64 for random maps
     s = s.double()  # keeps the gradient of the per-key scale; the stabilisers below are detached
     v1 = with_ones(v)
     lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v1.shape[:-2], s.shape[:-1])

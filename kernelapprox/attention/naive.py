@@ -23,7 +23,7 @@ def _plain_features(q, k, v, feature_map, causal):
     check_qkv(q, k, v, causal=causal)
     out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     cdt = compute_dtype(out_dtype, feature_map.param_dtype)
-    return feature_map(q.to(cdt)), feature_map(k.to(cdt)), v.to(cdt), out_dtype
+    return feature_map(q.to(cdt)), feature_map.key_features(k.to(cdt)), v.to(cdt), out_dtype
 
 
 @no_autocast

@@ -92,7 +92,7 @@ class RecurrentLinearAttention:
         cdt = compute_dtype(out_dtype, fm.param_dtype)
         q, k, v = q_t.to(cdt).unsqueeze(-2), k_t.to(cdt).unsqueeze(-2), v_t.to(cdt).unsqueeze(-2)
         with inputs_validated():
-            fk, gk = fm.log_features(k, shared=True)  # (..., 1, F), (..., 1)
+            fk, gk = fm.key_log_features(k, shared=True)  # (..., 1, F), (..., 1)
             fq = fm.query_features(q)
         gk = gk.unsqueeze(-1)  # (..., 1, 1)
         upd = torch.matmul(fk.mT, with_ones(v))  # (..., F, dv + 1)
