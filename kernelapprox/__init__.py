@@ -20,6 +20,7 @@ from .attention import (
     naive_recurrent_linear_attention,
     parallel_linear_attention,
 )
+from .dense_exponential import SADERF, SDERF, OptimalPositiveRF
 from .exact import softmax_attention, softmax_kernel
 from .features import (
     EluFeatures,
@@ -64,6 +65,9 @@ __all__ = [
     "HyperbolicRF",
     "EluFeatures",
     "ReluFeatures",
+    "OptimalPositiveRF",
+    "SADERF",
+    "SDERF",
     "samplers",
     "GaussianSampler",
     "OrthogonalSampler",

@@ -1,5 +1,461 @@
-"""Placeholder: filled by the estimators issue."""
+r"""Dense-exponential positive random features: OPRF (FAVOR++) and FAVOR# (SADERF, SDERF).
+
+All three generalise FAVOR+ (:class:`~kernelapprox.PositiveRF`) by a quadratic term in the
+projection :math:`\omega \sim \mathcal N(0, I_d)`, chosen from the data to minimise the variance,
+and stay **unbiased** for :math:`e^{x^\top y}` for every admissible choice:
+
+================== ==================================================================================== ==========
+class              :math:`\varphi(x)` (query side; keys: see each class)                                fitted
+================== ==================================================================================== ==========
+``OptimalPositiveRF`` :math:`\frac{D}{\sqrt r} e^{A\|\omega_i\|^2 + \sqrt{1-4A}\,\omega_i^\top x - \|x\|^2/2}`, :math:`D=(1-4A)^{d/4}`  scalar :math:`A`
+``SADERF``         OPRF on :math:`\Psi x` (queries) and :math:`\Psi^{-1} y` (keys), :math:`\Psi` diagonal    :math:`\Psi, A`
+``SDERF``          :math:`\frac{D}{\sqrt r} e^{\omega_i^\top \mathrm{diag}(A)\omega_i + \omega_i^\top B x - \|x\|^2/2}`, :math:`B = \mathrm{diag}(\sqrt{1-4A_l})Q^\top`  :math:`Q, A_l`
+================== ==================================================================================== ==========
+
+Unbiasedness (GERF family, [LCD22]_ Thm 3.1, re-derived in ``docs/estimators.md``): for
+:math:`\omega\sim\mathcal N(0,I)` and :math:`1 - 4A > 0`,
+:math:`E\,e^{2A\|\omega\|^2 + B\omega^\top z} = (1-4A)^{-d/2} e^{B^2\|z\|^2/(2(1-4A))}`, so with
+:math:`B^2 = 1-4A` and :math:`D^2 = (1-4A)^{d/2}`, :math:`E\,\varphi(x)^\top\varphi(y) = e^{-(\|x\|^2
++\|y\|^2)/2} e^{\|x+y\|^2/2} = e^{x^\top y}`. The variance is finite for :math:`A < 1/8`.
+
+Fitting (``fit(q, k)``, in place, statistics detached from autograd as in the reference code):
+the parameters minimise the *pair-averaged log second moment* :math:`\frac1{nm}\sum_{ij}\log
+E\hat K_{ij}^2` [LCD22]_ [LCD23]_, which depends on the data only through
+
+* OPRF: :math:`\bar t = \overline{\|x\|^2} + \overline{\|y\|^2} + 2\bar x^\top\bar y` (the mean of
+  :math:`\|x_i + y_j\|^2` over all pairs), giving
+  :math:`A^* = \frac{d - 2\bar t - \sqrt{(2\bar t + d)^2 + 8d\bar t}}{16d} \le 0`;
+* SADERF: :math:`\Psi^*_{ll} = \big(\overline{y_l^2}/\overline{x_l^2}\big)^{1/4}` (it minimises
+  :math:`\bar t` of the scaled data, since :math:`(\Psi x)^\top(\Psi^{-1}y) = x^\top y`), then
+  :math:`A^*` on the scaled data. The reference implementation (``exparf_`` in
+  google-research ``imp/max``) applies the reciprocal :math:`(\overline{x_l^2}/\overline{y_l^2})^{1/4}`,
+  which never lowers :math:`\bar t` and raises it whenever the per-dimension energies differ:
+  ``scaling="reciprocal"`` reproduces it for comparison;
+* SDERF: :math:`P = M_x + M_y + \mu_x\mu_y^\top + \mu_y\mu_x^\top` (the pair average of
+  :math:`(x+y)(x+y)^\top`, :math:`M` second moments, :math:`\mu` means),
+  :math:`P = Q\,\mathrm{diag}(\sigma)Q^\top`, and per direction the one-dimensional
+  :math:`A_l = A^*(\bar t = \sigma_l, d = 1)`; :math:`D = \prod_l(1-4A_l)^{1/4}` is kept (the reference
+  ``expsharp_`` drops it: harmless after attention normalisation, a bias :math:`D^{-2}` of the
+  raw kernel). The eigenbasis is optimal because the per-direction optimum is a concave function
+  of :math:`\sigma_l` (a minimum of affine functions), and diagonals are majorised by eigenvalues.
+
+Before ``fit`` (or with ``A=0``) every map here is FAVOR+. The maps are data-dependent: fitting
+on a batch and estimating on it (``ka.linear_attention(..., fit=True)``) is what the FAVOR++ code
+does per batch; the estimate is then unbiased conditionally on the fitted parameters.
+
+Cost: OPRF and SADERF as FAVOR+ plus :math:`O(nd)`; SDERF folds :math:`B` into the projection
+(:math:`W\,\mathrm{diag}(\sqrt{1-4A})Q^\top`, :math:`O(rd^2)` per fitted batch) so the per-token
+cost is FAVOR+'s; its fit is one ``eigh`` of a :math:`d\times d` matrix per batch element.
+
+References
+----------
+.. [LCD22] V. Likhosherstov, K. Choromanski, A. Dubey, F. Liu, T. Sarlos, A. Weller. "Chefs' Random
+   Tables: Non-Trigonometric Random Features", NeurIPS 2022, arXiv:2205.15317.
+.. [LCD23] V. Likhosherstov, K. Choromanski, A. Dubey, F. Liu, T. Sarlos, A. Weller.
+   "Dense-Exponential Random Features: Sharp Positive Estimators of the Gaussian Kernel",
+   NeurIPS 2023, arXiv:2302.00787 (first titled "FAVOR#").
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import math
+
+import torch
+
+from ._validation import check_floating, check_last_dim
+from .features import RandomFeatureMap, _exp_shifted, _grad, _sqnorm_half
+from .registry import register_estimator
+
+__all__ = ["OptimalPositiveRF", "SADERF", "SDERF", "optimal_A"]
+
+
+def optimal_A(t: torch.Tensor | float, dim: int) -> torch.Tensor:
+    r"""The variance-optimal OPRF parameter :math:`A^*(t, d)` [LCD22]_.
+
+    .. math::
+        A^* = \frac{d - 2t - \sqrt{(2t + d)^2 + 8dt}}{16 d} \in (-\infty, 0],
+
+    the admissible root of :math:`16dA^2 + (4t - 2d)A - t = 0`, which minimises the second moment
+    of one OPRF term at :math:`t = \|x + y\|^2` (and, with :math:`t = \bar t`, the pair-averaged
+    log second moment). :math:`A^*(0) = 0` (FAVOR+); :math:`A^* \to -\infty` as :math:`t\to\infty`.
+
+    Parameters
+    ----------
+    t : Tensor or float, any shape, >= 0
+    dim : int
+        ``d``.
+
+    Returns
+    -------
+    Tensor, float64, shape of ``t``.
+
+    Examples
+    --------
+    >>> round(float(optimal_A(1.0, 1)), 6)  # (1 - 2 - sqrt(17)) / 16
+    -0.320194
+    """
+    t = torch.as_tensor(t, dtype=torch.float64)
+    if bool((t < 0).any()) or not bool(torch.isfinite(t).all()):
+        raise ValueError("t must be finite and >= 0")
+    d = float(dim)
+    # (d - 2t - sqrt((2t+d)^2 + 8dt)) / (16 d), written without cancellation:
+    # d - 2t - S = ((d - 2t)^2 - S^2) / (d - 2t + S) = -16 d t / (d - 2t + S)
+    S = torch.sqrt((2 * t + d) ** 2 + 8 * d * t)
+    return -t / (d - 2 * t + S)
+
+
+def _mean_sq(x: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of |x|^2, float64: (..., n, d) -> (...)."""
+    return (2.0 * _sqnorm_half(x)).mean(-1)
+
+
+def _check_qk(fm: RandomFeatureMap, q: object, k: object) -> tuple[torch.Tensor, torch.Tensor]:
+    q = check_floating("q", q)
+    k = check_floating("k", k)
+    check_last_dim("q", q, fm.dim)
+    check_last_dim("k", k, fm.dim)
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        raise ValueError(f"fit needs at least one query and one key, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    try:
+        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"leading dimensions of q {tuple(q.shape[:-2])} and k {tuple(k.shape[:-2])} do not broadcast"
+        ) from None
+    if not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all())):
+        raise ValueError("fit needs finite q and k (a non-finite statistic would poison every feature)")
+    return q.detach().double(), k.detach().double()
+
+
+def _t_bar(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Mean of |q_i + k_j|^2 over all pairs, float64, shape broadcast(q lead, k lead)."""
+    return _mean_sq(q) + _mean_sq(k) + 2.0 * (q.mean(-2) * k.mean(-2)).sum(-1)
+
+
+class _DenseExponentialRF(RandomFeatureMap):
+    """Shared machinery: features exp(u + c) with u = x' W_eff^T + a (per feature) and
+    c = -|x''|^2 / 2 + log D - log(r) / 2 (per row), stabilised by ``_exp_shifted``."""
+
+    positive = True
+    data_dependent = True
+
+    def _parts(self, xc: torch.Tensor, key: bool) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _log_features(self, x: torch.Tensor, shared: bool, key: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        xc, _ = self._prepare("x", x)
+        u, c = self._parts(xc, key)
+        with torch.no_grad():
+            m = u.amax(dim=-1)
+        if c.shape != m.shape:
+            c = c.expand(torch.broadcast_shapes(c.shape, m.shape))
+            m = m.expand(c.shape)
+            u = u.expand(*c.shape, u.shape[-1])
+            if not _grad(u):
+                u = u.contiguous()
+        return _exp_shifted(u, m, c, shared)
+
+    def log_features(self, x, shared=False):
+        return self._log_features(x, shared, key=False)
+
+    def key_log_features(self, x, shared=False):
+        return self._log_features(x, shared, key=True)
+
+    def forward(self, x):
+        xc, out_dtype = self._prepare("x", x)
+        u, c = self._parts(xc, key=False)
+        return torch.exp(u + c.to(u.dtype).unsqueeze(-1)).to(out_dtype)
+
+    def key_features(self, x):
+        xc, out_dtype = self._prepare("x", x)
+        u, c = self._parts(xc, key=True)
+        return torch.exp(u + c.to(u.dtype).unsqueeze(-1)).to(out_dtype)
+
+    def _fitted_to(self, t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        return None if t is None else t.to(device=like.device, dtype=dtype)
+
+
+class OptimalPositiveRF(_DenseExponentialRF):
+    r"""Optimal positive random features, OPRF / FAVOR++ [LCD22]_.
+
+    .. math::
+        \varphi(x) = \frac{D}{\sqrt r}\Big[e^{A\|\omega_i\|^2 + \sqrt{1-4A}\,\omega_i^\top x
+        - \|x\|^2/2}\Big]_{i=1}^r,\qquad D = (1-4A)^{d/4},\qquad
+        \mathbb E\,\varphi(x)^\top\varphi(y) = e^{x^\top y}.
+
+    ``A = 0`` is FAVOR+ (:class:`~kernelapprox.PositiveRF`). For :math:`A < 0` the features are
+    bounded in :math:`\omega`. Variance of one term (iid rows), with :math:`t = \|x+y\|^2`:
+
+    .. math::
+        \mathrm{Var} = e^{-\|x\|^2-\|y\|^2}\Big[(1-4A)^d(1-8A)^{-d/2}
+        e^{\frac{2(1-4A)t}{1-8A}} - e^t\Big]
+
+    (:func:`kernelapprox.theory.oprf_mse`, iid and block-orthogonal rows), minimised at
+    :math:`A^*(t)` (:func:`optimal_A`). ``feature_dim = r``.
+
+    Parameters
+    ----------
+    dim, num_features
+        ``d`` and ``r``.
+    A : float, optional
+        A fixed parameter, ``A < 1/8`` (finite variance; unbiased for ``A < 1/4``). ``None``
+        (default): chosen from data by :meth:`fit`, with :math:`A^*(\bar t)` per batch element
+        (the FAVOR++ rule); FAVOR+ (``A = 0``) until fitted.
+    **kwargs
+        As :class:`~kernelapprox.RandomFeatureMap` (``sampler``, ``seed``, ``generator``,
+        ``batch_shape``, ``device``, ``dtype``). ``sampler="orthogonal"`` (χ norms) keeps the
+        estimator unbiased and lowers its variance (FAVOR++ = OPRF + ORF).
+
+    Attributes
+    ----------
+    A_ : Tensor, float64, shape ``batch`` of the data last fitted on (``()`` for a float ``A``)
+        The parameter in use.
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> q, k = torch.randn(2, 8, 100, 64).unbind(0)
+    >>> fm = ka.OptimalPositiveRF(64, 256, sampler="orthogonal", seed=0).fit(q / 8**0.5, k / 8**0.5)
+    >>> fm.A_.shape, bool((fm.A_ < 0).all())
+    (torch.Size([8]), True)
+    >>> ka.linear_attention(q / 8**0.5, k / 8**0.5, torch.randn(8, 100, 16), fm).shape
+    torch.Size([8, 100, 16])
+    """
+
+    def __init__(self, dim: int, num_features: int, *, A: float | None = None, **kwargs) -> None:
+        if A is not None:
+            if isinstance(A, bool) or not isinstance(A, (int, float)) or not math.isfinite(A):
+                raise TypeError(f"A must be a finite float or None, got {A!r}")
+            if A >= 0.125:
+                raise ValueError(f"A must be < 1/8 (finite variance; unbiased needs 1 - 4A > 0), got {A}")
+        super().__init__(dim, num_features, **kwargs)
+        self.A = None if A is None else float(A)
+        self.A_ = torch.tensor(0.0 if A is None else float(A), dtype=torch.float64)
+
+    @property
+    def fitted(self) -> bool:
+        """Whether :attr:`A_` was chosen from data (always true for a fixed ``A``)."""
+        return self.A is not None or getattr(self, "_fitted", False)
+
+    def fit(self, q: torch.Tensor, k: torch.Tensor) -> OptimalPositiveRF:
+        r"""Set :math:`A = A^*(\bar t)` per batch element from queries and keys (no-op for a fixed ``A``).
+
+        Parameters
+        ----------
+        q : Tensor, shape (..., n, d)
+        k : Tensor, shape (..., m, d)
+            Leading dimensions broadcast; :attr:`A_` gets their broadcast shape.
+
+        Returns
+        -------
+        self
+        """
+        qd, kd = _check_qk(self, q, k)
+        if self.A is None:
+            self.A_ = optimal_A(_t_bar(qd, kd), self.dim)
+            self._fitted = True
+        return self
+
+    def _parts(self, xc, key):
+        A = self.A_.to(device=xc.device)
+        W = self.weight
+        wn2 = torch.einsum("...rd,...rd->...r", W, W).to(xc.dtype)  # (*batch_shape, r)
+        one4 = 1.0 - 4.0 * A  # float64
+        B = torch.sqrt(one4).to(xc.dtype)[..., None, None]
+        u = self.projection(xc * B) if A.dim() or float(A) != 0.0 else self.projection(xc)
+        a = (A.to(xc.dtype)[..., None, None] * wn2.unsqueeze(-2))  # (..., 1, r)
+        u = u + a if _grad(u) else u.add_(a) if u.shape == torch.broadcast_shapes(u.shape, a.shape) else u + a
+        c = -_sqnorm_half(xc) + (0.25 * self.dim * torch.log(one4) - 0.5 * math.log(self.num_features))[..., None]
+        return u, c
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", A={self.A}" if self.A is not None else ", A=fitted")
+
+
+register_estimator(
+    OptimalPositiveRF, name="oprf", label="OPRF (FAVOR++)", feature_dim="r",
+    theory="kernelapprox.theory.dense_exponential:OPRF_THEORY",
+)
+
+
+class SADERF(_DenseExponentialRF):
+    r"""Simplified asymmetric dense-exponential random features, SADERF (FAVOR#) [LCD23]_.
+
+    OPRF applied to :math:`\Psi x` for queries and :math:`\Psi^{-1}y` for keys, with
+    :math:`\Psi = \mathrm{diag}(\psi)` and OPRF's scalar :math:`A` (:class:`OptimalPositiveRF`):
+
+    .. math::
+        \varphi(x) = f_{A}(\Psi x),\quad \psi(y) = f_{A}(\Psi^{-1}y),\qquad
+        (\Psi x)^\top(\Psi^{-1}y) = x^\top y,
+
+    so every :math:`\Psi` and :math:`A < 1/8` give an unbiased estimator. :meth:`fit` sets the
+    variance-optimal :math:`\psi_l = (\overline{y_l^2}/\overline{x_l^2})^{1/4}`, then
+    :math:`A^*` on the scaled data; the objective (pair-averaged log second moment) is then at
+    most OPRF's, with equality iff the per-dimension energies of queries and keys agree.
+    A dimension with zero energy on either side keeps :math:`\psi_l = 1`.
+
+    Parameters
+    ----------
+    dim, num_features
+        ``d`` and ``r``.
+    scaling : {"optimal", "reciprocal"}, default "optimal"
+        ``"reciprocal"`` uses :math:`\psi_l = (\overline{x_l^2}/\overline{y_l^2})^{1/4}`, the choice
+        of the reference code (google-research ``imp/max`` ``exparf_``): still unbiased, but with a
+        larger :math:`\bar t` than no scaling at all whenever the energies differ. For comparisons.
+    **kwargs
+        As :class:`~kernelapprox.RandomFeatureMap`.
+
+    Attributes
+    ----------
+    psi_ : Tensor, float64, shape (*batch, d)
+    A_ : Tensor, float64, shape (*batch)
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> q = torch.randn(100, 16) * torch.linspace(0.1, 0.5, 16)
+    >>> k = torch.randn(100, 16) * torch.linspace(0.5, 0.1, 16)
+    >>> fm = ka.SADERF(16, 64, seed=0).fit(q, k)
+    >>> fm.kernel(q, k).shape, bool(fm.psi_[0] > 1 > fm.psi_[-1])
+    (torch.Size([100, 100]), True)
+    """
+
+    symmetric = False
+
+    def __init__(self, dim: int, num_features: int, *, scaling: str = "optimal", **kwargs) -> None:
+        if scaling not in ("optimal", "reciprocal"):
+            raise ValueError(f"scaling must be 'optimal' or 'reciprocal', got {scaling!r}")
+        super().__init__(dim, num_features, **kwargs)
+        self.scaling = scaling
+        self.psi_ = torch.ones(self.dim, dtype=torch.float64)
+        self.A_ = torch.tensor(0.0, dtype=torch.float64)
+
+    def fit(self, q: torch.Tensor, k: torch.Tensor) -> SADERF:
+        r"""Set :math:`\Psi` and :math:`A` from queries and keys (per batch element).
+
+        Parameters
+        ----------
+        q : Tensor, shape (..., n, d)
+        k : Tensor, shape (..., m, d)
+
+        Returns
+        -------
+        self
+        """
+        qd, kd = _check_qk(self, q, k)
+        ex, ey = (qd * qd).mean(-2), (kd * kd).mean(-2)  # (..., d) per-dimension energies
+        ok = (ex > 0) & (ey > 0)
+        ratio = torch.where(ok, ey / torch.where(ok, ex, 1.0), 1.0)
+        if self.scaling == "reciprocal":
+            ratio = 1.0 / ratio
+        psi = ratio ** 0.25
+        lead = torch.broadcast_shapes(qd.shape[:-2], kd.shape[:-2])
+        psi = psi.expand(*lead, self.dim)
+        self.psi_ = psi.contiguous()
+        self.A_ = optimal_A(_t_bar(qd * psi.unsqueeze(-2), kd / psi.unsqueeze(-2)), self.dim)
+        return self
+
+    def _parts(self, xc, key):
+        A = self.A_.to(device=xc.device)
+        psi = self.psi_.to(device=xc.device, dtype=xc.dtype).unsqueeze(-2)  # (..., 1, d)
+        xs = xc / psi if key else xc * psi
+        W = self.weight
+        wn2 = torch.einsum("...rd,...rd->...r", W, W).to(xc.dtype)
+        one4 = 1.0 - 4.0 * A
+        B = torch.sqrt(one4).to(xc.dtype)[..., None, None]
+        u = self.projection(xs * B)
+        a = A.to(xc.dtype)[..., None, None] * wn2.unsqueeze(-2)
+        u = u + a
+        c = -_sqnorm_half(xs) + (0.25 * self.dim * torch.log(one4) - 0.5 * math.log(self.num_features))[..., None]
+        return u, c
+
+
+register_estimator(
+    SADERF, name="saderf", label="SADERF (FAVOR#)", feature_dim="r",
+    theory="kernelapprox.theory.dense_exponential:SADERF_THEORY",
+)
+
+
+class SDERF(_DenseExponentialRF):
+    r"""Symmetric dense-exponential random features, SDERF (FAVOR#) [LCD23]_.
+
+    .. math::
+        \varphi(x) = \frac{D}{\sqrt r}\Big[e^{\omega_i^\top\mathrm{diag}(A)\,\omega_i
+        + \omega_i^\top B x - \|x\|^2/2}\Big]_i,\qquad B = \mathrm{diag}(\sqrt{1 - 4A_l})\,Q^\top,
+        \qquad D = \prod_l (1-4A_l)^{1/4},
+
+    with :math:`Q` orthogonal: :math:`B^\top(I - 4\,\mathrm{diag}(A))^{-1}B = I`, so the estimator
+    is unbiased for every :math:`Q` and :math:`A_l < 1/8`. :meth:`fit` takes :math:`Q` from the
+    eigendecomposition of :math:`P = M_x + M_y + \mu_x\mu_y^\top + \mu_y\mu_x^\top` and
+    :math:`A_l = A^*(\sigma_l, 1)` per eigenvalue. Variance of one term (iid rows), with
+    :math:`z' = Q^\top(x + y)`:
+
+    .. math::
+        \mathrm{Var} = e^{-\|x\|^2-\|y\|^2}\Big[\prod_l \frac{1-4A_l}{\sqrt{1-8A_l}}
+        e^{\frac{2(1-4A_l)}{1-8A_l} z_l'^2} - e^{\|z'\|^2}\Big]
+
+    (:func:`kernelapprox.theory.sderf_mse`). The constant :math:`D` matters for the raw kernel
+    (the reference code omits it; attention's normalisation hides that). ``feature_dim = r``.
+
+    Parameters are those of :class:`~kernelapprox.RandomFeatureMap`.
+
+    Attributes
+    ----------
+    Q_ : Tensor, float64, shape (*batch, d, d)
+    A_ : Tensor, float64, shape (*batch, d)
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> x = torch.randn(64, 8) @ torch.randn(8, 8) / 4
+    >>> fm = ka.SDERF(8, 32, seed=0).fit(x, x)
+    >>> fm.Q_.shape, fm(x).shape
+    (torch.Size([8, 8]), torch.Size([64, 32]))
+    """
+
+    def __init__(self, dim: int, num_features: int, **kwargs) -> None:
+        super().__init__(dim, num_features, **kwargs)
+        self.Q_ = torch.eye(self.dim, dtype=torch.float64)
+        self.A_ = torch.zeros(self.dim, dtype=torch.float64)
+
+    def fit(self, q: torch.Tensor, k: torch.Tensor) -> SDERF:
+        r"""Set :math:`Q` and :math:`A_l` from queries and keys (one ``eigh`` per batch element).
+
+        Parameters
+        ----------
+        q : Tensor, shape (..., n, d)
+        k : Tensor, shape (..., m, d)
+
+        Returns
+        -------
+        self
+        """
+        qd, kd = _check_qk(self, q, k)
+        mx, my = qd.mean(-2), kd.mean(-2)  # (..., d)
+        Mx = qd.mT @ qd / qd.shape[-2]
+        My = kd.mT @ kd / kd.shape[-2]
+        cross = mx.unsqueeze(-1) * my.unsqueeze(-2)
+        P = Mx + My + cross + cross.mT
+        sigma, Q = torch.linalg.eigh(P)
+        self.Q_ = Q
+        self.A_ = optimal_A(sigma.clamp_min(0.0), 1)
+        return self
+
+    def _parts(self, xc, key):
+        A = self.A_.to(device=xc.device)  # (*fb, d)
+        Q = self.Q_.to(device=xc.device)  # (*fb, d, d)
+        W = self.weight.to(torch.float64)  # (*bs, r, d)
+        one4 = 1.0 - 4.0 * A
+        # effective projection W diag(sqrt(1 - 4A)) Q^T, and the quadratic term sum_l A_l w_il^2
+        Weff = ((W * torch.sqrt(one4).unsqueeze(-2)) @ Q.mT).to(xc.dtype)  # (*lead, r, d)
+        a = ((W * W) @ A.unsqueeze(-1)).squeeze(-1).to(xc.dtype)  # (*lead, r)
+        u = torch.matmul(xc, Weff.mT) + a.unsqueeze(-2)
+        logD = 0.25 * torch.log(one4).sum(-1)  # (*fb)
+        c = -_sqnorm_half(xc) + (logD - 0.5 * math.log(self.num_features))[..., None]
+        return u, c
+
+
+register_estimator(
+    SDERF, name="sderf", label="SDERF (FAVOR#)", feature_dim="r",
+    theory="kernelapprox.theory.dense_exponential:SDERF_THEORY",
+)

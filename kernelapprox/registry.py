@@ -88,6 +88,10 @@ class EstimatorTheory:
     uniform_variant : str, optional
         ``"sincos"`` or ``"offset"``: the uniform-convergence bounds of
         :mod:`kernelapprox.theory.uniform` cover this estimator.
+    prepare : callable, optional
+        ``prepare(fm, q, k) -> (q, k, params)`` for estimators with (fitted) parameters: the
+        inputs the closed forms see (float64 NumPy arrays; e.g. SADERF's :math:`\Psi q` and
+        :math:`\Psi^{-1}k`) and keyword arguments passed on to ``components`` (e.g. OPRF's ``A``).
     """
 
     components: Callable[..., Any] | None = None
@@ -95,6 +99,7 @@ class EstimatorTheory:
     attention_pair_terms: tuple[tuple[float, float, float, float], ...] | None = None
     term_bound: Callable[..., Any] | None = None
     uniform_variant: str | None = None
+    prepare: Callable[..., Any] | None = None
 
     def closed_forms(self, row_law: str | None) -> frozenset[str]:
         """The closed forms available for projections drawn with ``row_law`` (``None``: unknown)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from .attention import attention_variance, kernel_covariance, normaliser_relative_variance
 from .concentration import failure_probability, required_features
+from .dense_exponential import oprf_mse, oprf_optimal_A
 from .moments import (
     HYPERBOLIC_THEORY,
     POSITIVE_THEORY,
@@ -72,6 +73,8 @@ __all__ = [
     "trig_sincos_mse",
     "trig_offset_mse",
     "positive_mse",
+    "oprf_mse",
+    "oprf_optimal_A",
     "hyperbolic_mse",
     "trig_bias",
     "positive_bias",

@@ -69,7 +69,7 @@ from .moments import (
     _check_orthogonal,
     _check_r,
     _components,
-    _geometry,
+    _fm_geometry,
     _out,
     _prepare,
     _theory_for,
@@ -236,8 +236,8 @@ def failure_probability(
     if r is None:
         raise ValueError("num_features is required when fm_or_kind is an estimator name")
     qa, ka, dev = _prepare(q, k)
-    geo = _geometry(qa, ka)
-    comp = _components(name, geo, orth)
+    geo, params = _fm_geometry(fm_or_kind, name, qa, ka)
+    comp = _components(name, geo, orth, **params)
     return _out(_bound(method, name, theory, comp, geo.d, orth, np.asarray(r), eps), dev)
 
 
@@ -319,8 +319,8 @@ def required_features(
         raise ValueError("q and k are required: the pointwise error depends on the (q, k) pair")
     name, theory, orth, _, _ = _resolve(fm_or_kind, orthogonal)
     qa, ka, dev = _prepare(q, k)
-    geo = _geometry(qa, ka)
-    comp = _components(name, geo, orth)
+    geo, params = _fm_geometry(fm_or_kind, name, qa, ka)
+    comp = _components(name, geo, orth, **params)
     shape = comp.v1.shape
 
     def ok(r: np.ndarray) -> np.ndarray:

@@ -550,13 +550,23 @@ def _theory_for(kind: Any) -> EstimatorTheory:
     return th
 
 
-def _components(kind: Any, geo: _Geometry, orthogonal: str | None) -> Components:
+def _components(kind: Any, geo: _Geometry, orthogonal: str | None, **params: Any) -> Components:
     components = cast("Callable[..., Components]", _theory_for(kind).components)  # not None: checked there
-    return components(geo, orthogonal)
+    return components(geo, orthogonal, **params)
 
 
-def _core(kind: Any, geo: _Geometry, r: int, orthogonal: str | None) -> _Core:
-    c = _components(kind, geo, orthogonal)
+def _fm_geometry(fm: Any, kind: Any, qa: np.ndarray, ka: np.ndarray) -> tuple[_Geometry, dict[str, Any]]:
+    """Pair geometry and closed-form parameters of a feature map (its theory's ``prepare`` hook:
+    fitted parameters, transformed inputs); plain geometry for an estimator name."""
+    th = _theory_for(kind)
+    params: dict[str, Any] = {}
+    if th.prepare is not None and fm is not None and not isinstance(fm, (str, Estimator)):
+        qa, ka, params = th.prepare(fm, qa, ka)
+    return _geometry(qa, ka), params
+
+
+def _core(kind: Any, geo: _Geometry, r: int, orthogonal: str | None, **params: Any) -> _Core:
+    c = _components(kind, geo, orthogonal, **params)
     P = 0 if orthogonal is None else orf_pair_count(r, geo.d)
     g = c.v1 / r + (P / (r * r)) * c.cv
     return _Core(_log_pos(c.scale, g), c.rbias, c.xy)
@@ -585,6 +595,7 @@ def estimator_moments(
     num_features: int,
     *,
     orthogonal: str | None = None,
+    **params: Any,
 ) -> Moments:
     r"""Bias, variance and MSE of every entry of a random-feature estimate of :math:`e^{q^\top k}`.
 
@@ -604,6 +615,8 @@ def estimator_moments(
     orthogonal : {None, "chi", "fixed"}, default None
         ``None``: iid Gaussian rows; ``"chi"``: block-orthogonal rows with χ norms;
         ``"fixed"``: block-orthogonal rows of norm :math:`\sqrt d`.
+    **params
+        Parameters of a parametric estimator's closed form (e.g. ``A=`` for ``"oprf"``).
 
     Returns
     -------
@@ -621,7 +634,7 @@ def estimator_moments(
     r = _check_r(num_features)
     orthogonal = _check_orthogonal(orthogonal)
     qa, ka, dev = _prepare(q, k)
-    core = _core(kind, _geometry(qa, ka), r, orthogonal)
+    core = _core(kind, _geometry(qa, ka), r, orthogonal, **params)
     return Moments(*(_out(_finish(core, w), dev) for w in ("bias", "variance", "mse")))
 
 
@@ -1106,7 +1119,8 @@ def _dispatch(fm: Any, q: Any, k: Any, what: str) -> Any:
     qa, ka, dev = _prepare(q, k)
     if qa.shape[-1] != fm.dim:
         raise ValueError(f"q has last dimension {qa.shape[-1]}, expected fm.dim={fm.dim}")
-    core = _core(kind, _geometry(qa, ka), int(fm.num_features), orthogonal)
+    geo, params = _fm_geometry(fm, kind, qa, ka)
+    core = _core(kind, geo, int(fm.num_features), orthogonal, **params)
     return _out(_finish(core, what), dev)
 
 

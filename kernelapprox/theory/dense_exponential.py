@@ -1,0 +1,239 @@
+r"""Closed-form variance and MSE of the dense-exponential estimators (OPRF/FAVOR++, SADERF, SDERF).
+
+One term of OPRF with parameter :math:`A < 1/8` (:class:`kernelapprox.OptimalPositiveRF`) is
+:math:`X = \Lambda D^2 e^{2A\|\omega\|^2 + \sqrt{1-4A}\,\omega^\top z}` with :math:`z = x + y`,
+:math:`t = \|z\|^2`, :math:`\Lambda = e^{-(\|x\|^2+\|y\|^2)/2}`, :math:`D^2 = (1-4A)^{d/2}`. By the
+Gaussian integral :math:`E\,e^{a\|\omega\|^2 + b^\top\omega} = (1-2a)^{-d/2}e^{\|b\|^2/(2(1-2a))}`
+(:math:`a < 1/2`):
+
+.. math::
+    E X = e^{x^\top y},\qquad
+    E X^2 = \Lambda^2 (1-4A)^d (1-8A)^{-d/2} \exp\Big(\frac{2(1-4A)\,t}{1-8A}\Big)
+    \quad\text{[LCD22]_, DERIVED, MC-verified in tests/test_dense_exponential.py}.
+
+Block-orthogonal rows with χ norms (``sampler="orthogonal"``): for two rows of one block,
+:math:`\|w_i + w_j\|^2 = \|w_i\|^2 + \|w_j\|^2 =: \rho^2 \sim \chi^2_{2d}` and the direction of
+:math:`w_i + w_j` is uniform and independent of :math:`\rho`, so
+
+.. math::
+    E X_iX_j = \Lambda^2 D^4\, E_\rho\Big[e^{2A\rho^2}\,{}_0F_1\big(;\tfrac d2;\tfrac{(1-4A)\rho^2 t}{4}\big)\Big]
+    = \Lambda^2\,{}_1F_1\big(d; \tfrac d2; \tfrac t2\big),
+
+independent of :math:`A` (the series in :math:`E\rho^{2k}e^{2A\rho^2} = (1-4A)^{-d-k}2^k(d)_k` sums
+to FAVOR+'s pair moment) [DERIVED; MC-verified]. Hence
+:math:`\mathrm{MSE}^{\rm ort} = \frac{\mathrm{Var}X}{r} + \frac{P}{r^2}\Lambda^2({}_1F_1 - e^t)` with
+the pair count :math:`P` of :func:`kernelapprox.theory.orf_pair_count`.
+
+SADERF is OPRF on :math:`(\Psi x, \Psi^{-1} y)`: the same formulas on the scaled pair. SDERF is a
+product over the eigen-directions :math:`l` of one-dimensional OPRFs with parameters :math:`A_l` on
+:math:`z' = Q^\top z`:
+
+.. math::
+    E X^2 = \Lambda^2 \prod_l \frac{1-4A_l}{\sqrt{1-8A_l}}\exp\Big(\frac{2(1-4A_l)}{1-8A_l}z_l'^2\Big)
+
+(iid rows only: with orthogonal rows the anisotropic quadratic term breaks the rotation
+invariance used above, and no closed form is given).
+
+All values are float64, from a log scale and an :math:`O(1)` bracket (as in
+:mod:`kernelapprox.theory.moments`).
+
+References
+----------
+.. [LCD22] V. Likhosherstov et al. "Chefs' Random Tables: Non-Trigonometric Random Features",
+   NeurIPS 2022, arXiv:2205.15317.
+.. [LCD23] V. Likhosherstov et al. "Dense-Exponential Random Features: Sharp Positive Estimators
+   of the Gaussian Kernel", NeurIPS 2023, arXiv:2302.00787.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernelapprox.registry import EstimatorTheory
+
+from .moments import (
+    Components,
+    _check_orthogonal,
+    _check_r,
+    _exp_family,
+    _finish,
+    _Geometry,
+    _geometry,
+    _log_pos,
+    _out,
+    _prepare,
+    orf_pair_count,
+)
+
+__all__ = [
+    "oprf_optimal_A",
+    "oprf_components",
+    "oprf_mse",
+    "sderf_components",
+    "OPRF_THEORY",
+    "SADERF_THEORY",
+    "SDERF_THEORY",
+]
+
+
+def oprf_optimal_A(t: Any, d: int) -> np.ndarray:
+    r""":math:`A^*(t, d) = \frac{d - 2t - \sqrt{(2t+d)^2 + 8dt}}{16d}` (float64 array), the
+    variance-optimal OPRF parameter at :math:`t = \|x+y\|^2` (see
+    :func:`kernelapprox.dense_exponential.optimal_A`).
+
+    Examples
+    --------
+    >>> float(oprf_optimal_A(0.0, 64))
+    -0.0
+    """
+    t = np.asarray(t, dtype=np.float64)
+    S = np.sqrt((2 * t + d) ** 2 + 8 * d * t)
+    return -t / (d - 2 * t + S)
+
+
+def _log_second_moment(d: float, t: np.ndarray, A: np.ndarray) -> np.ndarray:
+    """log(E X^2 / Lambda^2) of one OPRF term (per dimension count ``d``)."""
+    one4 = 1.0 - 4.0 * A
+    one8 = 1.0 - 8.0 * A
+    return d * np.log(one4) - 0.5 * d * np.log(one8) + 2.0 * one4 / one8 * t
+
+
+def oprf_components(geo: _Geometry, orthogonal: str | None, A: Any = None) -> Components:
+    r""":class:`~kernelapprox.theory.moments.Components` of OPRF with parameter ``A``.
+
+    ``A`` broadcasts against the ``(..., n, m)`` pair arrays; ``None`` takes each pair's own
+    optimum :math:`A^*(\|x+y\|^2, d)` (the estimator tuned at that pair, as in the CRT
+    variance comparisons). ``orthogonal`` is ``None`` (iid) or ``"chi"``.
+    """
+    if orthogonal not in (None, "chi"):
+        raise NotImplementedError(f"OPRF has closed forms for iid and chi-norm orthogonal rows, not {orthogonal!r}")
+    d, t = geo.d, geo.t
+    A = oprf_optimal_A(t, d) if A is None else np.asarray(A, dtype=np.float64)
+    if np.any(A >= 0.125):
+        raise ValueError("A must be < 1/8 for a finite variance")
+    L = _log_second_moment(d, t, A)  # log E X^2 / Lambda^2
+    L, t_b = np.broadcast_arrays(L, t)
+    scale = -(geo.nx + geo.ny) + L
+    # Var X / exp(scale) = 1 - e^{t - L}
+    v1 = -np.expm1(t_b - L)
+    cv = np.zeros_like(v1)
+    if orthogonal == "chi":
+        # pair covariance Lambda^2 (1F1(d; d/2; t/2) - e^t), independent of A: FAVOR+'s cv is
+        # normalised by Lambda^2 e^{2t}; renormalise by Lambda^2 e^{L}
+        pos = _exp_family(geo, "chi", hyperbolic=False)
+        cv = np.broadcast_to(pos.cv * np.exp(2.0 * t - L), v1.shape).copy()
+    shape = v1.shape
+    return Components(
+        np.broadcast_to(scale, shape), v1, cv, np.zeros(shape),
+        np.broadcast_to(geo.xy, shape), np.broadcast_to(geo.s, shape), np.broadcast_to(t_b, shape),
+    )
+
+
+def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: str | None = None) -> Any:
+    r"""MSE (= variance: OPRF is unbiased) of every entry of an OPRF estimate of :math:`e^{q^\top k}`.
+
+    .. math::
+        \mathrm{MSE} = \frac{e^{-\|x\|^2-\|y\|^2}}{r}\Big[(1-4A)^d(1-8A)^{-d/2}
+        e^{\frac{2(1-4A)t}{1-8A}} - e^t\Big] + \frac{P}{r^2}e^{-\|x\|^2-\|y\|^2}
+        \big[{}_1F_1(d;\tfrac d2;\tfrac t2) - e^t\big]
+
+    (:math:`P = 0` for iid rows; see the module docstring). ``A = 0`` gives
+    :func:`kernelapprox.theory.positive_mse`.
+
+    Parameters
+    ----------
+    q : array or Tensor, shape (..., n, d)
+    k : array or Tensor, shape (..., m, d)
+    num_features : int
+        ``r``.
+    A : float or array, optional
+        Broadcasts against ``(..., n, m)``; default: each pair's optimum :math:`A^*(t)`.
+    orthogonal : {None, "chi"}
+        iid rows, or block-orthogonal rows with χ norms.
+
+    Returns
+    -------
+    array or Tensor, shape (..., n, m), float64
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from kernelapprox.theory import positive_mse
+    >>> x = np.full((1, 64), 0.15); y = np.full((1, 64), 0.1)
+    >>> bool(oprf_mse(x, y, 256)[0, 0] < positive_mse(x, y, 256)[0, 0])
+    True
+    >>> bool(np.isclose(oprf_mse(x, y, 256, A=0.0)[0, 0], positive_mse(x, y, 256)[0, 0]))
+    True
+    """
+    r = _check_r(num_features)
+    orthogonal = _check_orthogonal(orthogonal)
+    qa, ka, dev = _prepare(q, k)
+    c = oprf_components(_geometry(qa, ka), orthogonal, A)
+    return _out(_finish(_core_from(c, r, orthogonal, qa.shape[-1]), "mse"), dev)
+
+
+def _core_from(c: Components, r: int, orthogonal: str | None, d: int):
+    from .moments import _Core
+
+    P = 0 if orthogonal is None else orf_pair_count(r, d)
+    g = c.v1 / r + (P / (r * r)) * c.cv
+    return _Core(_log_pos(c.scale, g), c.rbias, c.xy)
+
+
+def sderf_components(geo: _Geometry, orthogonal: str | None, tw: Any = None, L0: Any = None) -> Components:
+    r""":class:`~kernelapprox.theory.moments.Components` of SDERF (iid rows).
+
+    ``tw`` is :math:`\sum_l \frac{1-4A_l}{1-8A_l} z_l'^2` per pair and ``L0`` is
+    :math:`\sum_l[\log(1-4A_l) - \frac12\log(1-8A_l)]` (from a fitted map; see the module docstring).
+    """
+    if tw is None or L0 is None:
+        raise NotImplementedError("SDERF's moments need a fitted map: call ka.theory.mse(fm, q, k) with fm.fit(...) done")
+    if orthogonal is not None:
+        raise NotImplementedError("SDERF has closed-form moments for iid rows only")
+    t = geo.t
+    L = np.asarray(L0)[..., None, None] + 2.0 * np.asarray(tw)
+    L, t_b = np.broadcast_arrays(L, t)
+    shape = L.shape
+    scale = -(np.broadcast_to(geo.nx, shape) + np.broadcast_to(geo.ny, shape)) + L
+    v1 = -np.expm1(t_b - L)
+    return Components(scale, v1, np.zeros(shape), np.zeros(shape), np.broadcast_to(geo.xy, shape),
+                      np.broadcast_to(geo.s, shape), t_b)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float64).numpy()
+
+
+def _oprf_prepare(fm: Any, qa: np.ndarray, ka: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+    return qa, ka, {"A": _np(fm.A_)[..., None, None]}
+
+
+def _saderf_prepare(fm: Any, qa: np.ndarray, ka: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+    psi = _np(fm.psi_)[..., None, :]  # (..., 1, d)
+    return qa * psi, ka / psi, {"A": _np(fm.A_)[..., None, None]}
+
+
+def _sderf_prepare(fm: Any, qa: np.ndarray, ka: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+    A = _np(fm.A_)  # (*fb, d)
+    Q = _np(fm.Q_)  # (*fb, d, d)
+    kappa = (1.0 - 4.0 * A) / (1.0 - 8.0 * A)  # (*fb, d)
+    u = qa @ Q  # (..., n, d): rows Q^T x
+    v = ka @ Q
+    kap = kappa[..., None, :]
+    tw = (
+        np.einsum("...nd,...nd->...n", u * kap, u)[..., :, None]
+        + np.einsum("...md,...md->...m", v * kap, v)[..., None, :]
+        + 2.0 * (u * kap) @ np.swapaxes(v, -1, -2)
+    )
+    L0 = (np.log(1.0 - 4.0 * A) - 0.5 * np.log(1.0 - 8.0 * A)).sum(-1)
+    return qa, ka, {"tw": tw, "L0": L0}
+
+
+_LAWS = frozenset({"iid", "orthogonal-chi"})
+
+OPRF_THEORY = EstimatorTheory(components=oprf_components, row_laws=_LAWS, prepare=_oprf_prepare)
+SADERF_THEORY = EstimatorTheory(components=oprf_components, row_laws=_LAWS, prepare=_saderf_prepare)
+SDERF_THEORY = EstimatorTheory(components=sderf_components, row_laws=frozenset({"iid"}), prepare=_sderf_prepare)
