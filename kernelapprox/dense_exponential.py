@@ -104,12 +104,8 @@ def optimal_A(t: torch.Tensor | float, dim: int) -> torch.Tensor:
     return -t / (d - 2 * t + S)
 
 
-def _mean_sq(x: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of |x|^2, float64: (..., n, d) -> (...)."""
-    return (2.0 * _sqnorm_half(x)).mean(-1)
-
-
 def _check_qk(fm: RandomFeatureMap, q: object, k: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated, detached q and k in at least float32 (no copy for float32/float64 inputs)."""
     q = check_floating("q", q)
     k = check_floating("k", k)
     check_last_dim("q", q, fm.dim)
@@ -122,38 +118,75 @@ def _check_qk(fm: RandomFeatureMap, q: object, k: object) -> tuple[torch.Tensor,
         raise ValueError(
             f"leading dimensions of q {tuple(q.shape[:-2])} and k {tuple(k.shape[:-2])} do not broadcast"
         ) from None
-    if not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all())):
-        raise ValueError("fit needs finite q and k (a non-finite statistic would poison every feature)")
-    return q.detach().double(), k.detach().double()
+    dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
+    return q.detach().to(dt), k.detach().to(dt)
+
+
+def _finite(name: str, *stats: torch.Tensor) -> None:
+    # Statistics are sums over the data: any NaN or Inf in q or k shows here, at O(d) cost
+    # instead of a pass over the inputs.
+    if not all(bool(torch.isfinite(s).all()) for s in stats):
+        raise ValueError(f"{name}.fit needs finite q and k (a non-finite statistic would poison every feature)")
 
 
 def _t_bar(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Mean of |q_i + k_j|^2 over all pairs, float64, shape broadcast(q lead, k lead)."""
-    return _mean_sq(q) + _mean_sq(k) + 2.0 * (q.mean(-2) * k.mean(-2)).sum(-1)
+    """Mean of |q_i + k_j|^2 over all pairs, float64, shape broadcast(q lead, k lead).
+
+    Sums are accumulated in the inputs' precision (at least float32: a relative rounding of
+    ~1e-6 in the statistic, negligible in the fitted parameter) and finished in float64.
+    """
+    nq = torch.linalg.vector_norm(q, dim=(-2, -1)).double() ** 2 / q.shape[-2]  # one pass, no copy
+    nk = torch.linalg.vector_norm(k, dim=(-2, -1)).double() ** 2 / k.shape[-2]
+    cross = (q.mean(-2).double() * k.mean(-2).double()).sum(-1)
+    return nq + nk + 2.0 * cross
 
 
 class _DenseExponentialRF(RandomFeatureMap):
-    """Shared machinery: features exp(u + c) with u = x' W_eff^T + a (per feature) and
-    c = -|x''|^2 / 2 + log D - log(r) / 2 (per row), stabilised by ``_exp_shifted``."""
+    """Shared machinery: log features u + c with u = x W_eff^T + a (``a`` per feature) and
+    c = -|x'|^2 / 2 + log D - log(r) / 2 (per row), stabilised by ``_exp_shifted``.
+
+    Subclasses give ``_weights(xc, key) -> (W_eff (*lead, r, d), a (*lead, r), c (..., n) float64)``
+    in the compute dtype; ``u`` is one GEMM plus one in-place pass for ``a`` (folding ``a`` into the
+    GEMM through a column of ones was measured slower: ``K = d + 1`` breaks the GEMM's alignment).
+    """
 
     positive = True
     data_dependent = True
 
-    def _parts(self, xc: torch.Tensor, key: bool) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover
+    def _weights(self, xc: torch.Tensor, key: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # pragma: no cover
         raise NotImplementedError
+
+    @staticmethod
+    def _affine(xc: torch.Tensor, W: torch.Tensor, a: torch.Tensor, row: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + a (+ row): (..., n, d) x (*lead, r, d) -> (*broadcast, n, r); in place on the
+        GEMM output without autograd (one pass per term, as FAVOR+'s row bias)."""
+        u = torch.matmul(xc, W.mT)
+        inplace = not _grad(u)
+        terms = [a.unsqueeze(-2)] + ([] if row is None else [row.to(u.dtype).unsqueeze(-1)])
+        for t in terms:
+            u = u.add_(t) if inplace and u.shape == torch.broadcast_shapes(u.shape, t.shape) else u + t
+        return u
 
     def _log_features(self, x: torch.Tensor, shared: bool, key: bool) -> tuple[torch.Tensor, torch.Tensor]:
         xc, _ = self._prepare("x", x)
-        u, c = self._parts(xc, key)
+        W, a, c = self._weights(xc, key)
+        u = self._affine(xc, W, a)
         with torch.no_grad():
             m = u.amax(dim=-1)
         if c.shape != m.shape:
             c = c.expand(torch.broadcast_shapes(c.shape, m.shape))
-            m = m.expand(c.shape)
-            u = u.expand(*c.shape, u.shape[-1])
-            if not _grad(u):
-                u = u.contiguous()
+            if m.shape != c.shape:
+                m = m.expand(c.shape)
+                u = u.expand(*c.shape, u.shape[-1])
+                if not _grad(u):
+                    u = u.contiguous()
         return _exp_shifted(u, m, c, shared)
+
+    def _plain(self, x: torch.Tensor, key: bool) -> torch.Tensor:
+        xc, out_dtype = self._prepare("x", x)
+        W, a, c = self._weights(xc, key)
+        u = self._affine(xc, W, a, c)
+        return (torch.exp(u) if _grad(u) else u.exp_()).to(out_dtype)
 
     def log_features(self, x, shared=False):
         return self._log_features(x, shared, key=False)
@@ -162,17 +195,15 @@ class _DenseExponentialRF(RandomFeatureMap):
         return self._log_features(x, shared, key=True)
 
     def forward(self, x):
-        xc, out_dtype = self._prepare("x", x)
-        u, c = self._parts(xc, key=False)
-        return torch.exp(u + c.to(u.dtype).unsqueeze(-1)).to(out_dtype)
+        return self._plain(x, key=False)
 
     def key_features(self, x):
-        xc, out_dtype = self._prepare("x", x)
-        u, c = self._parts(xc, key=True)
-        return torch.exp(u + c.to(u.dtype).unsqueeze(-1)).to(out_dtype)
+        return self._plain(x, key=True)
 
-    def _fitted_to(self, t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        return None if t is None else t.to(device=like.device, dtype=dtype)
+
+def _fitted(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A fitted float64 statistic on the device of ``like``."""
+    return t.to(device=like.device)
 
 
 class OptimalPositiveRF(_DenseExponentialRF):
@@ -252,21 +283,21 @@ class OptimalPositiveRF(_DenseExponentialRF):
         """
         qd, kd = _check_qk(self, q, k)
         if self.A is None:
-            self.A_ = optimal_A(_t_bar(qd, kd), self.dim)
+            tb = _t_bar(qd, kd)
+            _finite(type(self).__name__, tb)
+            self.A_ = optimal_A(tb, self.dim)
             self._fitted = True
         return self
 
-    def _parts(self, xc, key):
-        A = self.A_.to(device=xc.device)
-        W = self.weight
-        wn2 = torch.einsum("...rd,...rd->...r", W, W).to(xc.dtype)  # (*batch_shape, r)
-        one4 = 1.0 - 4.0 * A  # float64
-        B = torch.sqrt(one4).to(xc.dtype)[..., None, None]
-        u = self.projection(xc * B) if A.dim() or float(A) != 0.0 else self.projection(xc)
-        a = (A.to(xc.dtype)[..., None, None] * wn2.unsqueeze(-2))  # (..., 1, r)
-        u = u + a if _grad(u) else u.add_(a) if u.shape == torch.broadcast_shapes(u.shape, a.shape) else u + a
-        c = -_sqnorm_half(xc) + (0.25 * self.dim * torch.log(one4) - 0.5 * math.log(self.num_features))[..., None]
-        return u, c
+    def _weights(self, xc, key):
+        A = _fitted(self.A_, xc)  # (*fb) float64
+        W = self.weight.to(xc.dtype)  # (*bs, r, d)
+        one4 = 1.0 - 4.0 * A
+        wn2 = torch.einsum("...rd,...rd->...r", W, W)  # (*bs, r)
+        Weff = W * torch.sqrt(one4).to(xc.dtype)[..., None, None]
+        a = A.to(xc.dtype)[..., None] * wn2
+        logc = 0.25 * self.dim * torch.log(one4) - 0.5 * math.log(self.num_features)
+        return Weff, a, -_sqnorm_half(xc) + logc[..., None]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", A={self.A}" if self.A is not None else ", A=fitted")
@@ -343,7 +374,10 @@ class SADERF(_DenseExponentialRF):
         self
         """
         qd, kd = _check_qk(self, q, k)
-        ex, ey = (qd * qd).mean(-2), (kd * kd).mean(-2)  # (..., d) per-dimension energies
+        # per-dimension energies (..., d), accumulated in the inputs' precision, then float64
+        ex = torch.linalg.vector_norm(qd, dim=-2).double() ** 2 / qd.shape[-2]
+        ey = torch.linalg.vector_norm(kd, dim=-2).double() ** 2 / kd.shape[-2]
+        _finite(type(self).__name__, ex, ey, qd.mean(-2), kd.mean(-2))
         ok = (ex > 0) & (ey > 0)
         ratio = torch.where(ok, ey / torch.where(ok, ex, 1.0), 1.0)
         if self.scaling == "reciprocal":
@@ -352,22 +386,26 @@ class SADERF(_DenseExponentialRF):
         lead = torch.broadcast_shapes(qd.shape[:-2], kd.shape[:-2])
         psi = psi.expand(*lead, self.dim)
         self.psi_ = psi.contiguous()
-        self.A_ = optimal_A(_t_bar(qd * psi.unsqueeze(-2), kd / psi.unsqueeze(-2)), self.dim)
+        # t_bar of (Psi q, Psi^-1 k) from the statistics: sum_l psi_l^2 E x_l^2 + E y_l^2 / psi_l^2
+        # + 2 mean(x) . mean(y) (the cross term is invariant)
+        cross = (qd.mean(-2).double() * kd.mean(-2).double()).sum(-1)
+        tb = (psi * psi * ex).sum(-1) + (ey / (psi * psi)).sum(-1) + 2.0 * cross
+        self.A_ = optimal_A(tb, self.dim)
         return self
 
-    def _parts(self, xc, key):
-        A = self.A_.to(device=xc.device)
-        psi = self.psi_.to(device=xc.device, dtype=xc.dtype).unsqueeze(-2)  # (..., 1, d)
-        xs = xc / psi if key else xc * psi
-        W = self.weight
-        wn2 = torch.einsum("...rd,...rd->...r", W, W).to(xc.dtype)
+    def _weights(self, xc, key):
+        A = _fitted(self.A_, xc)  # (*fb)
+        psi = _fitted(self.psi_, xc)  # (*fb, d)
+        scale = 1.0 / psi if key else psi
+        W = self.weight.to(xc.dtype)
         one4 = 1.0 - 4.0 * A
-        B = torch.sqrt(one4).to(xc.dtype)[..., None, None]
-        u = self.projection(xs * B)
-        a = A.to(xc.dtype)[..., None, None] * wn2.unsqueeze(-2)
-        u = u + a
-        c = -_sqnorm_half(xs) + (0.25 * self.dim * torch.log(one4) - 0.5 * math.log(self.num_features))[..., None]
-        return u, c
+        wn2 = torch.einsum("...rd,...rd->...r", W, W)
+        Weff = W * (scale * torch.sqrt(one4)[..., None]).to(xc.dtype).unsqueeze(-2)  # (*lead, r, d)
+        a = A.to(xc.dtype)[..., None] * wn2
+        # |Psi x|^2 / 2, accumulated in the compute dtype, returned in float64 (as _sqnorm_half)
+        half = 0.5 * torch.matmul(xc * xc, (scale * scale).to(xc.dtype).unsqueeze(-1)).squeeze(-1).double()
+        logc = 0.25 * self.dim * torch.log(one4) - 0.5 * math.log(self.num_features)
+        return Weff, a, -half + logc[..., None]
 
 
 register_estimator(
@@ -431,9 +469,10 @@ class SDERF(_DenseExponentialRF):
         self
         """
         qd, kd = _check_qk(self, q, k)
-        mx, my = qd.mean(-2), kd.mean(-2)  # (..., d)
-        Mx = qd.mT @ qd / qd.shape[-2]
-        My = kd.mT @ kd / kd.shape[-2]
+        mx, my = qd.mean(-2).double(), kd.mean(-2).double()  # (..., d)
+        Mx = (qd.mT @ qd).double() / qd.shape[-2]  # second moments: d x d GEMMs in the input precision
+        My = (kd.mT @ kd).double() / kd.shape[-2]
+        _finite(type(self).__name__, Mx, My, mx, my)
         cross = mx.unsqueeze(-1) * my.unsqueeze(-2)
         P = Mx + My + cross + cross.mT
         sigma, Q = torch.linalg.eigh(P)
@@ -441,18 +480,17 @@ class SDERF(_DenseExponentialRF):
         self.A_ = optimal_A(sigma.clamp_min(0.0), 1)
         return self
 
-    def _parts(self, xc, key):
-        A = self.A_.to(device=xc.device)  # (*fb, d)
-        Q = self.Q_.to(device=xc.device)  # (*fb, d, d)
+    def _weights(self, xc, key):
+        A = _fitted(self.A_, xc)  # (*fb, d)
+        Q = _fitted(self.Q_, xc)  # (*fb, d, d)
         W = self.weight.to(torch.float64)  # (*bs, r, d)
         one4 = 1.0 - 4.0 * A
-        # effective projection W diag(sqrt(1 - 4A)) Q^T, and the quadratic term sum_l A_l w_il^2
+        # effective projection W diag(sqrt(1 - 4A)) Q^T and the quadratic term sum_l A_l w_il^2
+        # (O(r d^2) per fitted batch element, in float64)
         Weff = ((W * torch.sqrt(one4).unsqueeze(-2)) @ Q.mT).to(xc.dtype)  # (*lead, r, d)
         a = ((W * W) @ A.unsqueeze(-1)).squeeze(-1).to(xc.dtype)  # (*lead, r)
-        u = torch.matmul(xc, Weff.mT) + a.unsqueeze(-2)
-        logD = 0.25 * torch.log(one4).sum(-1)  # (*fb)
-        c = -_sqnorm_half(xc) + (logD - 0.5 * math.log(self.num_features))[..., None]
-        return u, c
+        logc = 0.25 * torch.log(one4).sum(-1) - 0.5 * math.log(self.num_features)
+        return Weff, a, -_sqnorm_half(xc) + logc[..., None]
 
 
 register_estimator(
