@@ -31,6 +31,7 @@ from .features import (
     ReluFeatures,
     TrigRF,
 )
+from .learned import HedgehogFeatures, distillation_loss, fit_feature_map
 from .registry import (
     Estimator,
     EstimatorTheory,
@@ -68,6 +69,9 @@ __all__ = [
     "OptimalPositiveRF",
     "SADERF",
     "SDERF",
+    "HedgehogFeatures",
+    "fit_feature_map",
+    "distillation_loss",
     "samplers",
     "GaussianSampler",
     "OrthogonalSampler",
