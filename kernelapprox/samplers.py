@@ -3,8 +3,8 @@ r"""Projection samplers: the random matrix :math:`W \in \mathbb{R}^{r \times d}`
 Every sampler draws on a CPU :class:`torch.Generator` in float64, so that the same seed gives the
 same projection on every device and dtype (the feature map casts and moves it afterwards), and
 returns a :class:`Projection` module. A sampler's ``row_law`` tells :mod:`kernelapprox.theory`
-which closed forms apply to its rows (``"iid"``, ``"orthogonal-chi"``, ``"orthogonal-fixed"``, or
-``None`` where no closed form is claimed). Rows :math:`w_1, \dots, w_r` are the ``r = num_features``
+which closed forms apply to its rows (``"iid"``, ``"orthogonal-chi"``, ``"orthogonal-fixed"``,
+``"simplex"``, or ``None`` where no closed form is claimed). Rows :math:`w_1, \dots, w_r` are the ``r = num_features``
 random projections (the Performer convention used throughout the library).
 
 =============== ======================================================================== ==========
@@ -16,6 +16,10 @@ name            construction                                                    
                 :math:`\sqrt d` (``norms="fixed"``, biased: estimates SMREG)
 ``structured``  SORF: rows of :math:`\sqrt p\, H D_1 H D_2 H D_3` (fast Walsh–Hadamard)    no (small bias)
 ``qmc``         scrambled Sobol'/Halton points through :math:`\Phi^{-1}`                  yes
+``simplex``     SimRF: independent blocks of :math:`d` rows :math:`\rho_i R^\top s_i`,     yes
+                :math:`s_i` the vertices of a regular simplex (:math:`s_i^\top s_j =
+                -\tfrac1{d-1}`), :math:`R` Haar, :math:`\rho_i` iid :math:`\chi_d`
+``simplex+``    SimRF+: as ``simplex``, the directions first adapted to the norms          yes
 =============== ======================================================================== ==========
 
 References
@@ -26,12 +30,16 @@ References
    Notices of the AMS 54 (2007), arXiv:math-ph/0609050 (the sign correction of QR).
 .. [Avr16] H. Avron, V. Sindhwani, J. Yang, M. W. Mahoney. "Quasi-Monte Carlo Feature Maps for
    Shift-Invariant Kernels", JMLR 17 (2016), arXiv:1412.8293.
+.. [Rei23] I. Reid, K. Choromanski, V. Likhosherstov, A. Weller. "Simplex Random Features",
+   ICML 2023, arXiv:2301.13856 (SimRFs §3, SimRFs+ eq. 17).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -48,11 +56,13 @@ __all__ = [
     "OrthogonalSampler",
     "StructuredSampler",
     "QMCSampler",
+    "SimplexSampler",
     "GivenSampler",
     "SAMPLERS",
     "get_sampler",
     "make_generator",
     "fwht",
+    "simplex_vectors",
 ]
 
 
@@ -302,7 +312,8 @@ class Sampler:
     #: Whether every random estimator built on these rows is unbiased.
     unbiased: bool = True
     #: The law of the rows as far as :mod:`kernelapprox.theory` is concerned: ``"iid"`` (iid
-    #: Gaussian), ``"orthogonal-chi"``, ``"orthogonal-fixed"``, or ``None`` (no closed form claimed).
+    #: Gaussian), ``"orthogonal-chi"``, ``"orthogonal-fixed"``, ``"simplex"``, or ``None`` (no
+    #: closed form claimed).
     row_law: str | None = None
 
     def sample(
@@ -523,6 +534,170 @@ class QMCSampler(Sampler):
         return DenseProjection(out.reshape(*B, r, d).contiguous())
 
 
+def simplex_vectors(dim: int) -> torch.Tensor:
+    r"""The :math:`d` unit vertices of a regular simplex centred at 0, as rows (float64, CPU).
+
+    .. math::
+
+        s_i = \sqrt{\tfrac d{d-1}}\, e_i - \frac{\sqrt d + 1}{(d-1)^{3/2}}\,\mathbf 1' \quad (i < d),
+        \qquad s_d = \frac{\mathbf 1'}{\sqrt{d-1}},
+
+    with :math:`\mathbf 1'` the all-ones vector with its last entry 0. Then
+    :math:`\|s_i\| = 1`, :math:`s_i^\top s_j = -\tfrac1{d-1}` (:math:`i \ne j`) and
+    :math:`\sum_i s_i = 0`: the Gram matrix is :math:`SS^\top = \tfrac d{d-1} I - \tfrac1{d-1}\mathbf 1\mathbf 1^\top`.
+    The vertices span the first :math:`d - 1` coordinates (the last column is 0).
+
+    Parameters
+    ----------
+    dim : int
+        ``d >= 2`` (``d = 1`` raises ``ValueError``: one unit vector cannot sum to 0).
+
+    Returns
+    -------
+    Tensor, shape (d, d)
+        Row ``i`` is :math:`s_{i+1}`.
+
+    References
+    ----------
+    Reid, Choromanski, Likhosherstov, Weller, "Simplex Random Features", ICML 2023,
+    arXiv:2301.13856, §3.
+
+    Examples
+    --------
+    >>> S = simplex_vectors(3)
+    >>> bool(torch.allclose(S @ S.T, torch.tensor([[1.0, -0.5, -0.5], [-0.5, 1.0, -0.5], [-0.5, -0.5, 1.0]], dtype=torch.float64)))
+    True
+    """
+    d = check_positive_int("dim", dim)
+    if d < 2:
+        raise ValueError(
+            f"dim must be >= 2 for simplex random features (d unit vectors with pairwise "
+            f"inner products -1/(d-1) need d >= 2), got {d}"
+        )
+    ones = torch.ones(d, dtype=torch.float64)
+    ones[-1] = 0.0
+    S = torch.empty(d, d, dtype=torch.float64)
+    S[: d - 1] = (
+        math.sqrt(d / (d - 1)) * torch.eye(d, dtype=torch.float64)[: d - 1]
+        - ((math.sqrt(d) + 1.0) / (d - 1) ** 1.5) * ones
+    )
+    S[d - 1] = ones / math.sqrt(d - 1)
+    return S
+
+
+def _simplex_plus_directions(rho: torch.Tensor, S: torch.Tensor, iterations: int) -> torch.Tensor:
+    r"""SimRF+ directions [Rei23]_ eq. (17): ``iterations`` sweeps of
+    :math:`s_i \leftarrow -v_i/\|v_i\|`, :math:`v_i = \sum_{j\ne i}\rho_j s_j`, rows in order
+    (each update is the exact minimiser of :math:`\|\sum_j \rho_j s_j\|^2` over the unit vector
+    :math:`s_i`, so the objective never increases). ``rho``: (..., d) norms (0 for rows a partial
+    block drops: they take no part); ``S``: (..., d, d) starting directions. A row whose
+    :math:`v_i` vanishes (a block of one row) keeps its direction."""
+    d = S.shape[-1]
+    lead = rho.shape[:-1]
+    dirs = [S[..., i, :].expand(*lead, d).contiguous() for i in range(d)]  # contiguous rows: fast
+    norms = [rho[..., i : i + 1].contiguous() for i in range(d)]
+    total = sum((n * u for n, u in zip(norms, dirs, strict=True)), torch.zeros_like(dirs[0]))
+    tiny = 1e-12 * rho.sum(-1, keepdim=True)
+    for _ in range(iterations):
+        for i in range(d):
+            v = total - norms[i] * dirs[i]
+            n = v.norm(dim=-1, keepdim=True)
+            ok = n > tiny
+            dirs[i] = torch.where(ok, v / torch.where(ok, -n, -1.0), dirs[i])
+            total = v + norms[i] * dirs[i]
+    return torch.stack(dirs, dim=-2)
+
+
+class SimplexSampler(Sampler):
+    r"""Simplex random features: SimRF, or SimRF+ with ``plus=True`` [Rei23]_.
+
+    ``sample(r, d, batch_shape=B, generator=g)`` returns a projection of shape ``(*B, r, d)``.
+
+    ``n_blocks = ceil(r / d)`` independent blocks; block rows are
+
+    .. math::
+
+        w_i = \rho_i\, R^\top s_i, \qquad i = 1..d,
+
+    with :math:`s_i` the unit vertices of a regular simplex (:func:`simplex_vectors`:
+    :math:`s_i^\top s_j = -\tfrac1{d-1}`, :math:`\sum_i s_i = 0`), :math:`R` a Haar-orthogonal
+    matrix (sign-corrected QR, as :class:`OrthogonalSampler`) and :math:`\rho_i` iid
+    :math:`\chi_d`, independent of :math:`R`. The last block keeps its first
+    ``r - (n_blocks - 1) d`` rows. Each row is marginally :math:`\mathcal N(0, I_d)`
+    (its direction :math:`R^\top s_i` is uniform on the sphere and independent of its norm), so
+    every estimator stays unbiased; two rows of a block have the fixed angle
+    :math:`\cos = -\tfrac1{d-1}` (ORF: 0), which lowers the MSE of positive features further
+    (:mod:`kernelapprox.theory.simplex`).
+
+    ``plus=True`` (SimRF+, eq. 17): given the norms of a block, the directions start at the simplex
+    and take ``iterations`` sweeps of :math:`s_i \leftarrow -\sum_{j\ne i}\rho_j s_j /
+    \|\sum_{j\ne i}\rho_j s_j\|` (in row order, each step minimising :math:`\|\sum_j\rho_j s_j\|`),
+    then are rotated by :math:`R`. The directions now depend on the norms, but :math:`R` still
+    makes each row's direction uniform and independent of *all* the norms, so each row is
+    still :math:`\mathcal N(0, I_d)` and the estimators unbiased. Its pair law depends on the
+    norms: ``row_law`` is ``None`` (no closed form; use :mod:`kernelapprox.montecarlo`).
+
+    Parameters
+    ----------
+    plus : bool, default False
+        SimRF+ (weight-dependent directions) instead of SimRF.
+    iterations : int, default 5
+        Sweeps of the SimRF+ update (ignored for SimRF).
+
+    Raises
+    ------
+    ValueError
+        From :meth:`sample` if ``d = 1`` (no simplex).
+
+    Examples
+    --------
+    >>> W = SimplexSampler().sample(4, 4, generator=make_generator(0)).weight
+    >>> U = W / W.norm(dim=-1, keepdim=True)
+    >>> G = U @ U.T  # off-diagonal: -1/(d-1)
+    >>> bool(torch.allclose(G, torch.full((4, 4), -1 / 3, dtype=torch.float64) + 4 / 3 * torch.eye(4, dtype=torch.float64)))
+    True
+    >>> get_sampler("simplex+")
+    SimplexSampler(plus=True)
+    """
+
+    def __init__(self, plus: bool = False, iterations: int = 5) -> None:
+        if not isinstance(plus, (bool, np.bool_)):
+            raise TypeError(f"plus must be a bool, got {plus!r}")
+        if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
+            raise ValueError(f"iterations must be a positive int, got {iterations!r}")
+        self.plus = bool(plus)
+        self.iterations = int(iterations)
+        self.name = "simplex+" if self.plus else "simplex"
+        self.label = "SimRF+" if self.plus else "SimRF"
+        self.row_law = None if self.plus else "simplex"
+
+    def __repr__(self) -> str:
+        if not self.plus:
+            return "SimplexSampler()"
+        it = "" if self.iterations == 5 else f", iterations={self.iterations}"
+        return f"SimplexSampler(plus=True{it})"
+
+    def sample(self, num_features, dim, *, batch_shape=(), generator):
+        r = check_positive_int("num_features", num_features)
+        d = check_positive_int("dim", dim)
+        if d < 2:
+            raise ValueError(
+                f"dim must be >= 2 for the {self.name!r} sampler (a simplex of d unit vectors "
+                f"summing to 0 needs d >= 2), got {d}"
+            )
+        B = as_batch_shape(batch_shape)
+        nb = -(-r // d)
+        R = haar_orthogonal((*B, nb), d, generator)  # (*B, nb, d, d)
+        rho = torch.randn(*B, nb, d, d, generator=generator, dtype=torch.float64, device="cpu").norm(dim=-1)
+        S = simplex_vectors(d)
+        if self.plus:
+            keep = torch.ones(nb, d, dtype=torch.float64)
+            keep[-1, r - (nb - 1) * d :] = 0.0  # rows the partial block drops take no part
+            S = _simplex_plus_directions(rho * keep, S.expand(*B, nb, d, d), self.iterations)
+        W = (rho.unsqueeze(-1) * S) @ R  # row i of a block: rho_i s_i^T R = (rho_i R^T s_i)^T
+        return DenseProjection(W.reshape(*B, nb * d, d)[..., :r, :].contiguous())
+
+
 class GivenSampler(Sampler):
     """Marks a projection supplied by the caller (``from_projection``): provenance unknown.
 
@@ -540,16 +715,21 @@ class GivenSampler(Sampler):
         )
 
 
-SAMPLERS: dict[str, type[Sampler]] = {
+#: Registered sampler names -> a factory of the default instance (a class, or a class with
+#: arguments: ``"simplex+"`` is ``SimplexSampler(plus=True)``).
+SAMPLERS: dict[str, Callable[[], Sampler]] = {
     "gaussian": GaussianSampler,
     "orthogonal": OrthogonalSampler,
     "structured": StructuredSampler,
     "qmc": QMCSampler,
+    "simplex": SimplexSampler,
+    "simplex+": functools.partial(SimplexSampler, plus=True),
 }
 
 
 def get_sampler(sampler: str | Sampler) -> Sampler:
-    """Resolve a sampler name (``"gaussian"``, ``"orthogonal"``, ``"structured"``, ``"qmc"``) or object.
+    """Resolve a sampler name (``"gaussian"``, ``"orthogonal"``, ``"structured"``, ``"qmc"``,
+    ``"simplex"``, ``"simplex+"``) or object.
 
     The sampler's ``sample(r, d, batch_shape=B, generator=g)`` draws projections of shape ``(*B, r, d)``.
 

@@ -82,7 +82,8 @@ def test_closed_forms_follow_the_sampler():
 
 def test_sampler_row_laws():
     laws = {name: cls().row_law for name, cls in SAMPLERS.items()}
-    assert laws == {"gaussian": "iid", "orthogonal": "orthogonal-chi", "structured": None, "qmc": None}
+    assert laws == {"gaussian": "iid", "orthogonal": "orthogonal-chi", "structured": None, "qmc": None,
+                    "simplex": "simplex", "simplex+": None}
     assert ka.OrthogonalSampler(norms="fixed").row_law == "orthogonal-fixed"
 
 

@@ -48,6 +48,7 @@ from kernelapprox.samplers import (
     OrthogonalSampler,
     QMCSampler,
     Sampler,
+    SimplexSampler,
     StructuredSampler,
 )
 
@@ -67,6 +68,8 @@ class Config:
 UNBIASED = {
     "gaussian": Config(ka.get_sampler("gaussian"), r=8, S=100_000, chunk=25_000),
     "orthogonal_chi": Config(OrthogonalSampler(norms="chi"), r=8, S=100_000, chunk=25_000),
+    "simplex": Config(SimplexSampler(), r=8, S=100_000, chunk=25_000),
+    "simplex_plus": Config(SimplexSampler(plus=True), r=8, S=100_000, chunk=25_000),
     "qmc_sobol_scramble": Config(QMCSampler("sobol", "scramble"), r=1024, S=640, chunk=160),
     "qmc_halton_scramble": Config(QMCSampler("halton", "scramble"), r=1024, S=640, chunk=160),
     "qmc_sobol_shift": Config(QMCSampler("sobol", "shift"), r=256, S=3000, chunk=1000),

@@ -98,6 +98,8 @@ from scipy.special import gammaln, hyp0f1, hyp1f1, ive, jv
 
 from kernelapprox.registry import Estimator, EstimatorTheory, estimator_of, get_estimator
 
+from .simplex import simplex_components_cv
+
 __all__ = [
     "Components",
     "Moments",
@@ -126,7 +128,9 @@ __all__ = [
 ]
 
 #: ``Sampler.row_law`` -> the ``orthogonal`` argument of the formulas.
-_LAW_TO_ORTHOGONAL: dict[str, str | None] = {"iid": None, "orthogonal-chi": "chi", "orthogonal-fixed": "fixed"}
+_LAW_TO_ORTHOGONAL: dict[str, str | None] = {
+    "iid": None, "orthogonal-chi": "chi", "orthogonal-fixed": "fixed", "simplex": "simplex",
+}
 _ALL_LAWS = frozenset(_LAW_TO_ORTHOGONAL)
 
 _NO_CLOSED_FORM = (
@@ -230,9 +234,9 @@ def _check_r(num_features: object) -> int:
 
 
 def _check_orthogonal(orthogonal: object) -> str | None:
-    if orthogonal is None or orthogonal in ("chi", "fixed"):
+    if orthogonal is None or orthogonal in ("chi", "fixed", "simplex"):
         return orthogonal
-    raise ValueError(f"orthogonal must be None, 'chi' or 'fixed', got {orthogonal!r}")
+    raise ValueError(f"orthogonal must be None, 'chi', 'fixed' or 'simplex', got {orthogonal!r}")
 
 
 def orf_pair_count(num_features: int, dim: int) -> int:
@@ -425,6 +429,9 @@ def _exp_family(geo: _Geometry, orthogonal: str | None, hyperbolic: bool) -> Com
         # Var X = Lambda^2 e^{2t} * v1,  Lambda^2 e^{2t} = exp(-(|x|^2+|y|^2) + 2t)
         scale = -(geo.nx + geo.ny) + 2.0 * t
         v1 = 0.5 * np.expm1(-t) ** 2 if hyperbolic else -np.expm1(-t)  # (e^t-1)^2/(2e^{2t}); (e^{2t}-e^t)/e^{2t}
+        if orthogonal == "simplex":
+            # simplex blocks (SimRF): pairs at the fixed angle -1/(d-1), kernelapprox.theory.simplex
+            cv = simplex_components_cv("hyperbolic" if hyperbolic else "positive", geo)
         if orthogonal == "chi":
             # same-block pair covariance Lambda^2 (1F1(d; d/2; t/2) - e^t), scaled by e^{-2t}
             # (equal for positive and hyperbolic: w_i and -w_j are also an orthogonal pair)
@@ -464,6 +471,8 @@ def _trig_family(geo: _Geometry, orthogonal: str | None, offset: bool) -> Compon
         v1 = 0.5 * np.expm1(-s) ** 2
         if offset:
             v1 = v1 + 0.5  # 1 + e^{-2s}/2 - e^{-s} = (1 - e^{-s})^2/2 + 1/2
+        if orthogonal == "simplex":
+            cv = simplex_components_cv("trig-offset" if offset else "trig-sincos", geo)
         if orthogonal == "chi":
             cv = _pair_excess(d, -0.5 * s)
         return Components(scale, v1, cv, rbias, geo.xy, s, t)
@@ -612,9 +621,10 @@ def estimator_moments(
     k : array or Tensor, shape (..., m, d)
     num_features : int
         ``r``, the number of random projections.
-    orthogonal : {None, "chi", "fixed"}, default None
+    orthogonal : {None, "chi", "fixed", "simplex"}, default None
         ``None``: iid Gaussian rows; ``"chi"``: block-orthogonal rows with χ norms;
-        ``"fixed"``: block-orthogonal rows of norm :math:`\sqrt d`.
+        ``"fixed"``: block-orthogonal rows of norm :math:`\sqrt d`; ``"simplex"``: simplex blocks
+        (SimRF, :mod:`kernelapprox.theory.simplex`).
     **params
         Parameters of a parametric estimator's closed form (e.g. ``A=`` for ``"oprf"``).
 
@@ -672,7 +682,7 @@ def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
     k : array or Tensor, shape (..., m, d)
     num_features : int
         ``r``, the number of projections :math:`w_1..w_r`.
-    orthogonal : {None, "chi", "fixed"}, default None
+    orthogonal : {None, "chi", "fixed", "simplex"}, default None
 
     Returns
     -------
@@ -712,7 +722,7 @@ def trig_offset_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
     num_features : int
-    orthogonal : {None, "chi", "fixed"}, default None
+    orthogonal : {None, "chi", "fixed", "simplex"}, default None
 
     Returns
     -------
@@ -757,7 +767,7 @@ def positive_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = 
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
     num_features : int
-    orthogonal : {None, "chi", "fixed"}, default None
+    orthogonal : {None, "chi", "fixed", "simplex"}, default None
 
     Returns
     -------
@@ -797,7 +807,7 @@ def hyperbolic_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None 
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
     num_features : int
-    orthogonal : {None, "chi", "fixed"}, default None
+    orthogonal : {None, "chi", "fixed", "simplex"}, default None
 
     Returns
     -------
@@ -834,7 +844,7 @@ def trig_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
     ----------
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
-    orthogonal : {None, "chi", "fixed"}, default None
+    orthogonal : {None, "chi", "fixed", "simplex"}, default None
 
     Returns
     -------
@@ -860,7 +870,7 @@ def positive_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
     ----------
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
-    orthogonal : {None, "chi", "fixed"}, default None
+    orthogonal : {None, "chi", "fixed", "simplex"}, default None
 
     Returns
     -------
@@ -883,7 +893,7 @@ def hyperbolic_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
     ----------
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
-    orthogonal : {None, "chi", "fixed"}, default None
+    orthogonal : {None, "chi", "fixed", "simplex"}, default None
 
     Returns
     -------
