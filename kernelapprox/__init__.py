@@ -21,6 +21,7 @@ from .attention import (
     parallel_linear_attention,
 )
 from .dense_exponential import SADERF, SDERF, OptimalPositiveRF
+from .deterministic import NystromFeatures, TaylorFeatures
 from .exact import softmax_attention, softmax_kernel
 from .features import (
     EluFeatures,
@@ -31,6 +32,7 @@ from .features import (
     ReluFeatures,
     TrigRF,
 )
+from .hybrid import HybridRF
 from .learned import HedgehogFeatures, distillation_loss, fit_feature_map
 from .registry import (
     Estimator,
@@ -69,6 +71,9 @@ __all__ = [
     "OptimalPositiveRF",
     "SADERF",
     "SDERF",
+    "HybridRF",
+    "TaylorFeatures",
+    "NystromFeatures",
     "HedgehogFeatures",
     "fit_feature_map",
     "distillation_loss",

@@ -1,5 +1,481 @@
-"""Placeholder: filled by the estimators issue."""
+r"""Deterministic feature maps for :math:`e^{q^\top k}`: the second-order Taylor map of Based and
+the Nyström map on landmarks.
+
+================== ======================================================================= ====================== ==========
+class              :math:`\varphi(x)`                                                      ``feature_dim``        exact for
+================== ======================================================================= ====================== ==========
+``TaylorFeatures`` :math:`[1,\ x,\ (x_ix_j)_{i<j},\ (x_i^2/\sqrt2)_i]`                     :math:`1+d+d(d+1)/2`   —
+``NystromFeatures`` :math:`G^{-1/2}\,[e^{l_i^\top x - \|l_i\|^2/2}]_{i=1}^m`                :math:`m`              keys = landmarks
+================== ======================================================================= ====================== ==========
+
+Neither is random: Taylor features are a fixed polynomial, Nyström features a fixed function of
+their landmarks (chosen from the data by :meth:`NystromFeatures.fit`). Both are biased
+estimators of :math:`e^{q^\top k}`; :func:`kernelapprox.theory.deterministic_error` gives their
+error exactly.
+
+References
+----------
+.. [Aro24] S. Arora, S. Eyuboglu, M. Zhang, A. Timalsina, S. Alberti, D. Zinsley, J. Zou, A. Rudra,
+   C. Ré. "Simple linear attention language models balance the recall-throughput tradeoff",
+   ICML 2024, arXiv:2402.18668 (Based: the Taylor feature map).
+.. [Xio21] Y. Xiong, Z. Zeng, R. Chakraborty, M. Tan, G. Fung, Y. Li, V. Singh. "Nyströmformer: A
+   Nyström-Based Algorithm for Approximating Self-Attention", AAAI 2021, arXiv:2102.03902
+   (segment-means landmarks).
+.. [WS01] C. K. I. Williams, M. Seeger. "Using the Nyström Method to Speed Up Kernel Machines",
+   NIPS 2001.
+.. [AV07] D. Arthur, S. Vassilvitskii. "k-means++: The Advantages of Careful Seeding", SODA 2007.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from ._validation import (
+    as_batch_shape,
+    broadcast_batch,
+    check_floating,
+    check_last_dim,
+    check_positive_int,
+)
+from .features import FeatureMap, _DeterministicMap
+from .registry import register_estimator
+from .samplers import make_generator
+
+__all__ = ["TaylorFeatures", "NystromFeatures"]
+
+
+# ---------------------------------------------------------------------------------------- Taylor
+
+
+def _taylor_dim(r: int, d: int) -> int:
+    return 1 + d + d * (d + 1) // 2
+
+
+class TaylorFeatures(_DeterministicMap):
+    r"""The second-order Taylor map of Based [Aro24]_: :math:`\varphi(q)^\top\varphi(k) = 1 + q^\top k + \tfrac12(q^\top k)^2`.
+
+    .. math::
+        \varphi(x) = \Big[1,\ x_1, \dots, x_d,\ \big(x_ix_j\big)_{i<j},\ \big(x_i^2/\sqrt2\big)_{i}\Big],
+
+    the upper triangle of :math:`x x^\top/\sqrt2` with the off-diagonal entries counted twice
+    (weight :math:`\sqrt2`), so that :math:`\sum_{i\le j}\varphi_{ij}(q)\varphi_{ij}(k) =
+    \tfrac12(q^\top k)^2` exactly: ``feature_dim`` :math:`= 1 + d + d(d+1)/2` (instead of
+    :math:`1 + d + d^2` for the full Kronecker square).
+
+    Scaling. The library approximates :math:`e^{q^\top k}`; attention with temperature
+    :math:`1/\sqrt d` passes :math:`q d^{-1/4}, k d^{-1/4}` (Performer convention). Based writes
+    its map for raw inputs as :math:`[1, x/d^{1/4}, (x\otimes x)/(\sqrt2\sqrt d)]`, i.e. exactly
+    this map applied to :math:`x d^{-1/4}`: its :math:`d^{-1/4}` and :math:`1/\sqrt d` factors are
+    the user's pre-scaling here.
+
+    The kernel :math:`1 + u + u^2/2 \ge \tfrac12` is positive, but the features take both signs
+    (``positive = False``, so attention applies the signed-denominator guard ``|den| <= eps`` to
+    the stabilised denominator :math:`\sum_j K(q, k_j)/(\|\varphi(q)\|\max_j\|\varphi(k_j)\|)`:
+    of order one for many keys, measured >= 2.7 for 64 random keys up to :math:`\|x\| = 30`, but
+    below ``1e-6`` for e.g. a single key orthogonal to the query at :math:`\|x\| \gtrsim 38`). Its error is :math:`1 + u + u^2/2 - e^u = -e^{\xi}u^3/6` for some
+    :math:`\xi` between 0 and :math:`u` (Lagrange remainder): an underestimate for :math:`u > 0`,
+    an overestimate for :math:`u < 0`, :math:`\approx -u^3/6` near 0
+    (:func:`kernelapprox.theory.deterministic_error`).
+
+    Numerics. ``log_features`` returns :math:`f = \varphi(x)/\|\varphi(x)\|` (``|f| <= 1``) and
+    ``log_scale`` :math:`= \tfrac12\log(1 + \|x\|^2 + \|x\|^4/2)` (float64), with
+    :math:`\|\varphi(x)\|^2 = 1 + \|x\|^2 + \|x\|^4/2` exactly; the quadratic block is formed from
+    :math:`x/\|\varphi(x)\|^{1/2}`, so nothing overflows for finite inputs.
+
+    Parameters
+    ----------
+    dim : int
+    num_features, sampler, seed, generator, batch_shape, device, dtype :
+        Accepted and ignored, as for every deterministic map (generic code builds any map the same
+        way); ``num_features`` is set to ``dim``.
+
+    References
+    ----------
+    Arora et al., "Simple linear attention language models balance the recall-throughput
+    tradeoff", ICML 2024, arXiv:2402.18668 (§3, Taylor feature map).
+
+    Examples
+    --------
+    >>> fm = TaylorFeatures(3)
+    >>> fm.feature_dim
+    10
+    >>> q, k = torch.tensor([[0.3, -0.2, 0.5]]), torch.tensor([[0.1, 0.4, -0.2]])
+    >>> u = float(q @ k.T)
+    >>> round(float(fm(q) @ fm(k).T), 6) == round(1 + u + u * u / 2, 6)
+    True
+    """
+
+    positive = False
+
+    def _weights(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        i, j = torch.triu_indices(self.dim, self.dim, device=device)
+        w = torch.where(i == j, torch.tensor(math.sqrt(0.5), dtype=dtype, device=device),
+                        torch.tensor(1.0, dtype=dtype, device=device))
+        return i, j, w
+
+    def _scaled_phi(self, xc: torch.Tensor, log_rho: torch.Tensor) -> torch.Tensor:
+        r""":math:`\varphi(x)/\rho` for ``log_rho`` :math:`= \log\rho` (..., n) float64, without
+        overflow: the linear block is :math:`(x\rho^{-1/2})\rho^{-1/2}`, the quadratic one is
+        formed from :math:`x\rho^{-1/2}`."""
+        i, j, w = self._weights(xc.dtype, xc.device)
+        inv = torch.exp(-log_rho).to(xc.dtype).unsqueeze(-1)  # 1 / rho
+        half = torch.exp(-0.5 * log_rho).to(xc.dtype).unsqueeze(-1)  # rho^{-1/2}
+        xs = xc * half
+        quad = xs[..., i] * xs[..., j] * w
+        return torch.cat((inv.expand(*xs.shape[:-1], 1), xs * half, quad), dim=-1)
+
+    def _phi(self, xc: torch.Tensor) -> torch.Tensor:
+        return self._scaled_phi(xc, torch.zeros(xc.shape[:-1], dtype=torch.float64, device=xc.device))
+
+    def log_features(self, x, shared=False):
+        xc, _ = self._prepare("x", x)
+        with torch.no_grad():
+            # |x|^2 in float64 from an upcast copy (x_i^2 overflows float32 at |x_i| ~ 1.8e19; the
+            # copy is small next to the d(d+1)/2 features)
+            n2 = (xc.detach().double() ** 2).sum(-1)
+            ls = 0.5 * torch.log1p(n2 + 0.5 * n2 * n2)  # log |phi(x)|
+            if shared:
+                ls = ls.amax(dim=-1, keepdim=True)
+        f = self._scaled_phi(xc, ls.expand(xc.shape[:-1]) if shared else ls)
+        return f, ls
+
+
+register_estimator(TaylorFeatures, name="taylor", label="Taylor (2nd order)", feature_dim=_taylor_dim)
+
+
+# --------------------------------------------------------------------------------------- Nyström
+
+LANDMARK_RULES = ("segment-means", "kmeans++")
+_FALLBACK_WARNING = (
+    "NystromFeatures used before fit(q, k): its landmarks are the data-free fallback drawn from "
+    "N(0, I/sqrt(d)) at construction. Call fm.fit(q, k) (or linear_attention(..., fit=True)), or "
+    "pass landmarks=<tensor>, to place them on the data."
+)
+
+
+def _segment_means(k: torch.Tensor, m: int) -> torch.Tensor:
+    """Means of ``m`` contiguous segments of the keys (..., n, d) -> (..., m, d) (sizes differ by <= 1)."""
+    return torch.stack([seg.mean(dim=-2) for seg in torch.tensor_split(k, m, dim=-2)], dim=-2)
+
+
+def _kmeans_pp(k: torch.Tensor, m: int, generator: torch.Generator) -> torch.Tensor:
+    """k-means++ seeding [AV07]_ on the keys (..., n, d), independently per leading index: the first
+    centre uniform, each next one with probability proportional to the squared distance to the
+    nearest centre chosen so far (uniform if every key coincides with a centre)."""
+    lead, (n, d) = k.shape[:-2], k.shape[-2:]
+    kk = k.reshape(-1, n, d).double()
+    B = kk.shape[0]
+    rows = torch.arange(B, device=kk.device)
+    idx = torch.randint(n, (B,), generator=generator).to(kk.device)
+    centres = [kk[rows, idx]]
+    dist = ((kk - centres[0][:, None, :]) ** 2).sum(-1)  # (B, n)
+    for _ in range(1, m):
+        w = dist.clamp_min(0)
+        w = torch.where(w.sum(-1, keepdim=True) > 0, w, torch.ones_like(w))
+        idx = torch.multinomial(w.cpu(), 1, generator=generator).squeeze(-1)
+        c = kk[rows, idx.to(kk.device)]
+        centres.append(c)
+        dist = torch.minimum(dist, ((kk - c[:, None, :]) ** 2).sum(-1))
+    return torch.stack(centres, dim=-2).reshape(*lead, m, d).to(k.dtype)
+
+
+class NystromFeatures(FeatureMap):
+    r"""Nyström features on :math:`m` landmarks :math:`l_1..l_m` [WS01]_, [Xio21]_:
+    :math:`\varphi(q)^\top\varphi(k) = e^{q^\top L^\top}\,K_{LL}^{-1}\,e^{Lk}`, :math:`K_{LL} = e^{LL^\top}`.
+
+    Write :math:`e^{l_i^\top x} = e^{\|l_i\|^2/2}\,e^{l_i^\top x - \|l_i\|^2/2}` and
+    :math:`K_{LL} = D\,G\,D` with :math:`D = \mathrm{diag}(e^{\|l_i\|^2/2})` and
+    :math:`G_{ij} = e^{-\|l_i - l_j\|^2/2}` the Gaussian Gram matrix (unit diagonal). Then
+
+    .. math::
+        \varphi(x) = G^{-1/2}\,\big[e^{l_i^\top x - \|l_i\|^2/2}\big]_{i=1}^m
+                   = G^{-1/2} D^{-1} e^{Lx},
+
+    which differs from :math:`K_{LL}^{-1/2}e^{Lx}` by an orthogonal matrix (same kernel), and
+    ``feature_dim = m = num_features``. The estimate is exact for keys among the landmarks:
+    :math:`\hat K(q, l_j) = e^{q^\top l_j}`; with the keys themselves as landmarks, attention is
+    exactly softmax attention.
+
+    Numerics (float64 for :math:`G`, the compute dtype for the features). :math:`G^{-1/2}` comes
+    from an eigendecomposition :math:`G = U\Lambda U^\top`:
+    :math:`G^{-1/2} = U\,\mathrm{diag}(w)\,U^\top` with :math:`w_i = (\lambda_i + \rho)^{-1/2}` for
+    :math:`\lambda_i > \texttt{rcond}\cdot\lambda_{\max}` and :math:`w_i = 0` below (a
+    pseudo-inverse: duplicate or nearly coincident landmarks are harmless). Defaults: ridge
+    :math:`\rho = 0` and :math:`\texttt{rcond} = m\,\varepsilon_{64}`. Per row,
+    :math:`a_i(x) = l_i^\top x - \|l_i\|^2/2`, :math:`\mu(x) = \max_i a_i(x)`,
+    :math:`y = G^{-1/2}e^{a - \mu}`, :math:`\nu = \max|y|`: ``f = y / nu`` (:math:`|f| \le 1`)
+    and ``log_scale`` :math:`= \mu + \log\nu` (float64). The per-row scale
+    :math:`e^{\pm\|x\|^2/2}` never appears, so nothing overflows for finite inputs.
+    :meth:`query_features` (what attention uses for queries) rescales each row so that stabilised
+    attention denominators are of order one (see there). Accuracy limit: a feature vector carries
+    an absolute rounding of the size of its row scale, and a key's scale grows like
+    :math:`e^{\|k\|^2/2}`, so an entry is resolved only to about
+    :math:`\varepsilon\,e^{(\|k_j\|^2 - \|l_{i^*}\|^2)/2}` relative to the row's largest kernel
+    value (:math:`l_{i^*}` the landmark nearest the query in :math:`l^\top q - \|l\|^2/2`). With
+    the keys as landmarks (``d = 8``, keys and queries :math:`s\,\mathcal N(0, I)d^{-1/4}`) attention
+    matches softmax attention to 1e-14 at :math:`s = 1`, 2e-10 (non-causal) and 6e-9 (causal) at
+    :math:`s = 2`, and only to 6e-2 / 1.7 at :math:`s = 3` (float64). Causal attention is the more
+    fragile: a query's scale is set by its nearest landmark, possibly a *future* key.
+
+    Landmarks. ``fit(q, k)`` places them on the keys (queries are only validated):
+    ``"segment-means"`` (Nyströmformer: means of :math:`m` contiguous segments of the sequence,
+    sizes differing by at most one; needs :math:`n \ge m` keys), or ``"kmeans++"`` (k-means++
+    seeding on the keys, from a seed fixed at construction, so a fit is a deterministic function of
+    the keys). Keys of shape ``(..., n, d)`` give landmarks of shape
+    ``(*broadcast(k.shape[:-2], batch_shape), m, d)`` (per head and per batch element), and
+    ``batch_shape`` becomes those leading dimensions. A tensor ``landmarks`` is used as given,
+    and :meth:`fit` leaves it alone.
+
+    Before :meth:`fit` (choice). Every registered estimator can be built and called as is
+    (``ka.get_estimator(name).build(d, r, seed=...)``, which the generic code and the studies
+    do), so an unfitted map does not raise: it uses a *data-free fallback*, landmarks drawn at
+    construction from :math:`\mathcal N(0, I/\sqrt d)` (the law of keys
+    :math:`\mathcal N(0, I)\,d^{-1/4}` in the library's convention) with ``seed`` / ``generator``
+    (torch's default generator if neither), shape ``(*batch_shape, m, d)``. It is a valid Nyström
+    map, but placed without the data, its error is that of a random design; the first use of an
+    unfitted map therefore emits a ``UserWarning`` saying to call ``fit(q, k)`` or pass
+    ``landmarks``. ``fm.fitted`` tells which case holds. ``is_random`` is false: given its
+    landmarks the map is deterministic (``redraw`` is a no-op).
+
+    Parameters
+    ----------
+    dim : int
+    num_features : int, optional
+        ``m``, the number of landmarks (default: the number of rows of a tensor ``landmarks``).
+    landmarks : {"segment-means", "kmeans++"} or Tensor, default "segment-means"
+        How :meth:`fit` chooses landmarks, or the landmarks ``(*batch_shape, m, d)`` themselves.
+    ridge : float, default 0.0
+        :math:`\rho \ge 0` added to the eigenvalues of :math:`G` (unit diagonal, so an absolute
+        Tikhonov term relative to the mean eigenvalue 1); 0 is the plain pseudo-inverse.
+    rcond : float, optional
+        Relative eigenvalue cutoff of the pseudo-inverse; default :math:`m\varepsilon_{64}`.
+    seed, generator :
+        Draw the fallback landmarks and the k-means++ seed (as for the random maps).
+    batch_shape : tuple of int, default ()
+        Leading shape of the fallback (or given) landmarks.
+    device, dtype : optional
+        Of the landmark buffer ``landmarks_``.
+    sampler :
+        Accepted and ignored (generic code passes it to every map).
+
+    References
+    ----------
+    Xiong et al., "Nyströmformer", AAAI 2021, arXiv:2102.03902; Williams & Seeger, NIPS 2001;
+    Arthur & Vassilvitskii, SODA 2007 (k-means++).
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> k = torch.randn(2, 16, 4, dtype=torch.float64) / 2
+    >>> fm = NystromFeatures(4, landmarks=k)          # the keys as landmarks: exact
+    >>> q = torch.randn(2, 5, 4, dtype=torch.float64) / 2
+    >>> bool(torch.allclose(fm.kernel(q, k), ka.softmax_kernel(q, k), rtol=1e-8))
+    True
+    >>> fm = NystromFeatures(4, 8).fit(q, k)          # 8 segment means of the keys, per sequence
+    >>> fm.landmarks_.shape, fm.batch_shape, fm.fitted
+    (torch.Size([2, 8, 4]), (2,), True)
+    """
+
+    is_random = False
+    positive = False
+    data_dependent = True
+
+    landmarks_: torch.Tensor
+    fitted_: torch.Tensor
+    landmarks: str | torch.Tensor
+
+    def __init__(
+        self,
+        dim: int,
+        num_features: int | None = None,
+        *,
+        landmarks: str | torch.Tensor = "segment-means",
+        ridge: float = 0.0,
+        rcond: float | None = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        batch_shape: tuple[int, ...] = (),
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        sampler: object = None,
+    ) -> None:
+        super().__init__()
+        self.dim = check_positive_int("dim", dim)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not (ridge >= 0 and math.isfinite(ridge)):
+            raise ValueError(f"ridge must be a finite float >= 0, got {ridge!r}")
+        if rcond is not None and (
+            isinstance(rcond, bool) or not isinstance(rcond, (int, float)) or not 0 <= rcond < 1
+        ):
+            raise ValueError(f"rcond must be a float in [0, 1) or None, got {rcond!r}")
+        self.ridge = float(ridge)
+        self.rcond = None if rcond is None else float(rcond)
+        self._cache: tuple[Any, ...] | None = None
+        self._checked = False
+        if isinstance(landmarks, torch.Tensor):
+            L = check_floating("landmarks", landmarks)
+            if L.dim() < 2 or L.shape[-1] != self.dim or L.shape[-2] == 0:
+                raise ValueError(
+                    f"landmarks must have shape (*batch_shape, m, {self.dim}) with m >= 1, got {tuple(L.shape)}"
+                )
+            if num_features is not None and check_positive_int("num_features", num_features) != L.shape[-2]:
+                raise ValueError(
+                    f"num_features={num_features} does not match the {L.shape[-2]} landmarks given"
+                )
+            self.num_features = int(L.shape[-2])
+            self.batch_shape = tuple(L.shape[:-2])
+            self.landmarks = L
+            fitted = True
+            L = L.detach().clone().to(device=device, dtype=dtype or L.dtype)
+            self._fit_seed = 0
+        else:
+            if not isinstance(landmarks, str) or landmarks not in LANDMARK_RULES:
+                raise ValueError(f"landmarks must be one of {LANDMARK_RULES} or a tensor, got {landmarks!r}")
+            if num_features is None:
+                raise ValueError("num_features (the number of landmarks m) is required unless landmarks is a tensor")
+            self.num_features = check_positive_int("num_features", num_features)
+            self.batch_shape = as_batch_shape(batch_shape)
+            self.landmarks = landmarks
+            fitted = False
+            g = make_generator(seed, generator)
+            L = torch.randn(*self.batch_shape, self.num_features, self.dim, generator=g, dtype=torch.float64)
+            L = (L * self.dim**-0.25).to(device=device, dtype=dtype or torch.get_default_dtype())
+            self._fit_seed = int(torch.randint(0, 2**62, (1,), generator=g))
+        self.register_buffer("landmarks_", L)
+        # a buffer, so that a loaded state dict carries it along with the landmarks
+        self.register_buffer("fitted_", torch.tensor(fitted, device=L.device))
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the landmarks come from :meth:`fit` or were given (false: the data-free fallback)."""
+        return bool(self.fitted_)
+
+    # ------------------------------------------------------------------ landmarks
+    def fit(self, q: torch.Tensor, k: torch.Tensor) -> NystromFeatures:
+        """Place the landmarks on the keys (see the class docstring). Returns ``self``.
+
+        Parameters
+        ----------
+        q : Tensor, shape (..., n, d)
+            Validated only.
+        k : Tensor, shape (..., n_k, d)
+            The keys; ``n_k >= m`` for ``"segment-means"``.
+        """
+        for name, x in (("q", q), ("k", k)):
+            check_floating(name, x)
+            check_last_dim(name, x, self.dim)
+        if isinstance(self.landmarks, torch.Tensor):
+            return self  # given landmarks are kept
+        lead = broadcast_batch("k", k.shape[:-2], self.batch_shape)
+        m, n = self.num_features, int(k.shape[-2])
+        kk = k.detach().to(torch.float64)
+        if self.landmarks == "segment-means":
+            if n < m:
+                raise ValueError(
+                    f"segment-means landmarks need at least num_features={m} keys, got k with {n} "
+                    f"(shape {tuple(k.shape)})"
+                )
+            L = _segment_means(kk, m)
+        else:
+            if n < m:
+                raise ValueError(
+                    f"kmeans++ landmarks need at least num_features={m} keys, got k with {n} "
+                    f"(shape {tuple(k.shape)})"
+                )
+            L = _kmeans_pp(kk, m, torch.Generator().manual_seed(self._fit_seed))
+        L = L.expand(*lead, m, self.dim)
+        ref = self.landmarks_
+        self.landmarks_ = L.to(device=ref.device, dtype=ref.dtype).contiguous()
+        self.batch_shape = tuple(lead)
+        self.fitted_.fill_(True)
+        return self
+
+    def _whitener(self) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""``(W, h)``: :math:`G^{-1/2}` (..., m, m) and :math:`\|l_i\|^2/2` (..., m), float64, cached
+        until the landmark buffer changes."""
+        L = self.landmarks_
+        key = (L.data_ptr(), L._version, tuple(L.shape), L.dtype, L.device, self.ridge, self.rcond)
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1], self._cache[2]
+        with torch.no_grad():
+            L64 = L.double()
+            h = 0.5 * (L64 * L64).sum(-1)
+            half_sq = h.unsqueeze(-1) + h.unsqueeze(-2) - L64 @ L64.mT  # |l_i - l_j|^2 / 2
+            G = torch.exp(-half_sq.clamp_min(0))
+            G.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+            lam, U = torch.linalg.eigh(G)
+            m = G.shape[-1]
+            rcond = m * torch.finfo(torch.float64).eps if self.rcond is None else self.rcond
+            keep = lam > rcond * lam[..., -1:]
+            w = torch.where(keep, torch.rsqrt(lam.clamp_min(0) + self.ridge), torch.zeros_like(lam))
+            W = (U * w.unsqueeze(-2)) @ U.mT
+            W = 0.5 * (W + W.mT)
+        self._cache = (key, W, h)
+        return W, h
+
+    # ------------------------------------------------------------------ features
+    def _raw(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``y = G^{-1/2} e^{a - mu}`` (L, n, m), ``mu = max_i a_i`` (L, n), ``a`` and ``h`` (m,) for the
+        prepared input (module docstring of the class)."""
+        xc, _ = self._prepare("x", x)
+        if not self._checked:  # once per map (reading the flag may synchronise a device)
+            self._checked = True
+            if not self.fitted:
+                warnings.warn(_FALLBACK_WARNING, UserWarning, stacklevel=4)
+        W, h = self._whitener()
+        dt = xc.dtype
+        a = torch.matmul(xc, self.landmarks_.to(dt).mT) - h.to(dt).unsqueeze(-2)  # (L, n, m)
+        with torch.no_grad():
+            mu = a.amax(dim=-1)
+        g = torch.exp(a - mu.unsqueeze(-1))
+        y = torch.matmul(g, W.to(dt))  # W is symmetric
+        return y, mu, a, h
+
+    def log_features(self, x, shared=False):
+        y, mu, _, _ = self._raw(x)
+        dt = y.dtype
+        with torch.no_grad():
+            nu = y.abs().amax(dim=-1)
+            nu = torch.where((nu > 0) & torch.isfinite(nu), nu, torch.ones_like(nu))
+        ls = mu.double() + torch.log(nu.double())
+        if shared:
+            with torch.no_grad():
+                M = ls.amax(dim=-1, keepdim=True)
+            # f e^M = y e^mu: f = y e^{mu - M}, |f| = nu e^{mu - M} = e^{ls - M} <= 1
+            return y * torch.exp(mu.double() - M).to(dt).unsqueeze(-1), M
+        return y / nu.unsqueeze(-1), ls
+
+    def query_features(self, x):
+        r""":math:`\varphi(x)` up to a positive factor per row, scaled for attention.
+
+        The row factor is :math:`e^{-s(x)}` with :math:`s(x) = \max_i l_i^\top x - \max_i
+        \|l_i\|^2/2`, the log-size of :math:`\varphi(x)^\top\varphi(k)` for a key :math:`k` at the
+        landmark of largest norm, which is about the shared key scale of attention. The stabilised
+        denominators :math:`\varphi(q)^\top z\,e^{-(s(q) + M)}` are then of order one instead of
+        :math:`e^{-(\|l\|^2_{\max} - \|l\|^2_{\min})/2}` for queries aligned with small-norm keys,
+        which the signed-map guard of :func:`kernelapprox.linear_attention` (``|den| <= eps``)
+        would otherwise treat as vanishing. :math:`|f| \le \max|y|\,e^{40}` (the exponent is
+        capped: finite in float32).
+        """
+        y, mu, a, h = self._raw(x)
+        with torch.no_grad():
+            lq = (a + h.to(a.dtype).unsqueeze(-2)).amax(dim=-1).double()  # max_i l_i.x
+            shift = (mu.double() - lq + h.amax(dim=-1, keepdim=True)).clamp(max=40.0)
+        return y * torch.exp(shift).to(y.dtype).unsqueeze(-1)
+
+    def extra_repr(self) -> str:
+        rule = "tensor" if isinstance(self.landmarks, torch.Tensor) else repr(self.landmarks)
+        s = f"dim={self.dim}, num_features={self.num_features}, landmarks={rule}, fitted={self.fitted}"
+        if self.ridge:
+            s += f", ridge={self.ridge}"
+        if self.batch_shape:
+            s += f", batch_shape={self.batch_shape}"
+        return s
+
+
+register_estimator(NystromFeatures, name="nystrom", label="Nyström", feature_dim="r")

@@ -77,7 +77,8 @@ def test_closed_forms_follow_the_sampler():
     assert trig.closed_forms("gaussian") == {"moments", "attention_variance", "bounded_terms", "uniform"}
     assert ka.get_estimator("elu").closed_forms() == {"exact_error"}
     assert [e.name for e in ka.estimators(closed_form="bounded_terms")] == ["trig-sincos", "trig-offset"]
-    assert {e.name for e in ka.estimators(random=False)} == {"elu", "relu"}
+    assert {e.name for e in ka.estimators(random=False)} == {
+        "elu", "relu", "taylor", "nystrom", "hedgehog", "hedgehog-lolcats"}
 
 
 def test_sampler_row_laws():

@@ -80,7 +80,8 @@ def test_every_registered_estimator_builds_batched() -> None:
         if spec.is_random:
             assert K.shape == (3, 5, 5), spec.key
             assert fm.sampler.name == spec.sampler
-    assert {s.key for s in select(random=False)} == {"elu", "relu"}
+    assert {s.key for s in select(random=False)} == {
+        "elu", "relu", "taylor", "nystrom", "hedgehog", "hedgehog-lolcats"}
     assert len(select(families="positive")) == 4
 
 
