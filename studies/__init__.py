@@ -13,6 +13,7 @@ STUDY_MODULES: tuple[str, ...] = (
     "cost_crossover",
     "state_capacity",
     "qr_sign_bias",
+    "estimator_league",
 )
 
 __all__ = ["STUDY_MODULES"]

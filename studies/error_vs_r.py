@@ -1,7 +1,9 @@
 """error-vs-r: relative kernel error of every estimator against the number of features r.
 
-For every registered estimator (trig sin/cos and cos+offset, positive, hyperbolic, each with the
-gaussian / orthogonal / structured / qmc samplers; elu+1 and relu as deterministic baselines), at
+For every registered estimator (trig sin/cos and cos+offset, positive, hyperbolic, OPRF, SADERF,
+SDERF, hybrid, each with every sampler of ``studies.estimators.SAMPLERS``; elu+1, relu, Taylor and
+Nystrom as deterministic maps; learned maps are left out: they approximate normalised attention
+weights, not exp(q.k)), at
 d in {16, 64, 256}, and for several data regimes (attention-scaled Gaussian q, k ~ N(0, I)/d^{1/4};
 points on spheres of fixed radius), the study draws S independent feature maps in ONE batched map
 (``batch_shape=(S,)``) per r and measures, per draw,
@@ -14,6 +16,11 @@ with K = exp(q k^T).  The mean over draws estimates the pair-averaged relative M
 theory module gives in closed form (``ka.theory.mse``); both are stored (column ``theory``) so the
 figure overlays them.  The fitted log-log slope of the RMS against r is reported per estimator
 (-1/2 expected for iid features).
+
+Data-dependent maps (OPRF, SADERF, SDERF: parameters from the data; Nystrom: landmarks) are fitted
+on each regime's (q, k) before estimating, as FAVOR++ does per batch; Nystrom's r is its number of
+landmarks (up to n = 32, where it is exact). Feature vectors longer than 16384 coordinates are not
+evaluated (hybrid features have 36 r coordinates; Taylor at d = 256 has 33153).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ DIMS_QUICK = [16]
 REGIMES = ["attention", "sphere-0.5", "sphere-1", "sphere-2"]
 REGIMES_QUICK = ["attention", "sphere-1"]
 N_POINTS = 32  # n queries and n keys: n^2 = 1024 pairs per draw
+MAX_FEATURE_DIM = 16384  # larger feature vectors are skipped (memory of S draws x n x F)
 QUICK_KEYS = [
     "positive-gaussian",
     "positive-orthogonal",
@@ -96,18 +104,22 @@ def n_draws(r: int, d: int, quick: bool) -> int:
 def grid(quick: bool) -> list[dict]:
     """Cells: (estimator, d); r and the data regimes are looped inside a cell."""
     specs = select(keys=QUICK_KEYS) if quick else select()
+    # learned maps approximate attention weights after normalisation, not exp(q.k): no kernel error
+    # SimRF+ has no closed form and costs O(d^3) per block to draw: it is measured in estimator-league
+    specs = [s for s in specs if not s.learned and s.sampler != "simplex+"]
     dims = DIMS_QUICK if quick else DIMS
     return [{"estimator": s.key, "d": d} for s in specs for d in dims]
 
 
 def _theory(spec: EstimatorSpec, d: int, r: int, q: torch.Tensor, k: torch.Tensor,
             K: torch.Tensor) -> tuple[float, float]:
-    """Closed-form pair-averaged relative MSE and relative squared Frobenius error (or NaN)."""
+    """Closed-form pair-averaged relative MSE and relative squared Frobenius error (or NaN).
+    Data-dependent maps are fitted on (q, k), as the measured ones."""
     if not spec.has_theory or not spec.is_random:
         return float("nan"), float("nan")
     import kernelapprox as ka
 
-    fm = spec.build(d, r, seed=0, dtype=q.dtype, device=q.device)
+    fm = spec.ready(spec.build(d, r, seed=0, dtype=q.dtype, device=q.device), q, k)
     rel = ka.theory.relative_mse(fm, q, k)  # log-domain: no overflow of MSE / K^2
     mse = ka.theory.mse(fm, q, k)
     return float(rel.mean()), float(mse.sum() / (K**2).sum())
@@ -121,23 +133,29 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
     data = {reg: make_data(reg, d, ctx) for reg in regimes}
     rows: list[dict] = []
     for r in R_GRID_QUICK if ctx.quick else R_GRID:
+        if spec.estimator.feature_dim(r, d) > MAX_FEATURE_DIM:
+            break  # (hybrid features: 36 r coordinates) memory, not information
+        if spec.data_dependent and not spec.is_random and r > N_POINTS:
+            break  # Nystrom: at most n landmarks (exact at r = n)
         S = n_draws(r, d, ctx.quick) if spec.is_random else 1
         fm = spec.build(d, r, batch_shape=(S,), seed=ctx.seed_for(cell, r), dtype=ctx.dtype,
                         device=ctx.device)
         for reg, (q, k) in data.items():
             K = ka.softmax_kernel(q, k)
+            spec.ready(fm, q, k)  # data-dependent maps (FAVOR++, FAVOR#, Nystrom): fitted per regime
             est = fm.kernel(q, k)
             if est.dim() == 2:
                 est = est.unsqueeze(0)
             rel_entry = mc.relative_rms(est, K) ** 2  # mean over pairs of ((K^ - K) / K)^2
             rel_frob = mc.relative_frobenius(est, K) ** 2  # ||K^ - K||_F^2 / ||K||_F^2
             th_entry, th_frob = _theory(spec, d, r, q, k, K)
-            extra = {"r": r if spec.is_random else d, "regime": reg,
+            varies = spec.is_random or spec.data_dependent  # Nystrom: r landmarks
+            extra = {"r": r if varies else d, "regime": reg,
                      "feature_dim": fm.feature_dim, "family": spec.family,
-                     "sampler": spec.sampler or "none", "label": spec.label}
+                     "sampler": spec.sampler or ("landmarks" if varies else "none"), "label": spec.label}
             rows.append(row("rel_mse_entry", rel_entry, theory=th_entry, **extra))
             rows.append(row("rel_mse_frob", rel_frob, theory=th_frob, **extra))
-        if not spec.is_random:  # deterministic: error does not depend on r
+        if not spec.is_random and not spec.data_dependent:  # fixed map: error does not depend on r
             break
     return rows
 

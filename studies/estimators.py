@@ -67,6 +67,16 @@ class EstimatorSpec:
         """Whether the features are non-negative (signed maps can have attention denominators <= 0)."""
         return self.estimator.positive
 
+    @property
+    def data_dependent(self) -> bool:
+        """Whether the map chooses parameters from the data (``fm.fit(q, k)`` before use)."""
+        return bool(getattr(self.estimator, "data_dependent", False))
+
+    @property
+    def learned(self) -> bool:
+        """Whether the map has trainable parameters (fitted by ``ka.learned.fit_feature_map``)."""
+        return bool(getattr(self.estimator, "learned", False))
+
     def closed_forms(self) -> frozenset[str]:
         """The closed forms ``kernelapprox.theory`` has for this estimator with this sampler."""
         return self.estimator.closed_forms(self.sampler)
@@ -95,6 +105,45 @@ class EstimatorSpec:
         if self.sampler is not None:
             kw["sampler"] = self.sampler
         return self.estimator.build(dim, num_features, **kw)
+
+    def ready(
+        self,
+        fm: ka.FeatureMap,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        steps: int = 200,
+        seed: int | None = 0,
+        lr: float | None = None,
+    ) -> ka.FeatureMap:
+        """Ready a built map on calibration data ``(q, k)``, in place; returns ``fm``.
+
+        ``fm.fit(q, k)`` if the estimator is data-dependent (FAVOR++, FAVOR#, Nyström: the
+        parameters are chosen from this batch), ``ka.learned.fit_feature_map(fm, q, k,
+        steps=steps, seed=seed, progress=False)`` (and ``lr`` when given) if it is learned
+        (Hedgehog); nothing else, so any other map is returned unchanged.
+
+        Raises
+        ------
+        NotImplementedError
+            A learned estimator while ``kernelapprox.learned.fit_feature_map`` does not exist.
+        """
+        if self.data_dependent:
+            fit = getattr(fm, "fit", None)
+            if fit is not None:
+                fit(q, k)
+        if self.learned:
+            fit_feature_map = getattr(getattr(ka, "learned", None), "fit_feature_map", None)
+            if fit_feature_map is None:
+                raise NotImplementedError(
+                    f"{self.key} is a learned map but kernelapprox.learned.fit_feature_map is not "
+                    "available: it cannot be trained"
+                )
+            kw: dict[str, Any] = {"steps": steps, "seed": seed, "progress": False}
+            if lr is not None:
+                kw["lr"] = lr
+            fit_feature_map(fm, q, k, **kw)
+        return fm
 
 
 def specs() -> list[EstimatorSpec]:

@@ -33,7 +33,7 @@ STUDIES = load_studies(strict=True)  # a study that fails to import fails here, 
 NAMES = list(STUDIES)
 ALL_STUDIES = {
     "error-vs-r", "dlogd", "orthogonal-gain", "attention-error", "cost-crossover", "state-capacity",
-    "qr-sign-bias",
+    "qr-sign-bias", "estimator-league",
 }
 
 
@@ -82,7 +82,7 @@ def test_every_registered_estimator_builds_batched() -> None:
             assert fm.sampler.name == spec.sampler
     assert {s.key for s in select(random=False)} == {
         "elu", "relu", "taylor", "nystrom", "hedgehog", "hedgehog-lolcats"}
-    assert len(select(families="positive")) == 4
+    assert len(select(families="positive")) == 6  # gaussian, orthogonal, structured, qmc, simplex, simplex+
 
 
 def test_list_cli() -> None:
