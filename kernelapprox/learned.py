@@ -42,7 +42,7 @@ from ._validation import (
     inputs_validated,
     no_autocast,
 )
-from .features import FeatureMap
+from .features import FeatureMap, _grad
 from .registry import register_estimator
 from .samplers import make_generator
 
@@ -219,14 +219,43 @@ class HedgehogFeatures(FeatureMap):
         xc, out_dtype = self._prepare("x", x)
         return self._phi(xc).to(out_dtype)
 
+    def _fla_unnormalised(self, xc: torch.Tensor) -> torch.Tensor | None:
+        """``exp(u - max u)`` for ``u = [2z, -2z]`` (fla variant, no autograd), else ``None``.
+
+        Written into one buffer, exponentiated in place: the softmax without its per-row
+        normalisation, which attention either cancels (queries) or carries in the log scale (keys).
+        """
+        if self.variant != "fla":
+            return None
+        z = self._project(xc)
+        if _grad(z):
+            return None
+        lo, hi = torch.aminmax(z, dim=-1)
+        neg_m = (-2.0 * torch.maximum(hi, -lo)).unsqueeze(-1)
+        f = z.shape[-1]
+        out = z.new_empty(*z.shape[:-1], 2 * f)
+        torch.add(neg_m, z, alpha=2.0, out=out[..., :f])  # 2z - m
+        torch.add(neg_m, z, alpha=-2.0, out=out[..., f:])  # -2z - m
+        return out.exp_()
+
     def log_features(self, x, shared=False):
         xc, _ = self._prepare("x", x)
-        f = self._phi(xc)
-        shape = (*f.shape[:-2], 1) if shared else f.shape[:-1]
-        return f, f.new_zeros(shape)
+        e = self._fla_unnormalised(xc)
+        if e is None:
+            f = self._phi(xc)
+            shape = (*f.shape[:-2], 1) if shared else f.shape[:-1]
+            return f, f.new_zeros(shape)
+        # phi = e / sum(e): bounded e, per-row log scale -log sum(e) (in [-log 2f, 0])
+        ls = -torch.log(e.sum(-1).double())  # sum in [1, 2f]: float32 accumulation is exact enough
+        if not shared:
+            return e, ls
+        M = ls.amax(-1, keepdim=True)
+        return e.mul_(torch.exp(ls - M).to(e.dtype).unsqueeze(-1)), M
 
     def query_features(self, x):
-        return self._phi(self._prepare("x", x)[0])
+        xc = self._prepare("x", x)[0]
+        e = self._fla_unnormalised(xc)  # the per-query normalisation cancels in attention
+        return self._phi(xc) if e is None else e
 
     def get_params(self) -> dict[str, Any]:
         """Constructor arguments that rebuild an equivalent map (freshly initialised, not trained).

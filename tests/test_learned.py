@@ -12,7 +12,6 @@ files, which include ``hedgehog`` and ``hedgehog-lolcats`` automatically.
 from __future__ import annotations
 
 import copy
-import doctest
 import io
 import math
 from pathlib import Path
@@ -501,10 +500,3 @@ def test_fit_validation():
         distillation_loss(ka.TrigRF(4, 8, seed=0), q, k)
     # a failed call changed nothing
     assert torch.equal(fm.weight, torch.eye(4, dtype=F64)) and fm.weight.grad is None
-
-
-def test_docs_section_examples_run():
-    """The examples of docs/_parts/learned.md run (it is not collected by tests/test_docs.py)."""
-    path = REPO / "docs" / "_parts" / "learned.md"
-    result = doctest.testfile(str(path), module_relative=False, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0, result
