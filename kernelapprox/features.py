@@ -215,6 +215,26 @@ class FeatureMap(nn.Module):
         x = cast(torch.Tensor, x)  # validated above, or by the calling entry point
         return x.to(self.compute_dtype(x.dtype)), x.dtype
 
+    def _kernel_dtypes(
+        self, q: object, k: object, compute_dtype: torch.dtype | None
+    ) -> tuple[torch.dtype, torch.dtype]:
+        """Validate the inputs of :meth:`kernel`; return (output dtype, compute dtype)."""
+        q = check_floating("q", q)
+        k = check_floating("k", k)
+        check_last_dim("q", q, self.dim)
+        check_last_dim("k", k, self.dim)
+        try:
+            torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], self.batch_shape)
+        except RuntimeError:
+            raise ValueError(
+                f"leading dimensions of q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])} and the "
+                f"feature map's batch_shape {self.batch_shape} do not broadcast"
+            ) from None
+        cdt = torch.float64 if compute_dtype is None else compute_dtype
+        if not isinstance(cdt, torch.dtype) or not cdt.is_floating_point:
+            raise TypeError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
+        return torch.promote_types(q.dtype, k.dtype), self.compute_dtype(cdt)
+
     # ------------------------------------------------------------------ API
     @no_autocast
     def log_features(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,22 +369,7 @@ class FeatureMap(nn.Module):
         >>> fm.kernel(q, k).shape
         torch.Size([5, 7])
         """
-        check_floating("q", q)
-        check_floating("k", k)
-        check_last_dim("q", q, self.dim)
-        check_last_dim("k", k, self.dim)
-        try:
-            torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], self.batch_shape)
-        except RuntimeError:
-            raise ValueError(
-                f"leading dimensions of q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])} and the "
-                f"feature map's batch_shape {self.batch_shape} do not broadcast"
-            ) from None
-        out_dtype = torch.promote_types(q.dtype, k.dtype)
-        cdt = torch.float64 if compute_dtype is None else compute_dtype
-        if not isinstance(cdt, torch.dtype) or not cdt.is_floating_point:
-            raise TypeError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
-        cdt = self.compute_dtype(cdt)
+        out_dtype, cdt = self._kernel_dtypes(q, k, compute_dtype)
         with inputs_validated():
             fq, sq = self.log_features(q.to(cdt))
             fk, sk = self.key_log_features(k.to(cdt))

@@ -31,7 +31,7 @@ from typing import Any, cast
 
 import torch
 
-from ._validation import check_floating, check_last_dim, check_positive_int, inputs_validated
+from ._validation import check_floating, check_positive_int, inputs_validated
 from .features import RandomFeatureMap, _grad, _sqnorm_half
 from .registry import register_estimator
 from .samplers import Sampler
@@ -347,22 +347,7 @@ class HybridRF(RandomFeatureMap):
         Tensor, shape (*broadcast(q.shape[:-2], k.shape[:-2], batch_shape), n, m),
             dtype ``promote(q.dtype, k.dtype)``.
         """
-        check_floating("q", q)
-        check_floating("k", k)
-        check_last_dim("q", q, self.dim)
-        check_last_dim("k", k, self.dim)
-        try:
-            torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], self.batch_shape)
-        except RuntimeError:
-            raise ValueError(
-                f"leading dimensions of q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])} and the "
-                f"feature map's batch_shape {self.batch_shape} do not broadcast"
-            ) from None
-        out_dtype = torch.promote_types(q.dtype, k.dtype)
-        cdt = torch.float64 if compute_dtype is None else compute_dtype
-        if not isinstance(cdt, torch.dtype) or not cdt.is_floating_point:
-            raise TypeError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
-        cdt = self.compute_dtype(cdt)
+        out_dtype, cdt = self._kernel_dtypes(q, k, compute_dtype)
         with inputs_validated():
             hq, tq, sq, aq, bq = self._parts(self._prepare("q", q.to(cdt))[0])
             hk, tk, sk, ak, bk = self._parts(self._prepare("k", k.to(cdt))[0])

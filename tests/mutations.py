@@ -188,6 +188,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "return num",
         "shared normalisation of linear attention returns num instead of num / den",
     ),
+    # 8. the stronger estimators (issue: FAVOR++, FAVOR#, simplex, hybrid): the published defects
+    Mutant(
+        "sderf-constant-D-dropped", "kernelapprox/dense_exponential.py",
+        "logc = 0.25 * torch.log(one4).sum(-1) - 0.5 * math.log(self.num_features)",
+        "logc = 0.0 * torch.log(one4).sum(-1) - 0.5 * math.log(self.num_features)",
+        "SDERF without D = prod(1 - 4A_l)^(1/4), as the reference expsharp_: raw kernel biased by 1/D^2",
+    ),
+    Mutant(
+        "saderf-reciprocal-scaling", "kernelapprox/dense_exponential.py",
+        "psi = ratio ** 0.25",
+        "psi = ratio ** -0.25",
+        "SADERF with the reference exparf_'s reciprocal scaling (unbiased, but worse than no scaling)",
+    ),
+    Mutant(
+        "hybrid-weights-reversed", "kernelapprox/hybrid.py",
+        "return (lam * A + (1 - lam) * B).to(out_dtype)",
+        "return ((1 - lam) * A + lam * B).to(out_dtype)",
+        "hybrid kernel with the official notebook's assignment (theta/pi on the trig part)",
+    ),
+    Mutant(
+        "simplex-wrong-scale", _S,
+        "math.sqrt(d / (d - 1)) * torch.eye(d, dtype=torch.float64)[: d - 1]",
+        "math.sqrt((d - 1) / d) * torch.eye(d, dtype=torch.float64)[: d - 1]",
+        "simplex vectors built with sqrt((d-1)/d) for sqrt(d/(d-1)): not unit, not a simplex",
+    ),
 )
 
 _PROBE = textwrap.dedent(
