@@ -241,6 +241,13 @@ def bench_league(B, H, n, d, device, dtype, repeats, F: int = LEAGUE_F) -> dict[
         out[f"league/{est.name}/F"] = float(fm.feature_dim)
         out[f"league/{est.name}/features_vs_favor+"] = tf / t_feat
         out[f"league/{est.name}/attention_vs_favor+"] = ta / t_attn
+        if abs(fm.feature_dim - F) > 0.1 * F:
+            # a map whose feature_dim is fixed far from F (Taylor: 1 + d + d(d+1)/2) is also
+            # compared with FAVOR+ at its own feature_dim
+            ref2 = ka.PositiveRF(d, fm.feature_dim, seed=0).to(device)
+            out[f"league/{est.name}/features_vs_favor+_same_F"] = tf / timeit(fwd(ref2, False), device, repeats)
+            out[f"league/{est.name}/attention_vs_favor+_same_F"] = ta / timeit(
+                lambda ref2=ref2: ka.linear_attention(q, k, v, ref2), device, repeats)
     return out
 
 
@@ -253,8 +260,12 @@ def _league_verdicts(res: dict[str, float]) -> list[str]:
         if f is None or a is None:
             continue
         ok = max(f, a) <= LEAGUE_TARGET
-        lines.append(f"   {name:20s} F={int(res[f'league/{name}/F']):5d}  features x{f:6.2f}  "
-                     f"attention x{a:6.2f}  {'within' if ok else 'ABOVE'} {LEAGUE_TARGET}x FAVOR+")
+        line = (f"   {name:20s} F={int(res[f'league/{name}/F']):5d}  features x{f:6.2f}  "
+                f"attention x{a:6.2f}  {'within' if ok else 'ABOVE'} {LEAGUE_TARGET}x FAVOR+")
+        fs, as_ = res.get(f"league/{name}/features_vs_favor+_same_F"), res.get(f"league/{name}/attention_vs_favor+_same_F")
+        if fs is not None and as_ is not None:
+            line += f"  (vs FAVOR+ at the same F: features x{fs:.2f}, attention x{as_:.2f})"
+        lines.append(line)
     return lines
 
 
