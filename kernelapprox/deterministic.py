@@ -111,22 +111,28 @@ class TaylorFeatures(_DeterministicMap):
 
     positive = False
 
-    def _weights(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        i, j = torch.triu_indices(self.dim, self.dim, device=device)
-        w = torch.where(i == j, torch.tensor(math.sqrt(0.5), dtype=dtype, device=device),
-                        torch.tensor(1.0, dtype=dtype, device=device))
-        return i, j, w
-
     def _scaled_phi(self, xc: torch.Tensor, log_rho: torch.Tensor) -> torch.Tensor:
         r""":math:`\varphi(x)/\rho` for ``log_rho`` :math:`= \log\rho` (..., n) float64, without
         overflow: the linear block is :math:`(x\rho^{-1/2})\rho^{-1/2}`, the quadratic one is
         formed from :math:`x\rho^{-1/2}`."""
-        i, j, w = self._weights(xc.dtype, xc.device)
+        d = self.dim
         inv = torch.exp(-log_rho).to(xc.dtype).unsqueeze(-1)  # 1 / rho
         half = torch.exp(-0.5 * log_rho).to(xc.dtype).unsqueeze(-1)  # rho^{-1/2}
         xs = xc * half
-        quad = xs[..., i] * xs[..., j] * w
-        return torch.cat((inv.expand(*xs.shape[:-1], 1), xs * half, quad), dim=-1)
+        out = xs.new_empty(*xs.shape[:-1], 1 + d + d * (d + 1) // 2)
+        out[..., :1] = inv
+        out[..., 1 : 1 + d] = xs * half
+        # the upper triangle of xs xs^T row by row (order of torch.triu_indices), written in place:
+        # row a holds x_a x_b for b >= a, the diagonal term scaled by 1/sqrt(2); no gathers
+        off = 1 + d
+        diag = math.sqrt(0.5)
+        for a in range(d):
+            blk = out[..., off : off + d - a]
+            torch.mul(xs[..., a : a + 1], xs[..., a:], out=blk) if not _needs_grad(xs) else blk.copy_(
+                xs[..., a : a + 1] * xs[..., a:])
+            blk[..., :1].mul_(diag)
+            off += d - a
+        return out
 
     def _phi(self, xc: torch.Tensor) -> torch.Tensor:
         return self._scaled_phi(xc, torch.zeros(xc.shape[:-1], dtype=torch.float64, device=xc.device))
@@ -142,6 +148,10 @@ class TaylorFeatures(_DeterministicMap):
                 ls = ls.amax(dim=-1, keepdim=True)
         f = self._scaled_phi(xc, ls.expand(xc.shape[:-1]) if shared else ls)
         return f, ls
+
+
+def _needs_grad(t: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and t.requires_grad
 
 
 register_estimator(TaylorFeatures, name="taylor", label="Taylor (2nd order)", feature_dim=_taylor_dim)

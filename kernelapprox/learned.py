@@ -211,13 +211,27 @@ class HedgehogFeatures(FeatureMap):
 
     def _phi(self, xc: torch.Tensor) -> torch.Tensor:
         z = self._project(xc)
+        if self.variant == "lolcats" and not _grad(z):
+            # [softmax(z), softmax(-z)] in one buffer, in place (no concatenation of two softmaxes)
+            lo, hi = torch.aminmax(z, dim=-1, keepdim=True)
+            f = z.shape[-1]
+            out = z.new_empty(*z.shape[:-1], 2 * f)
+            torch.sub(z, hi, out=out[..., :f])
+            torch.sub(lo, z, out=out[..., f:])
+            out.exp_()
+            out[..., :f].div_(out[..., :f].sum(-1, keepdim=True))
+            out[..., f:].div_(out[..., f:].sum(-1, keepdim=True))
+            return out
         if self.variant == "fla":
             return torch.softmax(torch.cat((2 * z, -2 * z), dim=-1), dim=-1)
         return torch.cat((torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)), dim=-1)
 
     def forward(self, x):
         xc, out_dtype = self._prepare("x", x)
-        return self._phi(xc).to(out_dtype)
+        e = self._fla_unnormalised(xc)
+        if e is None:
+            return self._phi(xc).to(out_dtype)
+        return e.div_(e.sum(-1, keepdim=True)).to(out_dtype)
 
     def _fla_unnormalised(self, xc: torch.Tensor) -> torch.Tensor | None:
         """``exp(u - max u)`` for ``u = [2z, -2z]`` (fla variant, no autograd), else ``None``.

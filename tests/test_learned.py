@@ -500,3 +500,35 @@ def test_fit_validation():
         distillation_loss(ka.TrigRF(4, 8, seed=0), q, k)
     # a failed call changed nothing
     assert torch.equal(fm.weight, torch.eye(4, dtype=F64)) and fm.weight.grad is None
+
+
+@pytest.mark.parametrize("variant", ["fla", "lolcats"])
+def test_inference_fast_path_equals_the_autograd_path(variant):
+    """Without autograd the maps take an in-place path (unnormalised fla features for queries, the
+    normaliser in the keys' log scale); it must give the same features, kernel and attention as the
+    differentiable path, to rounding."""
+    g = torch.Generator().manual_seed(7)
+    fm = ka.HedgehogFeatures(8, 6, variant=variant, init="kaiming", generator=g, batch_shape=(2,), dtype=torch.float64)
+    with torch.no_grad():
+        fm.bias.normal_(generator=g) if fm.bias is not None else None
+    x = torch.randn(3, 2, 20, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(3, 2, 20, 4, generator=g, dtype=torch.float64)
+    slow = fm(x)  # parameters require grad: the autograd path
+    slow_k = fm.kernel(x, x)
+    slow_att = ka.linear_attention(x, x, v, fm, causal=True)
+    with torch.no_grad():
+        fast = fm(x)
+        fast_k = fm.kernel(x, x)
+        fast_att = ka.linear_attention(x, x, v, fm, causal=True)
+        fq = fm.query_features(x)
+        f, ls = fm.log_features(x)
+        fs, M = fm.log_features(x, shared=True)
+    assert torch.allclose(fast, slow, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(fast_k, slow_k, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(fast_att, slow_att, rtol=1e-10, atol=1e-13)
+    assert torch.allclose(f * ls.exp().unsqueeze(-1), slow, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(fs * M.exp().unsqueeze(-1), slow, rtol=1e-12, atol=1e-15)
+    assert (fq > 0).all() and (f <= 1).all() and (fs <= 1).all()
+    # queries: equal to phi up to a positive factor per row
+    ratio = fq / slow
+    assert torch.allclose(ratio, ratio[..., :1].expand_as(ratio), rtol=1e-12)
