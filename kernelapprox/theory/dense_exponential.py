@@ -58,14 +58,13 @@ from .moments import (
     Components,
     _check_orthogonal,
     _check_r,
+    _core_of,
     _exp_family,
     _finish,
     _Geometry,
     _geometry,
-    _log_pos,
     _out,
     _prepare,
-    orf_pair_count,
 )
 
 __all__ = [
@@ -172,15 +171,7 @@ def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: st
     orthogonal = _check_orthogonal(orthogonal)
     qa, ka, dev = _prepare(q, k)
     c = oprf_components(_geometry(qa, ka), orthogonal, A)
-    return _out(_finish(_core_from(c, r, orthogonal, qa.shape[-1]), "mse"), dev)
-
-
-def _core_from(c: Components, r: int, orthogonal: str | None, d: int):
-    from .moments import _Core
-
-    P = 0 if orthogonal is None else orf_pair_count(r, d)
-    g = c.v1 / r + (P / (r * r)) * c.cv
-    return _Core(_log_pos(c.scale, g), c.rbias, c.xy)
+    return _out(_finish(_core_of(c, r, orthogonal, qa.shape[-1]), "mse"), dev)
 
 
 def sderf_components(geo: _Geometry, orthogonal: str | None, tw: Any = None, L0: Any = None) -> Components:

@@ -575,8 +575,12 @@ def _fm_geometry(fm: Any, kind: Any, qa: np.ndarray, ka: np.ndarray) -> tuple[_G
 
 
 def _core(kind: Any, geo: _Geometry, r: int, orthogonal: str | None, **params: Any) -> _Core:
-    c = _components(kind, geo, orthogonal, **params)
-    P = 0 if orthogonal is None else orf_pair_count(r, geo.d)
+    return _core_of(_components(kind, geo, orthogonal, **params), r, orthogonal, geo.d)
+
+
+def _core_of(c: Components, r: int, orthogonal: str | None, d: int) -> _Core:
+    """Log-variance of the mean of ``r`` terms with components ``c`` (block pairs for ORF rows)."""
+    P = 0 if orthogonal is None else orf_pair_count(r, d)
     g = c.v1 / r + (P / (r * r)) * c.cv
     return _Core(_log_pos(c.scale, g), c.rbias, c.xy)
 
