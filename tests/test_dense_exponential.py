@@ -212,7 +212,7 @@ def test_sderf_validity_and_the_constant_D():
 # ------------------------------------------------------------------------------------------ unbiased
 UNBIASED_CASES = [  # (name, constructor arguments, sampler, S)
     ("oprf", {"A": -0.3}, "gaussian", 100_000),
-    ("oprf", {"A": 0.05}, "gaussian", 200_000),
+    ("oprf", {"A": 0.05}, "gaussian", 400_000),  # A > 0: heavier tails
     ("oprf", {}, "gaussian", 100_000),
     ("oprf", {}, "orthogonal", 100_000),
     ("saderf", {}, "gaussian", 100_000),
@@ -229,6 +229,11 @@ def test_unbiased(name, kw, sampler, S):
     d, r = 5, 8
     q, k = pairs(d, 1.0, 100)
     qc, kc = anisotropic(300, d, 110, scale=1.5)  # fitted on other data: parameters far from 0
+    if name == "saderf":
+        # SADERF is OPRF on (Psi q, Psi^-1 k): the pairs' |q + k|^2 <= 1 is placed in that space
+        # (in the raw one, a seed-dependent Psi can stretch it past the power guard's sizing)
+        psi = build(name, d, r, sampler, 1, 120, **kw).fit(qc, kc).psi_
+        q, k = q / psi, k * psi
     K = torch.exp((q * k).sum(-1))
     est = torch.cat([draws(build(name, d, r, sampler, 100_000, 120 + i, **kw).fit(qc, kc), q, k)
                      for i in range(S // 100_000)])
@@ -347,9 +352,9 @@ def test_variance_ordering_by_monte_carlo():
         return (m[b][0] - m[a][0]) / math.hypot(m[a][1], m[b][1])
 
     assert z("saderf", "oprf") > Z_MAX, m
-    assert z("oprf", "positive") > Z_MAX, m
-    # the reciprocal scaling's errors are too heavy-tailed for a z-test of means (se ~ half the
-    # mean at S = 4000): a rank test of the per-draw errors instead (valid for any tails),
-    # one-sided p < 3.4e-6 = P(N(0,1) > Z_MAX)
-    p = mannwhitneyu(Y["recip"], Y["oprf"], alternative="greater").pvalue
-    assert p < 3.4e-6, (p, m)
+    # FAVOR+'s and the reciprocal scaling's errors are too heavy-tailed for a z-test of means (se up
+    # to half the mean at S = 4000, depending on the seed): a rank test of the per-draw errors
+    # instead (valid for any tails), one-sided p < 3.4e-6 = P(N(0,1) > Z_MAX)
+    for worse in ("positive", "recip"):
+        p = mannwhitneyu(Y[worse], Y["oprf"], alternative="greater").pvalue
+        assert p < 3.4e-6, (worse, p, m)
