@@ -22,6 +22,7 @@ from .attention import (
 )
 from .dense_exponential import SADERF, SDERF, OptimalPositiveRF
 from .deterministic import NystromFeatures, TaylorFeatures
+from .diagnose import Diagnosis, diagnose
 from .exact import softmax_attention, softmax_kernel
 from .features import (
     EluFeatures,
@@ -71,6 +72,8 @@ __all__ = [
     "OptimalPositiveRF",
     "SADERF",
     "SDERF",
+    "diagnose",
+    "Diagnosis",
     "HybridRF",
     "TaylorFeatures",
     "NystromFeatures",

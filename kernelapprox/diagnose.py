@@ -1,0 +1,286 @@
+r"""``ka.diagnose``: from the data alone, which estimator of :math:`e^{q^\top k}` can work, at what r.
+
+The closed forms of :mod:`kernelapprox.theory` say when random features fail: the relative
+variance of FAVOR+ grows like :math:`e^{\|q+k\|^2}/r`, that of trigonometric features like
+:math:`e^{\|q\|^2+\|k\|^2}/r`. :func:`diagnose` evaluates them on a subsample of the user's own
+``(q, k)`` pairs, for every registered estimator with a closed form, and turns them into a
+regime report and a recommendation.
+
+What is computed (``P`` = ``max_pairs`` sampled ``(q_i, k_j)`` pairs, ``R`` = ``max_rows`` query
+rows; cost :math:`O(nd)` for the statistics plus :math:`O(R\,m\,d)` for the exact attention rows
+and :math:`O(P)` closed-form evaluations):
+
+* the regime: quantiles of :math:`\|q\|`, :math:`\|k\|`, of :math:`t = \|q_i + k_j\|^2` and its pair
+  mean :math:`\bar t` (the FAVOR++ statistic), and the entropy of exact attention rows
+  (:math:`\log m` = uniform);
+* per estimator, at ``num_features`` projections: the predicted relative kernel MSE
+  :math:`E[(\hat K-K)^2]/K^2` (mean and median over the sampled pairs; the mean is carried by the
+  worst pairs), the ``r`` at which the median would reach ``target`` (the MSE of the iid term
+  scales as :math:`1/r`: :math:`r_{\rm need} = r\cdot \mathrm{median}/\mathrm{target}`), and, where
+  the estimator has the delta-method attention theory, the largest relative variance of the
+  attention normaliser over the sampled rows (iid rows, at the same r), flagged when it exceeds
+  ``0.05`` (there the delta method is off by factors, see ``docs/theory.md`` §2: the attention
+  output cannot be predicted, and in practice it is poor);
+* deterministic maps with an exact error (elu+1, ReLU, Taylor, and Nyström fitted on the keys with
+  ``min(r, m // 4)`` landmarks: with as many landmarks as keys it is exact attention at quadratic
+  cost): the exact relative kernel error on the same pairs.
+
+The recommendation is the random estimator with the smallest ``r_needed`` if it is at most
+``max_features``, else the deterministic map with the smallest error, with the advice to use a
+learned or data-dependent map. Data-dependent maps are fitted on the given ``q, k`` first.
+
+Examples
+--------
+>>> import torch, kernelapprox as ka
+>>> g = torch.Generator().manual_seed(0)
+>>> q, k = (torch.randn(2, 256, 64, generator=g) / 64**0.25).unbind(0)
+>>> dx = ka.diagnose(0.25 * q, 0.25 * k, num_features=256)
+>>> dx.feasible
+True
+>>> dx = ka.diagnose(q, k, num_features=256)      # the standard attention scale at d = 64
+>>> dx.feasible, dx.recommendation.split(":")[0]
+(False, 'no random-feature estimator reaches the target')
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._validation import check_floating, check_last_dim, check_positive_int
+from .registry import estimators
+
+__all__ = ["Diagnosis", "diagnose"]
+
+#: Largest normaliser relative variance at which the delta method was found accurate (docs/theory.md §2).
+DELTA_VALID = 0.05
+
+
+@dataclass
+class Diagnosis:
+    """The result of :func:`diagnose`: regime statistics, one row per estimator, a recommendation.
+
+    Attributes
+    ----------
+    regime : dict
+        ``n, m, d``, quantiles of ``|q|``, ``|k|`` and ``t = |q_i + k_j|^2``, ``t_bar``, the mean
+        and minimum entropy of exact attention rows and ``log_m``.
+    rows : list of dict
+        One per estimator: ``estimator``, ``label``, ``sampler``, ``num_features``,
+        ``feature_dim``, ``rel_mse_mean``, ``rel_mse_median``, ``r_needed``,
+        ``normaliser_rel_var`` (NaN where no theory), ``delta_method_valid``, ``kind``.
+    recommendation : str
+    feasible : bool
+        Whether some random estimator reaches ``target`` with at most ``max_features`` projections.
+    target : float
+    """
+
+    regime: dict[str, Any]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    recommendation: str = ""
+    feasible: bool = False
+    target: float = 0.01
+
+    def to_frame(self) -> Any:
+        """The rows as a pandas DataFrame (pandas needed)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.rows)
+
+    def _table(self) -> list[list[str]]:
+        head = ["estimator", "sampler", "r", "rel. MSE (median)", "rel. MSE (mean)", "r for target", "normaliser var"]
+        out = [head]
+        for r in self.rows:
+            nv = r["normaliser_rel_var"]
+            out.append([
+                r["label"], r["sampler"], str(r["num_features"]), f"{r['rel_mse_median']:.3g}",
+                f"{r['rel_mse_mean']:.3g}", "-" if not math.isfinite(r["r_needed"]) else f"{r['r_needed']:.3g}",
+                "-" if not math.isfinite(nv) else f"{nv:.3g}" + ("" if r["delta_method_valid"] else " (delta invalid)"),
+            ])
+        return out
+
+    def __repr__(self) -> str:
+        g = self.regime
+        lines = [
+            f"Diagnosis(n={g['n']}, m={g['m']}, d={g['d']}, target relative MSE={self.target:g})",
+            f"  |q| median {g['q_norm_median']:.3g} (90%: {g['q_norm_q90']:.3g}), |k| median "
+            f"{g['k_norm_median']:.3g} (90%: {g['k_norm_q90']:.3g})",
+            f"  t = |q+k|^2: mean {g['t_bar']:.3g}, median {g['t_median']:.3g}, 90% {g['t_q90']:.3g}",
+            f"  exact attention row entropy: mean {g['entropy_mean']:.3g}, min {g['entropy_min']:.3g} "
+            f"(uniform: {g['log_m']:.3g})",
+        ]
+        table = self._table()
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        for row in table:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        lines.append(f"  -> {self.recommendation}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        table = self._table()
+        head = "".join(f"<th>{c}</th>" for c in table[0])
+        body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in table[1:])
+        g = self.regime
+        return (f"<p><b>Diagnosis</b> n={g['n']}, m={g['m']}, d={g['d']}; t̄ = {g['t_bar']:.3g}; "
+                f"attention entropy {g['entropy_mean']:.3g} of {g['log_m']:.3g}</p>"
+                f"<table><tr>{head}</tr>{body}</table><p>{self.recommendation}</p>")
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-2], x.shape[-1])[0] if x.dim() > 2 else x
+
+
+def diagnose(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    feature_map: Any = None,
+    *,
+    num_features: int | None = None,
+    target: float = 0.01,
+    max_features: int = 65536,
+    max_pairs: int = 4096,
+    max_rows: int = 64,
+    seed: int = 0,
+) -> Diagnosis:
+    r"""Report the regime of ``(q, k)`` and predict every estimator's error there (module docstring).
+
+    Parameters
+    ----------
+    q : Tensor, shape (..., n, d)
+    k : Tensor, shape (..., m, d)
+        Inputs exactly as they would go into :func:`kernelapprox.linear_attention` (already scaled
+        by :math:`d^{-1/4}` for attention). With leading dimensions, the first batch element is
+        diagnosed (pass one head at a time to see them all).
+    feature_map : FeatureMap, optional
+        Diagnose only this map (its ``num_features`` and sampler); default: every registered
+        estimator with a closed form, with orthogonal rows where the theory covers them.
+    num_features : int, optional
+        ``r`` for the registered estimators (default 256, or ``feature_map.num_features``).
+    target : float, default 0.01
+        Target relative kernel MSE (median over pairs).
+    max_features : int, default 65536
+        Largest ``r`` considered feasible.
+    max_pairs, max_rows : int
+        Subsample sizes (pairs for the closed forms, query rows for exact attention).
+    seed : int, default 0
+        Seed of the subsampling.
+
+    Returns
+    -------
+    Diagnosis
+    """
+    from . import theory
+
+    q = check_floating("q", q)
+    k = check_floating("k", k)
+    d = q.shape[-1]
+    check_last_dim("k", k, d)
+    if not (isinstance(target, (int, float)) and target > 0):
+        raise ValueError(f"target must be a positive float, got {target!r}")
+    check_positive_int("max_features", max_features)
+    check_positive_int("max_pairs", max_pairs)
+    check_positive_int("max_rows", max_rows)
+    qf, kf = _flat(q).detach().double().cpu(), _flat(k).detach().double().cpu()
+    if not (bool(torch.isfinite(qf).all()) and bool(torch.isfinite(kf).all())):
+        raise ValueError("diagnose needs finite q and k")
+    n, m = qf.shape[0], kf.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    n_side = max(1, int(math.sqrt(max_pairs)))
+    qi = torch.randperm(n, generator=g)[: min(n, n_side)]
+    kj = torch.randperm(m, generator=g)[: min(m, n_side)]
+    qs, ks = qf[qi], kf[kj]  # the closed forms are evaluated on all qs x ks pairs
+    rows_idx = torch.randperm(n, generator=g)[: min(n, max_rows)]
+
+    qn, kn = qf.norm(dim=-1), kf.norm(dim=-1)
+    t = ((qs[:, None, :] + ks[None, :, :]) ** 2).sum(-1)
+    t_bar = float((qn**2).mean() + (kn**2).mean() + 2 * (qf.mean(0) @ kf.mean(0)))
+    logits = qf[rows_idx] @ kf.T
+    p = torch.softmax(logits, dim=-1)
+    ent = -(p * torch.log(p.clamp_min(1e-300))).sum(-1)
+    regime = {
+        "n": n, "m": m, "d": d,
+        "q_norm_median": float(qn.median()), "q_norm_q90": float(qn.quantile(0.9)),
+        "k_norm_median": float(kn.median()), "k_norm_q90": float(kn.quantile(0.9)),
+        "t_bar": t_bar, "t_median": float(t.median()), "t_q90": float(t.quantile(0.9)),
+        "entropy_mean": float(ent.mean()), "entropy_min": float(ent.min()), "log_m": math.log(m),
+    }
+
+    if feature_map is not None:
+        from .registry import estimator_of
+
+        est = estimator_of(feature_map)
+        r0 = int(num_features or feature_map.num_features)
+        smp0: str | None = getattr(getattr(feature_map, "sampler", None), "name", None)
+        cands: list[tuple[Any, str | None, Any]] = [(est, smp0, feature_map)]
+    else:
+        r0 = int(num_features or 256)
+        cands = []
+        for est in estimators():
+            if est.learned:
+                continue
+            if est.is_random:
+                law = "orthogonal" if "moments" in est.closed_forms("orthogonal") else "gaussian"
+                if "moments" not in est.closed_forms(law):
+                    continue
+                cands.append((est, law, None))
+            elif "exact_error" in est.closed_forms():
+                cands.append((est, None, None))
+    check_positive_int("num_features", r0)
+
+    rows: list[dict[str, Any]] = []
+    for est, smp, fm in cands:
+        kw: dict[str, Any] = {} if smp is None else {"sampler": smp}
+        if fm is None:
+            r_build = r0 if est.is_random or est.data_dependent else None
+            if est.data_dependent and not est.is_random:
+                # Nystrom: with as many landmarks as keys it is exact attention at quadratic cost
+                r_build = max(1, min(r0, m // 4))
+            fm = est.build(d, r_build, seed=0, dtype=torch.float64, **kw)
+        if est.data_dependent:
+            fm.fit(qf, kf)
+        rel = np.asarray(theory.relative_mse(fm, qs, ks), dtype=np.float64)
+        rel_mean, rel_med = float(np.mean(rel)), float(np.median(rel))
+        nv, valid = math.nan, True
+        r_need = math.nan
+        if est.is_random:
+            r_need = fm.num_features * rel_med / target
+            if "attention_variance" in est.closed_forms("gaussian"):
+                # the delta-method theory is for iid rows: evaluated on the iid twin of the map
+                twin = fm if getattr(fm.sampler, "row_law", None) == "iid" else est.build(
+                    d, fm.num_features, sampler="gaussian", seed=0, dtype=torch.float64)
+                nrv = theory.normaliser_relative_variance(twin, qf[rows_idx], kf)
+                nv = float(torch.as_tensor(nrv).max())
+                valid = nv <= DELTA_VALID
+        rows.append({
+            "estimator": est.name, "label": est.label, "sampler": smp or "none",
+            "num_features": int(getattr(fm, "num_features", d)), "feature_dim": int(fm.feature_dim),
+            "rel_mse_mean": rel_mean, "rel_mse_median": rel_med, "r_needed": float(r_need),
+            "normaliser_rel_var": nv, "delta_method_valid": bool(valid),
+            "kind": "random" if est.is_random else "deterministic",
+        })
+
+    rand = [r for r in rows if r["kind"] == "random" and math.isfinite(r["r_needed"])]
+    best = min(rand, key=lambda r: r["r_needed"], default=None)
+    # feasible: the kernel target is reached with at most max_features projections and the
+    # attention normaliser concentrates there (where the theory for it exists)
+    feasible = best is not None and best["r_needed"] <= max_features
+    if feasible and best is not None:
+        rec = (f"{best['label']} ({best['sampler']} rows) reaches a median relative kernel MSE of "
+               f"{target:g} at r ≈ {math.ceil(best['r_needed'])}")
+        if not best["delta_method_valid"]:
+            rec += ("; but its attention normaliser does not concentrate at r = "
+                    f"{best['num_features']}: check the attention output by Monte Carlo")
+    else:
+        det = [r for r in rows if r["kind"] == "deterministic"]
+        bd = min(det, key=lambda r: r["rel_mse_median"], default=None)
+        rec = "no random-feature estimator reaches the target: "
+        rec += (f"best random estimator {best['label']} would need r ≈ {best['r_needed']:.3g}; "
+                if best is not None else "")
+        rec += "use a learned or data-dependent map (ka.fit_feature_map with HedgehogFeatures, Nyström, Taylor)"
+        if bd is not None:
+            rec += f"; the best deterministic map here is {bd['label']} (median relative MSE {bd['rel_mse_median']:.3g})"
+    return Diagnosis(regime=regime, rows=rows, recommendation=rec, feasible=feasible, target=float(target))

@@ -1,0 +1,104 @@
+r"""``ka.diagnose``: regime statistics, predictions that match Monte Carlo, and the two regimes of
+the issue (random features work at sigma = 0.25, none does at sigma = 1, d = 64).
+
+Prediction against Monte Carlo. For the sampled pairs, ``S`` independent maps give per-pair
+relative MSEs ``m_p = mean_s ((K_hat_s - K) / K)^2``; their median over pairs is compared with the
+predicted median. At sigma = 0.25 (``|q + k|^2 ~ 1``) the relative errors are light-tailed, so
+each ``m_p`` has a relative standard error of about ``sqrt(2 / S) = 3.2 %`` at ``S = 2000`` (for a
+normal error; log-normal terms at ``t ~ 1`` add a few percent): the median over pairs moves by
+less than that, and a 10 % tolerance is three standard errors. A wrong closed form (or a wrong
+``r``, a factor 2) misses it by far.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kernelapprox as ka
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def data(sigma: float, n: int = 128, d: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(2, n, d, generator=g, dtype=torch.float64) * sigma / d**0.25).unbind(0)
+    return q, k
+
+
+def test_regime_statistics_are_the_brute_force_ones():
+    q, k = data(0.5, n=64, d=16)
+    dx = ka.diagnose(q, k, num_features=64, max_rows=64, max_pairs=64 * 64)
+    t_all = ((q[:, None] + k[None]) ** 2).sum(-1)
+    assert math.isclose(dx.regime["t_bar"], float(t_all.mean()), rel_tol=1e-12)
+    p = torch.softmax(q @ k.T, dim=-1)
+    ent = -(p * p.log()).sum(-1)
+    assert math.isclose(dx.regime["entropy_mean"], float(ent.mean()), rel_tol=1e-10)
+    assert math.isclose(dx.regime["log_m"], math.log(64))
+    assert math.isclose(dx.regime["q_norm_median"], float(q.norm(dim=-1).median()), rel_tol=1e-12)
+
+
+def test_the_two_regimes_of_the_issue():
+    """Warns (infeasible, advice to use a learned or data-dependent map) at sigma = 1, d = 64;
+    feasible at sigma = 0.25."""
+    q, k = data(1.0)
+    bad = ka.diagnose(q, k, num_features=256)
+    assert not bad.feasible
+    assert bad.recommendation.startswith("no random-feature estimator reaches the target")
+    assert "learned or data-dependent" in bad.recommendation
+    pos = next(r for r in bad.rows if r["estimator"] == "positive")
+    assert pos["rel_mse_median"] > 100 and not pos["delta_method_valid"]
+    good = ka.diagnose(0.25 * q, 0.25 * k, num_features=256)
+    assert good.feasible
+    pos = next(r for r in good.rows if r["estimator"] == "positive")
+    assert pos["rel_mse_median"] < 0.01 and pos["delta_method_valid"]
+    assert "reaches a median relative kernel MSE" in good.recommendation
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("name", ["positive", "trig-sincos", "oprf"])
+def test_predicted_median_matches_monte_carlo(name):
+    q, k = data(0.25, n=32, d=16, seed=3)
+    r, S = 64, 2000
+    dx = ka.diagnose(q, k, num_features=r, max_pairs=32 * 32)
+    row = next(x for x in dx.rows if x["estimator"] == name)
+    fm = ka.get_estimator(name).build(16, r, sampler=row["sampler"], batch_shape=(S,), seed=11, dtype=torch.float64)
+    fm.fit(q, k)
+    K = ka.softmax_kernel(q, k)
+    per_pair = (((fm.kernel(q, k) - K) / K) ** 2).mean(0)
+    ratio = float(per_pair.median()) / row["rel_mse_median"]
+    assert 0.9 < ratio < 1.1, ratio
+    # r_needed follows the 1/r law of the median
+    assert math.isclose(row["r_needed"], r * row["rel_mse_median"] / dx.target, rel_tol=1e-12)
+
+
+def test_one_feature_map_and_data_dependent_fit():
+    q, k = data(0.5, n=64, d=16)
+    fm = ka.OptimalPositiveRF(16, 32, sampler="orthogonal", seed=0, dtype=torch.float64)
+    dx = ka.diagnose(q, k, fm)
+    assert [r["estimator"] for r in dx.rows] == ["oprf"]
+    assert float(fm.A_) < 0  # fitted on (q, k)
+    assert dx.rows[0]["num_features"] == 32
+
+
+def test_output_forms_and_validation():
+    q, k = data(0.5, n=32, d=8)
+    dx = ka.diagnose(q, k, num_features=16)
+    text = repr(dx)
+    assert "Diagnosis(" in text and dx.recommendation in text
+    assert "<table>" in dx._repr_html_()
+    df = dx.to_frame()
+    assert {"estimator", "rel_mse_median", "r_needed", "normaliser_rel_var"} <= set(df.columns)
+    assert not any(r["estimator"].startswith("hedgehog") for r in dx.rows)  # no closed form
+    with pytest.raises(ValueError, match="target"):
+        ka.diagnose(q, k, target=0.0)
+    bad = q.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        ka.diagnose(bad, k)
+    with pytest.raises(ValueError):
+        ka.diagnose(q, k[:, :4])
+    with pytest.raises(TypeError):
+        ka.diagnose(q.numpy(), k)  # type: ignore[arg-type]
