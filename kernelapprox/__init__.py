@@ -22,7 +22,7 @@ from .attention import (
 )
 from .dense_exponential import SADERF, SDERF, OptimalPositiveRF
 from .deterministic import NystromFeatures, TaylorFeatures
-from .diagnose import Diagnosis, diagnose
+from .diagnose import Diagnosis, KernelApproxWarning, diagnose
 from .exact import softmax_attention, softmax_kernel
 from .features import (
     EluFeatures,
@@ -74,6 +74,7 @@ __all__ = [
     "SDERF",
     "diagnose",
     "Diagnosis",
+    "KernelApproxWarning",
     "HybridRF",
     "TaylorFeatures",
     "NystromFeatures",

@@ -54,7 +54,7 @@ import torch
 from ._validation import check_floating, check_last_dim, check_positive_int
 from .registry import estimators
 
-__all__ = ["Diagnosis", "diagnose"]
+__all__ = ["Diagnosis", "diagnose", "KernelApproxWarning", "quick_relative_mse", "WARN_RELATIVE_MSE"]
 
 #: Largest normaliser relative variance at which the delta method was found accurate (docs/theory.md §2).
 DELTA_VALID = 0.05
@@ -284,3 +284,75 @@ def diagnose(
         if bd is not None:
             rec += f"; the best deterministic map here is {bd['label']} (median relative MSE {bd['rel_mse_median']:.3g})"
     return Diagnosis(regime=regime, rows=rows, recommendation=rec, feasible=feasible, target=float(target))
+
+
+class KernelApproxWarning(UserWarning):
+    """Raised (once per call site, by Python's default warning filter) when the closed forms predict
+    that a random feature map cannot approximate :math:`e^{q^\\top k}` on the given batch.
+
+    Silence it with ``warnings.filterwarnings("ignore", category=ka.KernelApproxWarning)`` or
+    ``ka.linear_attention(..., check=False)``.
+    """
+
+
+#: Predicted relative kernel MSE above which :func:`kernelapprox.linear_attention` warns.
+WARN_RELATIVE_MSE = 1.0
+
+
+def quick_relative_mse(fm: Any, q: torch.Tensor, k: torch.Tensor) -> float:
+    r"""Predicted relative kernel MSE of ``fm`` on the batch ``(q, k)`` from :math:`O(nd)` statistics.
+
+    The closed form of the map's estimator (:func:`kernelapprox.theory.relative_mse`, fitted
+    parameters included) evaluated at one representative pair with
+    :math:`\|x\|^2 = \overline{\|q\|^2}`, :math:`\|y\|^2 = \overline{\|k\|^2}` and
+    :math:`x^\top y = \bar q^\top\bar k` (so that :math:`\|x+y\|^2 = \bar t`, the mean over all
+    pairs; the means are taken over at most ~256 evenly spaced tokens of each sequence), for the
+    batch element with the largest :math:`\bar t`. The relative MSE is convex and
+    increasing in :math:`t`, so by Jensen the mean over pairs is at least this value: the check
+    errs toward silence. ``nan`` for maps without closed-form moments (deterministic, learned,
+    hybrid, SORF/QMC rows).
+
+    Parameters
+    ----------
+    fm : FeatureMap
+    q : Tensor, shape (..., n, d)
+    k : Tensor, shape (..., m, d)
+
+    Returns
+    -------
+    float
+    """
+    from . import theory
+    from .registry import estimator_of
+
+    try:
+        est = estimator_of(fm)
+    except (LookupError, TypeError):
+        return math.nan
+    if not est.is_random or "moments" not in est.closed_forms(getattr(fm, "sampler", None)):
+        return math.nan
+    with torch.no_grad():
+        dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
+        # at most ~256 evenly spaced tokens per sequence: the means of |q|^2, |k|^2, q and k are
+        # what the check needs, and a strided view reads a fraction of the memory
+        qd = q.detach()[..., :: max(1, q.shape[-2] // 256), :].to(dt)
+        kd = k.detach()[..., :: max(1, k.shape[-2] // 256), :].to(dt)
+        nq = torch.linalg.vector_norm(qd, dim=(-2, -1)).double() ** 2 / qd.shape[-2]
+        nk = torch.linalg.vector_norm(kd, dim=(-2, -1)).double() ** 2 / kd.shape[-2]
+        xy = (qd.mean(-2).double() * kd.mean(-2).double()).sum(-1)
+        nq, nk, xy = torch.broadcast_tensors(nq, nk, xy)
+        tb = nq + nk + 2 * xy
+        if not bool(torch.isfinite(tb).all()):
+            return math.nan
+        i = int(tb.reshape(-1).argmax())
+        a2, b2, c = float(nq.reshape(-1)[i]), float(nk.reshape(-1)[i]), float(xy.reshape(-1)[i])
+    d = int(q.shape[-1])
+    a = math.sqrt(max(a2, 0.0))
+    x = np.zeros((1, d))
+    y = np.zeros((1, d))
+    x[0, 0] = a
+    y[0, 0] = c / a if a > 0 else 0.0
+    if d > 1:
+        y[0, 1] = math.sqrt(max(b2 - y[0, 0] ** 2, 0.0))
+    rel = np.asarray(theory.relative_mse(fm, x, y), dtype=np.float64)
+    return float(np.max(rel))

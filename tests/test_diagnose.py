@@ -13,6 +13,7 @@ less than that, and a 10 % tolerance is three standard errors. A wrong closed fo
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -102,3 +103,44 @@ def test_output_forms_and_validation():
         ka.diagnose(q, k[:, :4])
     with pytest.raises(TypeError):
         ka.diagnose(q.numpy(), k)  # type: ignore[arg-type]
+
+
+def _attention_warnings(q, k, fm, **kw) -> list[warnings.WarningMessage]:
+    v = torch.randn(*q.shape[:-1], 4, dtype=q.dtype, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ka.linear_attention(q, k, v, fm, **kw)
+    return [w for w in rec if issubclass(w.category, ka.KernelApproxWarning)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_linear_attention_warns_where_the_estimator_cannot_work(causal):
+    """sigma = 1, d = 64 (standard attention scale): FAVOR+ at r = 256 warns, pointing at the caller;
+    sigma = 0.25: silent; check=False: silent; deterministic maps: never checked."""
+    q, k = data(1.0, n=128)
+    fm = ka.PositiveRF(64, 256, sampler="orthogonal", seed=0)
+    got = _attention_warnings(q, k, fm, causal=causal)
+    assert len(got) == 1 and "ka.diagnose" in str(got[0].message)
+    assert got[0].filename == __file__
+    assert _attention_warnings(0.25 * q, 0.25 * k, fm, causal=causal) == []
+    assert _attention_warnings(q, k, fm, causal=causal, check=False) == []
+    assert _attention_warnings(q, k, ka.EluFeatures(64), causal=causal) == []
+    # a fitted FAVOR++ map is predicted with its own A: still hopeless at this scale
+    assert len(_attention_warnings(q, k, ka.OptimalPositiveRF(64, 256, seed=0), fit=True, causal=causal)) == 1
+    with pytest.raises(TypeError, match="check must be a bool"):
+        ka.linear_attention(q, k, q, fm, check=1)  # type: ignore[arg-type]
+
+
+def test_quick_prediction_is_the_closed_form_at_the_mean_pair():
+    """quick_relative_mse = ka.theory.relative_mse at (x, y) with |x|^2, |y|^2, x.y the batch means;
+    below the pair-averaged closed form (Jensen: the relative MSE is convex in t)."""
+    from kernelapprox.diagnose import quick_relative_mse
+
+    q, k = data(0.5, n=64, d=16)
+    fm = ka.PositiveRF(16, 64, seed=0, dtype=torch.float64)
+    quick = quick_relative_mse(fm, q, k)
+    tbar = float(((q[:, None] + k[None]) ** 2).sum(-1).mean())
+    assert math.isclose(quick, math.expm1(tbar) / 64, rel_tol=1e-9)  # positive iid: (e^t - 1) / r
+    assert quick <= float(torch.as_tensor(ka.theory.relative_mse(fm, q, k)).mean())
+    assert math.isnan(quick_relative_mse(ka.EluFeatures(16), q, k))
+    assert math.isnan(quick_relative_mse(ka.PositiveRF(16, 64, sampler="structured", seed=0), q, k))

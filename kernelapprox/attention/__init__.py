@@ -6,6 +6,8 @@ Layout (after flash-linear-attention): ``naive`` (quadratic reference), ``parall
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .._validation import no_autocast
@@ -15,6 +17,45 @@ from .naive import naive_linear_attention, naive_recurrent_linear_attention
 from .parallel import parallel_linear_attention
 from .recurrent import RecurrentLinearAttention
 from .state import LinearAttentionState
+
+
+def _checkable(q: object, k: object, fm: FeatureMap) -> bool:
+    """Whether the closed-form check runs: valid-looking inputs (the attention forms validate and
+    raise otherwise), not on the meta device, and on an accelerator only at a map's first call
+    (the decision to warn needs the host: one synchronisation, not one per call)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.is_floating_point()
+            and k.is_floating_point() and q.dim() >= 2 and k.dim() >= 2 and q.shape[-1] == fm.dim
+            and k.shape[-1] == fm.dim and q.shape[-2] > 0 and k.shape[-2] > 0):
+        return False
+    try:
+        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    except RuntimeError:
+        return False
+    if q.device.type == "meta":
+        return False
+    if q.device.type != "cpu":
+        if getattr(fm, "_kernelapprox_checked", False):
+            return False
+        object.__setattr__(fm, "_kernelapprox_checked", True)  # a plain flag, not a module attribute
+    return True
+
+
+def _warn_if_hopeless(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> None:
+    from ..diagnose import WARN_RELATIVE_MSE, KernelApproxWarning, quick_relative_mse
+
+    rel = quick_relative_mse(fm, q, k)
+    if rel > WARN_RELATIVE_MSE:
+        warnings.warn(
+            KernelApproxWarning(
+                f"{type(fm).__name__} with r = {fm.num_features}: the closed form predicts a relative "
+                f"kernel MSE of {rel:.3g} on this batch (at the mean |q + k|^2; > {WARN_RELATIVE_MSE:g}), "
+                "so linear attention will be far from softmax attention. Inputs scaled by d^(-1/4)? "
+                "See ka.diagnose(q, k) for every estimator and the r each needs; silence with "
+                "check=False or warnings.filterwarnings('ignore', category=ka.KernelApproxWarning)."
+            ),
+            stacklevel=4,  # _warn_if_hopeless < linear_attention < no_autocast wrapper < caller
+        )
+
 
 __all__ = [
     "linear_attention",
@@ -40,6 +81,7 @@ def linear_attention(
     return_state: bool = False,
     eps: float = 1e-6,
     fit: bool = False,
+    check: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
     r"""Linear attention with feature map :math:`\varphi` (queries and keys use the same map).
 
@@ -81,6 +123,15 @@ def linear_attention(
         ``feature_map.fit(q, k)`` (in place; a no-op for maps without any), as the FAVOR++/FAVOR#
         code does per batch. With ``causal=True`` the statistics then include future keys (the
         official code does the same); fit on a calibration batch instead where that matters.
+    check : bool, default True
+        Warn (:class:`kernelapprox.KernelApproxWarning`, once per call site under Python's default
+        filter) when the map's closed form predicts a relative kernel MSE above
+        ``kernelapprox.diagnose.WARN_RELATIVE_MSE`` (1.0) on this batch
+        (:func:`kernelapprox.diagnose.quick_relative_mse`: :math:`O(nd)` statistics, one
+        closed-form evaluation; maps without closed-form moments are not checked; on an accelerator
+        only the first call of each map is checked, since the decision needs one host
+        synchronisation). ``False``, or
+        ``warnings.filterwarnings("ignore", category=ka.KernelApproxWarning)``, turns it off.
 
     Returns
     -------
@@ -98,10 +149,14 @@ def linear_attention(
     """
     if not isinstance(fit, bool):
         raise TypeError(f"fit must be a bool, got {fit!r}")
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, got {check!r}")
     if fit:
         if not isinstance(feature_map, FeatureMap):
             raise TypeError(f"feature_map must be a kernelapprox FeatureMap, got {type(feature_map).__name__}")
         feature_map.fit(q, k)
+    if check and isinstance(feature_map, FeatureMap) and feature_map.is_random and _checkable(q, k, feature_map):
+        _warn_if_hopeless(feature_map, q, k)
     if causal:
         return chunk_linear_attention(
             q, k, v, feature_map, chunk_size=chunk_size, initial_state=initial_state,
