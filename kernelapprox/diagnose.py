@@ -72,7 +72,8 @@ class Diagnosis:
     rows : list of dict
         One per estimator: ``estimator``, ``label``, ``sampler``, ``num_features``,
         ``feature_dim``, ``rel_mse_mean``, ``rel_mse_median``, ``r_needed``,
-        ``normaliser_rel_var`` (NaN where no theory), ``delta_method_valid``, ``kind``.
+        ``normaliser_rel_var`` (NaN where no theory), ``delta_method_valid``,
+        ``attn_rel_err_pred`` (with ``v``; NaN otherwise), ``kind``.
     recommendation : str
     feasible : bool
         Whether some random estimator reaches ``target`` with at most ``max_features`` projections.
@@ -139,6 +140,7 @@ def diagnose(
     k: torch.Tensor,
     feature_map: Any = None,
     *,
+    v: torch.Tensor | None = None,
     num_features: int | None = None,
     target: float = 0.01,
     max_features: int = 65536,
@@ -158,6 +160,11 @@ def diagnose(
     feature_map : FeatureMap, optional
         Diagnose only this map (its ``num_features`` and sampler); default: every registered
         estimator with a closed form, with orthogonal rows where the theory covers them.
+    v : Tensor, shape (..., m, dv), optional
+        Values: with them, each row also predicts the relative attention-output error
+        :math:`\sqrt{\sum\mathrm{Var}(\hat o)}/\|o\|_F` on the sampled query rows by the delta
+        method (iid rows, :func:`kernelapprox.theory.attention_variance`; valid only where
+        ``delta_method_valid``).
     num_features : int, optional
         ``r`` for the registered estimators (default 256, or ``feature_map.num_features``).
     target : float, default 0.01
@@ -194,6 +201,12 @@ def diagnose(
     kj = torch.randperm(m, generator=g)[: min(m, n_side)]
     qs, ks = qf[qi], kf[kj]  # the closed forms are evaluated on all qs x ks pairs
     rows_idx = torch.randperm(n, generator=g)[: min(n, max_rows)]
+    vf = None
+    if v is not None:
+        v = check_floating("v", v)
+        if v.shape[-2] != k.shape[-2]:
+            raise ValueError(f"v must have shape (..., m={k.shape[-2]}, dv), got {tuple(v.shape)}")
+        vf = _flat(v).detach().double().cpu()
 
     qn, kn = qf.norm(dim=-1), kf.norm(dim=-1)
     t = ((qs[:, None, :] + ks[None, :, :]) ** 2).sum(-1)
@@ -244,7 +257,7 @@ def diagnose(
             fm.fit(qf, kf)
         rel = np.asarray(theory.relative_mse(fm, qs, ks), dtype=np.float64)
         rel_mean, rel_med = float(np.mean(rel)), float(np.median(rel))
-        nv, valid = math.nan, True
+        nv, valid, attn_pred = math.nan, True, math.nan
         r_need = math.nan
         if est.is_random:
             r_need = fm.num_features * rel_med / target
@@ -255,11 +268,15 @@ def diagnose(
                 nrv = theory.normaliser_relative_variance(twin, qf[rows_idx], kf)
                 nv = float(torch.as_tensor(nrv).max())
                 valid = nv <= DELTA_VALID
+                if vf is not None:
+                    var = theory.attention_variance(twin, qf[rows_idx], kf, vf)
+                    o = torch.softmax(qf[rows_idx] @ kf.T, dim=-1) @ vf
+                    attn_pred = float(torch.sqrt(torch.as_tensor(var).sum()) / o.norm())
         rows.append({
             "estimator": est.name, "label": est.label, "sampler": smp or "none",
             "num_features": int(getattr(fm, "num_features", d)), "feature_dim": int(fm.feature_dim),
             "rel_mse_mean": rel_mean, "rel_mse_median": rel_med, "r_needed": float(r_need),
-            "normaliser_rel_var": nv, "delta_method_valid": bool(valid),
+            "normaliser_rel_var": nv, "delta_method_valid": bool(valid), "attn_rel_err_pred": attn_pred,
             "kind": "random" if est.is_random else "deterministic",
         })
 
