@@ -14,6 +14,7 @@ STUDY_MODULES: tuple[str, ...] = (
     "state_capacity",
     "qr_sign_bias",
     "estimator_league",
+    "diagnose_validation",
 )
 
 __all__ = ["STUDY_MODULES"]
