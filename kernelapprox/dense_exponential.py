@@ -129,8 +129,8 @@ def _finite(name: str, *stats: torch.Tensor) -> None:
         raise ValueError(f"{name}.fit needs finite q and k (a non-finite statistic would poison every feature)")
 
 
-def _t_bar(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Mean of |q_i + k_j|^2 over all pairs, float64, shape broadcast(q lead, k lead).
+def _mean_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Means over rows of |q|^2 and |k|^2, and mean(q).mean(k), float64, shape (...) each.
 
     Sums are accumulated in the inputs' precision (at least float32: a relative rounding of
     ~1e-6 in the statistic, negligible in the fitted parameter) and finished in float64.
@@ -138,6 +138,12 @@ def _t_bar(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     nq = torch.linalg.vector_norm(q, dim=(-2, -1)).double() ** 2 / q.shape[-2]  # one pass, no copy
     nk = torch.linalg.vector_norm(k, dim=(-2, -1)).double() ** 2 / k.shape[-2]
     cross = (q.mean(-2).double() * k.mean(-2).double()).sum(-1)
+    return nq, nk, cross
+
+
+def _t_bar(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Mean of |q_i + k_j|^2 over all pairs, float64, shape broadcast(q lead, k lead)."""
+    nq, nk, cross = _mean_stats(q, k)
     return nq + nk + 2.0 * cross
 
 

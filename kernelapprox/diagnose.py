@@ -340,6 +340,7 @@ def quick_relative_mse(fm: Any, q: torch.Tensor, k: torch.Tensor) -> float:
     float
     """
     from . import theory
+    from .dense_exponential import _mean_stats
     from .registry import estimator_of
 
     try:
@@ -354,10 +355,7 @@ def quick_relative_mse(fm: Any, q: torch.Tensor, k: torch.Tensor) -> float:
         # what the check needs, and a strided view reads a fraction of the memory
         qd = q.detach()[..., :: max(1, q.shape[-2] // 256), :].to(dt)
         kd = k.detach()[..., :: max(1, k.shape[-2] // 256), :].to(dt)
-        nq = torch.linalg.vector_norm(qd, dim=(-2, -1)).double() ** 2 / qd.shape[-2]
-        nk = torch.linalg.vector_norm(kd, dim=(-2, -1)).double() ** 2 / kd.shape[-2]
-        xy = (qd.mean(-2).double() * kd.mean(-2).double()).sum(-1)
-        nq, nk, xy = torch.broadcast_tensors(nq, nk, xy)
+        nq, nk, xy = torch.broadcast_tensors(*_mean_stats(qd, kd))
         tb = nq + nk + 2 * xy
         if not bool(torch.isfinite(tb).all()):
             return math.nan
