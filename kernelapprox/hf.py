@@ -451,10 +451,11 @@ def stream(
 ) -> Iterator[LayerCapture]:
     r"""Like :func:`capture`, but yield one :class:`LayerCapture` at a time, as the model runs.
 
-    The forward pass runs in a worker thread that waits after each layer until the consumer has
-    taken the record, so at most one layer's q, k, v is held at a time (plus what the consumer
-    keeps): a large model's capture need not fit in memory. Stopping early (``break``) aborts the
-    forward pass and restores the model.
+    The forward pass runs in a worker thread that stops after each recorded layer until the
+    consumer asks for the next one, so the stream itself holds one layer's q, k, v at a time (plus
+    whatever the consumer keeps): a large model's capture need not fit in memory. Stopping early
+    (``break``) aborts the forward pass and restores the model. Arguments are checked when
+    ``stream`` is called, before the first record.
 
     Parameters
     ----------
@@ -474,20 +475,31 @@ def stream(
     ...     print(lc.layer, q.norm(dim=-1).median())
     """
     keep_layers = _layer_set(layers)
+    if not isinstance(record_output, bool):
+        raise TypeError(f"record_output must be a bool, got {record_output!r}")
     impl = _check_model(model)
+    return _stream(model, impl, keep_layers, record_output, to, inputs)
+
+
+def _stream(
+    model: Any, impl: str, keep_layers: set[int] | None, record_output: bool, to: Any, inputs: dict[str, Any],
+) -> Iterator[LayerCapture]:
     handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
+    resume = threading.Event()  # set by the consumer when it asks for the next record
     stop = threading.Event()
     done = object()
 
-    def sink(lc: LayerCapture) -> None:
-        while True:
+    def wait_for_consumer() -> None:
+        while not resume.wait(timeout=0.05):
             if stop.is_set():
                 raise _Stop
-            try:
-                handoff.put(lc, timeout=0.05)
-                return
-            except queue.Full:
-                continue
+        resume.clear()
+
+    def sink(lc: LayerCapture) -> None:
+        handoff.put(lc)  # the queue is empty: the consumer took the previous record
+        wait_for_consumer()  # the model does not run ahead of the consumer
+        if stop.is_set():
+            raise _Stop
 
     def work() -> None:
         item: Any = done
@@ -498,12 +510,7 @@ def stream(
             return
         except BaseException as exc:  # handed to the consumer, re-raised there
             item = exc
-        while not stop.is_set():
-            try:
-                handoff.put(item, timeout=0.05)
-                return
-            except queue.Full:
-                continue
+        handoff.put(item)
 
     switch = _Switch(model, _recorder(impl, sink, keep_layers, record_output, to), "stream")
     with switch:
@@ -517,8 +524,10 @@ def stream(
                 if isinstance(item, BaseException):
                     raise item
                 yield item
+                resume.set()
         finally:
             stop.set()
+            resume.set()
             worker.join()
 
 
@@ -564,6 +573,28 @@ def _build_map(
         "feature_map must be an estimator name, a FeatureMap, a callable (layer, heads, d_head) -> FeatureMap "
         f"or a mapping layer -> FeatureMap, got {type(spec).__name__}"
     )
+
+
+def _check_map_spec(spec: object, layers: set[int] | None, model: Any) -> None:
+    """Reject a bad ``feature_map`` before the model is switched."""
+    from .registry import get_estimator
+
+    if isinstance(spec, str):
+        get_estimator(spec)  # raises on an unknown name
+    elif isinstance(spec, Mapping):
+        bad = {key: type(fm).__name__ for key, fm in spec.items() if not isinstance(fm, FeatureMap)}
+        if bad:
+            raise TypeError(f"feature_map values must be FeatureMaps, got {bad}")
+        n_layers = getattr(model.config, "num_hidden_layers", None)
+        wanted = layers if layers is not None else (set(range(n_layers)) if isinstance(n_layers, int) else set())
+        missing = sorted(wanted - set(spec))
+        if missing:
+            raise KeyError(f"feature_map has no map for layers {missing} (keys {sorted(spec)}); pass layers=")
+    elif not isinstance(spec, FeatureMap) and not callable(spec):
+        raise TypeError(
+            "feature_map must be an estimator name, a FeatureMap, a callable (layer, heads, d_head) -> "
+            f"FeatureMap or a mapping layer -> FeatureMap, got {type(spec).__name__}"
+        )
 
 
 def _valid_keys(allowed: torch.Tensor, causal: bool) -> torch.Tensor | None:
@@ -701,6 +732,7 @@ def linearize(
     for name, value in (("fit_steps", fit_steps), ("chunk_size", chunk_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_map_spec(feature_map, keep_layers, model)
     maps: dict[int, FeatureMap] = {}
 
     def map_for(layer: int, heads: int, dim: int) -> FeatureMap:
@@ -888,6 +920,8 @@ def token_chunks(tokenizer: Any, text: str, *, length: int = 512, max_chunks: in
     """
     if not isinstance(length, int) or isinstance(length, bool) or length < 3:
         raise ValueError(f"length must be an int >= 3, got {length!r}")
+    if max_chunks is not None and (not isinstance(max_chunks, int) or isinstance(max_chunks, bool) or max_chunks < 1):
+        raise ValueError(f"max_chunks must be a positive int or None, got {max_chunks!r}")
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     body = length - 2 if cls is not None and sep is not None else length

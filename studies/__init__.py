@@ -15,6 +15,7 @@ STUDY_MODULES: tuple[str, ...] = (
     "qr_sign_bias",
     "estimator_league",
     "diagnose_validation",
+    "real_attention",
 )
 
 __all__ = ["STUDY_MODULES"]
