@@ -10,7 +10,7 @@ The :math:`\varphi` inside linear attention, its theory, and the evidence.
 
 from __future__ import annotations
 
-from . import dense_exponential, deterministic, hybrid, learned, samplers  # noqa: F401  (registration)
+from . import dense_exponential, deterministic, hf, hybrid, learned, samplers  # noqa: F401  (registration; hf imports transformers lazily)
 from .attention import (
     LinearAttentionState,
     RecurrentLinearAttention,

@@ -420,10 +420,18 @@ def capture(
 
     Examples
     --------
-    >>> from transformers import GPT2Config, GPT2Model                               # doctest: +SKIP
-    >>> model = GPT2Model(GPT2Config(n_embd=32, n_layer=2, n_head=4)).eval()       # doctest: +SKIP
-    >>> cap = capture(model, input_ids=torch.randint(0, 100, (1, 9)))               # doctest: +SKIP
-    >>> q, k = cap.kernel_inputs()    # exp(q @ k.mT) is each head's unnormalised attention  # doctest: +SKIP
+    >>> import torch
+    >>> from transformers import GPT2Config, GPT2Model
+    >>> from kernelapprox import hf
+    >>> _ = torch.manual_seed(0)
+    >>> model = GPT2Model(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99)).eval()
+    >>> cap = hf.capture(model, input_ids=torch.randint(0, 99, (1, 9)), record_output=True)
+    >>> cap
+    Capture(layers=2, batch=1, heads=4, n=9, m=9, d_head=8, causal=True, scaling=0.3536)
+    >>> q, k = cap.kernel_inputs()    # each head's unnormalised attention is exp(q @ k.mT)
+    >>> lc = cap.layers[0]
+    >>> bool(torch.allclose(lc.softmax_attention().float(), lc.output, atol=1e-5))
+    True
     """
     keep_layers = _layer_set(layers)
     if not isinstance(record_output, bool):

@@ -60,6 +60,9 @@ class Study:
             paragraph is generated from the numbers (f-strings over ``df``), never hand-written.
         headline: file name (png) of the headline figure, shown in ``reports/README.md``.
         cache_version: bump it when ``run_cell`` changes meaning, to invalidate cached cells.
+        requires: importable modules the study needs beyond the ``[studies]`` extra, and
+            ``install``: the command that provides them; ``run all`` skips the study (saying so)
+            when one is missing, ``run NAME`` stops with that command.
     """
 
     name: str
@@ -70,6 +73,14 @@ class Study:
     summarize: Callable[[pd.DataFrame, Context], str]
     headline: str = ""
     cache_version: str = "1"
+    requires: tuple[str, ...] = ()
+    install: str = ""
+
+    def missing(self) -> list[str]:
+        """The modules of ``requires`` that cannot be imported here."""
+        import importlib.util
+
+        return [m for m in self.requires if importlib.util.find_spec(m) is None]
 
 
 @dataclass
@@ -619,9 +630,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     if args.names == ["all"]:
-        studies = list(load_studies(strict=False).values())
+        studies = []
+        for s in load_studies(strict=False).values():
+            if s.missing():
+                print(f"[{s.name}] skipped: needs {', '.join(s.missing())} ({s.install})", file=sys.stderr)
+            else:
+                studies.append(s)
     else:
         studies = [get_study(n) for n in args.names]
+        for s in studies:
+            if s.missing():
+                parser.error(f"study {s.name} needs {', '.join(s.missing())}: {s.install}")
     t0 = time.perf_counter()
     for s in studies:
         ts = time.perf_counter()

