@@ -690,7 +690,11 @@ def linearize(
     (``fm.data_dependent``: FAVOR++, FAVOR#, Nyström) are fitted on every batch they see, as in
     use; learned maps (Hedgehog) are fitted per head on ``calibration`` inputs by
     :func:`kernelapprox.fit_feature_map` before the swap. Dropout on attention weights is not
-    applied (use the model in eval mode).
+    applied (use the model in eval mode). Decoding with a KV cache (``n < m`` queries) summarises
+    the cached prefix into a linear-attention state and continues causally: equal to a full
+    forward, at O(m) per step (the prefix's state is recomputed, not cached). Masks other than
+    causal/bidirectional with key padding (sliding windows, packed sequences) raise
+    ``NotImplementedError``.
 
     Parameters
     ----------
@@ -773,9 +777,18 @@ def linearize(
 
     order: dict[int, int] = {}
 
-    def la(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, causal: bool, fit: bool) -> torch.Tensor:
-        out = linear_attention(q, k, v, fm, causal=causal, chunk_size=chunk_size, fit=fit, check=False)
+    def la(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, causal: bool, fit: bool,
+           state: Any = None) -> torch.Tensor:
+        out = linear_attention(q, k, v, fm, causal=causal, chunk_size=chunk_size, fit=fit, check=False,
+                               initial_state=state)
         return cast(torch.Tensor, out)  # no state was requested
+
+    def la_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap) -> torch.Tensor:
+        """Causal with a cached prefix: query i (of n) sees keys j <= m - n + i (decoding)."""
+        p = k.shape[-2] - q.shape[-2]
+        _, state = linear_attention(q[..., :1, :], k[..., :p, :], v[..., :p, :], fm, return_state=True,
+                                    check=False)  # the prefix's state (it does not depend on q)
+        return la(q, k[..., p:, :], v[..., p:, :], fm, True, False, state)
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layer = getattr(module, "layer_idx", None)
@@ -788,10 +801,8 @@ def linearize(
         b, h, n, d = query.shape
         m = key.shape[2]
         causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
-        if causal and n != m:
-            raise NotImplementedError(
-                f"linearize handles prefill/encoder calls (n == m); got {n} queries against {m} cached keys"
-            )
+        if causal and n > m:
+            raise ValueError(f"causal attention with more queries ({n}) than keys ({m})")
         s = float(scaling) if scaling is not None else d**-0.5
         fm = map_for(layer, h, d)
         k_, v_ = _repeat(key, h), _repeat(value, h)
@@ -800,30 +811,37 @@ def linearize(
         fit = bool(fm.data_dependent and not fm.learned)
         valid = _valid_keys(_allowed(attention_mask, b, n, m, causal, query.device), causal)
         if valid is None:
-            out = la(qs, ks, v_, fm, causal, fit)
-        else:
-            out = torch.zeros(b, h, n, v_.shape[-1], dtype=torch.promote_types(query.dtype, value.dtype),
-                              device=query.device)
-            for i in range(b):
-                idx = valid[i].nonzero().squeeze(-1)
-                if idx.numel() == 0:
-                    continue
-                ki, vi = ks[i][:, idx], v_[i][:, idx]
-                if not causal:
-                    out[i] = la(qs[i], ki, vi, fm, False, fit).to(out.dtype)
-                    continue
-                # valid queries: causal attention on the compacted sequence (order is kept)
-                oi = la(qs[i][:, idx], ki, vi, fm, True, fit)
-                out[i][:, idx] = oi.to(out.dtype)
-                # padded queries see the valid keys before them: group them by that count
-                pad = (~valid[i]).nonzero().squeeze(-1)
-                seen = torch.searchsorted(idx, pad, right=True)
-                for c in seen.unique().tolist():
-                    if c == 0:
-                        continue  # no allowed key: the row is left at zero
-                    rows = pad[seen == c]
-                    oc = la(qs[i][:, rows], ki[:, :c], vi[:, :c], fm, False, False)
-                    out[i][:, rows] = oc.to(out.dtype)
+            if causal and n < m:  # decoding with a KV cache
+                if fit:
+                    fm.fit(qs, ks)
+                out = la_offset(qs, ks, v_, fm)
+            else:
+                out = la(qs, ks, v_, fm, causal, fit)
+            return out.transpose(1, 2).contiguous(), None
+        out = torch.zeros(b, h, n, v_.shape[-1], dtype=torch.promote_types(query.dtype, value.dtype),
+                          device=query.device)
+        positions = torch.arange(m - n, m, device=query.device)  # absolute positions of the queries
+        for i in range(b):
+            idx = valid[i].nonzero().squeeze(-1)
+            if idx.numel() == 0:
+                continue
+            ki, vi = ks[i][:, idx], v_[i][:, idx]
+            if not causal:
+                out[i] = la(qs[i], ki, vi, fm, False, fit).to(out.dtype)
+                continue
+            if fit:
+                fm.fit(qs[i], ki)
+            rest = positions
+            if n == m:  # valid queries: causal attention on the compacted sequence (order is kept)
+                out[i][:, idx] = la(qs[i][:, idx], ki, vi, fm, True, False).to(out.dtype)
+                rest = (~valid[i]).nonzero().squeeze(-1)
+            # the other queries see the valid keys up to their position: grouped by that count
+            seen = torch.searchsorted(idx, rest, right=True)
+            for c in seen.unique().tolist():
+                if c == 0:
+                    continue  # no allowed key: the row is left at zero
+                rows = rest[seen == c] - (m - n)
+                out[i][:, rows] = la(qs[i][:, rows], ki[:, :c], vi[:, :c], fm, False, False).to(out.dtype)
         return out.transpose(1, 2).contiguous(), None
 
     switch = _Switch(model, attend, "linear")

@@ -441,6 +441,34 @@ def test_linearized_causality(arch):
         assert early > 1e-4
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "left-padded"])
+def test_linearized_decoding_with_a_kv_cache_equals_the_full_forward(arch, pad):
+    """Prefill n-1 tokens with use_cache, then one decoding step: the last token's hidden state
+    equals a full forward of the n tokens under the same linearised model.
+
+    Decoding takes the n < m path (the cached prefix's state, then the new query); a wrong offset
+    or a prefix ignored would move it by O(1). Tolerance 1e-5: float32 sums over <= 12 keys.
+    """
+    model = build(arch, "sdpa")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (B, N), generator=g)
+    mask = torch.ones(B, N, dtype=torch.long)
+    if pad:
+        mask[1, :PAD] = 0  # left padding, as batched generation does
+    with hf.linearize(model, "positive", num_features=16, seed=0), torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -1]
+        pre = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True)
+        step = model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=pre.past_key_values,
+                     use_cache=True).last_hidden_state[:, -1]
+    torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
+    # and the linearised model is not the softmax one (the comparison above can fail)
+    with torch.no_grad():
+        soft = model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -1]
+    assert (soft - full).abs().max() > 1e-4
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_restore_and_maps_per_layer(arch):
     model = build(arch)
