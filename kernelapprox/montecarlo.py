@@ -529,12 +529,9 @@ def ratio_of_means_ci(
 
     .. math::
 
-        \hat
-ho = ar x/ar y,\qquad
-        \mathrm{se}(\log\hat
-ho)^2 = rac{s_x^2}{S_xar x^2} + rac{s_y^2}{S_yar y^2},\qquad
-        \hat
-ho\, e^{\pm z\,\mathrm{se}}.
+        \hat\rho = \bar x/\bar y,\qquad
+        \mathrm{se}(\log\hat\rho)^2 = \frac{s_x^2}{S_x\bar x^2} + \frac{s_y^2}{S_y\bar y^2},\qquad
+        \hat\rho\, e^{\pm z\,\mathrm{se}}.
 
     Valid for large samples with finite variances. For heavy-tailed draws (squared errors of
     positive random features at large :math:`\|q+k\|`, whose fourth moment grows like

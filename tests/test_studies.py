@@ -33,7 +33,7 @@ STUDIES = load_studies(strict=True)  # a study that fails to import fails here, 
 NAMES = list(STUDIES)
 ALL_STUDIES = {
     "error-vs-r", "dlogd", "orthogonal-gain", "attention-error", "cost-crossover", "state-capacity",
-    "qr-sign-bias", "estimator-league", "diagnose-validation",
+    "qr-sign-bias", "estimator-league", "diagnose-validation", "real-attention",
 }
 
 

@@ -76,7 +76,12 @@ def test_uniform_baseline_recomputed(df: pd.DataFrame, capture: hf.Capture) -> N
     got = df[(df["kind"] == "heads") & (df["estimator"] == "uniform") & (df["metric"] == "out_rel_err")
              & (df["layer"] == 2) & (df["head"] == 5)]["mean"]
     assert len(got) == 1
-    assert math.isclose(float(got.iloc[0]), expect, rel_tol=1e-9)
+    # The study scales q, k by sqrt(s) in float32 (Capture.kernel_inputs on the float32 capture)
+    # before going to float64; here the scale is applied in float64. float32 rounding of q̃, k̃
+    # (relative 2^-24 ≈ 6e-8 per entry) moves logits of size |q̃·k̃| <= ~30 by <= ~4e-6 absolute,
+    # hence the attention output by ~1e-6 relative at most; 1e-5 leaves margin and still fails
+    # for any wrong head, layer or baseline (those differ at the 1e-2 level).
+    assert math.isclose(float(got.iloc[0]), expect, rel_tol=1e-5)
 
 
 def test_t_bar_recomputed(df: pd.DataFrame, capture: hf.Capture) -> None:
