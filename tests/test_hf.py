@@ -650,3 +650,35 @@ def test_real_model_chunks_capture_and_embeddings(minilm):
                                hf.sentence_embeddings(model, **alone), rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="attn_implementation"):
         hf.load_minilm(attn_implementation="flex_attention")
+
+
+def test_linearize_real_model_with_keys_as_landmarks_is_exact(minilm):
+    """On MiniLM, Nyström with r = n segment-means landmarks uses every key as a landmark, so the
+    linearised attention interpolates exp(q̃·k̃) at every key: softmax attention exactly, up to
+    the conditioning of K_LL (float32). A wrong scaling, mask or head layout would move the
+    embeddings by O(1) (r = 16: 0.67); the float32 solve moves them by < 1e-3 (measured 1.3e-6)."""
+    model, tok = minilm
+    inp = hf.token_chunks(tok, hf.pydoc_text("evaluation"), length=64, max_chunks=2)
+    exact = hf.sentence_embeddings(model, **inp)
+    with hf.linearize(model, "nystrom", num_features=64, layers=[0, 5]):
+        approx = hf.sentence_embeddings(model, **inp)
+    assert float((approx - exact).abs().max()) < 1e-3
+    with hf.linearize(model, "nystrom", num_features=16, layers=[0, 5]):
+        coarse = hf.sentence_embeddings(model, **inp)
+    assert float((coarse - exact).abs().max()) > 1e-3  # r < n is not exact: the check can fail
+
+
+def test_mistral_capture_reproduces_the_models_attention():
+    """The Mistral family (sliding-window config, window larger than the sequence) through the
+    same interface: capture equals the model's attention output to 1e-5."""
+    from transformers import MistralConfig, MistralModel
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=37, vocab_size=VOCAB, sliding_window=64, attn_implementation="sdpa")
+    model = MistralModel(cfg).eval()
+    cap = hf.capture(model, record_output=True, **inputs(pad=True))
+    assert cap.causal and cap.layers[0].kv_groups == 2
+    for lc in cap.layers:
+        assert lc.output is not None
+        assert float((lc.softmax_attention() - lc.output.double()).abs().max()) < 1e-5
