@@ -280,8 +280,19 @@ def package_version(name: str) -> str:
 
 
 def git_commit() -> str:
-    """``git rev-parse HEAD`` of the repository (read-only), with ``+dirty`` when modified."""
+    """``git rev-parse HEAD`` of this kernelapprox clone (read-only), ``+dirty`` when modified.
+
+    Only a git work tree whose top level is the folder holding ``studies/`` counts: a clone
+    inside another repository (or a copy inside a user's project or venv) never reports the
+    enclosing repository's commit.
+    """
     try:
+        top = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"], cwd=REPO_ROOT, capture_output=True, text=True,
+            timeout=10, check=False,
+        )
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != REPO_ROOT:
+            return "none (not a git clone of kernelapprox)"
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"],
             cwd=REPO_ROOT,
