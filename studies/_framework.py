@@ -14,6 +14,7 @@ every study found in ``<out>``.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -316,14 +317,35 @@ def git_commit() -> str:
         return "unknown"
 
 
-def provenance(ctx: Context, wall_s: float, compute_s: float, n_cells: int, n_cached: int) -> dict:
+def command_line(ctx: Context, *, use_cache: bool = True) -> str:
+    """The ``python -m studies run`` command that reproduces this run, with every flag that
+    changes what is computed or where it goes (``--out`` is the report root)."""
+    parts = ["python -m studies run", ctx.study]
+    if ctx.quick:
+        parts.append("--quick")
+    if ctx.seed:
+        parts.append(f"--seed {ctx.seed}")
+    if ctx.device.type != "cpu":
+        parts.append(f"--device {ctx.device}")
+    if ctx.dtype != torch.float64:
+        parts.append(f"--dtype {str(ctx.dtype).replace('torch.', '')}")
+    root = ctx.out.parent
+    if root.as_posix() != "reports":
+        parts.append(f"--out {root.as_posix()}")
+    if not use_cache:
+        parts.append("--no-cache")
+    return " ".join(parts)
+
+
+def provenance(
+    ctx: Context, wall_s: float, compute_s: float, n_cells: int, n_cached: int, *, use_cache: bool = True,
+) -> dict:
     """The provenance record written to ``provenance.json`` and the summary."""
     return {
         "study": ctx.study,
         "date_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
-        "command": "python -m studies run " + ctx.study + (" --quick" if ctx.quick else "")
-        + (f" --seed {ctx.seed}" if ctx.seed else "")
-        + (f" --device {ctx.device.type}" if ctx.device.type != "cpu" else ""),
+        "command": command_line(ctx, use_cache=use_cache),
+        "code_hash": code_hash(),
         "seed": ctx.seed,
         "quick": ctx.quick,
         "device": str(ctx.device),
@@ -370,10 +392,31 @@ def _device_name(device: torch.device) -> str:
 # --------------------------------------------------------------------------------------------
 # Runner
 # --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def code_hash() -> str:
+    """SHA-256 (16 hex digits) of the code that computes cells: every ``studies/*.py`` and every
+    ``.py`` file of the imported ``kernelapprox`` package.
+
+    Part of each cell's cache key (and of the provenance): a code change never serves a cached
+    cell computed by other code, whatever the commit label or version says. Conservative: a
+    change in any study or library file invalidates every study's cache.
+    """
+    import kernelapprox
+
+    lib = Path(kernelapprox.__file__).resolve().parent
+    h = hashlib.sha256()
+    for prefix, root, pattern in (("kernelapprox", lib, "**/*.py"), ("studies", REPO_ROOT / "studies", "*.py")):
+        for f in sorted(root.glob(pattern)):
+            h.update(f"{prefix}/{f.relative_to(root).as_posix()}\n".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _cell_key(study: Study, cell: dict, ctx: Context) -> str:
     payload = json.dumps(
         {
             "study": study.name,
+            "code": code_hash(),
             "cache_version": study.cache_version,
             "cell": cell,
             "seed": ctx.seed,
@@ -415,6 +458,11 @@ def run_study(
     from tqdm.auto import tqdm
 
     folder = Path(out) / study.name
+    if replot and not (folder / "results.csv").exists():
+        raise FileNotFoundError(
+            f"--replot redraws from {folder / 'results.csv'}, which does not exist; run the study first "
+            f"(python -m studies run {study.name})"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     ctx = Context(
         device=torch.device(device), seed=seed, quick=quick, out=folder, dtype=dtype, study=study.name
@@ -466,7 +514,7 @@ def run_study(
         df = _frame(rows, cell_cols)
         df.to_csv(csv, index=False)
         df = pd.read_csv(csv)  # plot and summarise exactly what --replot will see
-        prov = provenance(ctx, time.perf_counter() - t0, compute_s, len(cells), n_cached)
+        prov = provenance(ctx, time.perf_counter() - t0, compute_s, len(cells), n_cached, use_cache=use_cache)
         prov["cpu_s"] = round(time.process_time() - c0, 2)
 
     t_plot = time.perf_counter()
@@ -610,24 +658,59 @@ def write_index(out: Path) -> Path:
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
+STUDIES_EXTRA = ("pandas", "matplotlib", "seaborn", "tqdm")
+STUDIES_INSTALL = 'pip install "torch==2.13.0" -e ".[studies]"  (from the repository root)'
+
+_EPILOG = """examples:
+  python -m studies list                          what each study shows
+  python -m studies run dlogd                     the headline study, into reports/dlogd/
+  python -m studies run attention-error --quick   a reduced grid (about a minute)
+  python -m studies run all --out /tmp/reports    every study (skips those whose extra is missing)
+  python -m studies run dlogd --replot            redraw figures and summary from results.csv
+
+Each run writes <out>/<study>/: results.csv (tidy: one row per cell and metric, with a 95% CI),
+figures (png, svg), summary.md (key table, findings, provenance) and provenance.json. Cells are
+cached under <out>/<study>/.cache/, keyed on the cell, the flags and a hash of the code, so an
+interrupted run resumes and a code change recomputes.
+"""
+
+
+def _version() -> str:
+    return f"kernelapprox {package_version('kernelapprox')} (studies from commit {git_commit()})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m studies list`` / ``python -m studies run NAME|all [options]``."""
     import argparse
+    import importlib.util
 
-    parser = argparse.ArgumentParser(prog="python -m studies", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser = argparse.ArgumentParser(
+        prog="python -m studies",
+        description="Reproduce kernelapprox's evidence: each study computes a grid of cells and writes "
+                    "its data, figures and a summary into a report folder.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{list,run}")
     sub.add_parser("list", help="name each study with one line on what it shows")
-    run = sub.add_parser("run", help="run studies (NAME ... or all)")
-    run.add_argument("names", nargs="+", help="study names (see `list`) or `all`")
-    run.add_argument("--quick", action="store_true", help="reduced grid (< 1 min per study)")
-    run.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--out", default="reports", help="report root folder")
-    run.add_argument("--replot", action="store_true", help="redraw from results.csv, no compute")
-    run.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    run = sub.add_parser("run", help="run studies (NAME ... or all)", epilog=_EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("names", nargs="+", help="study names (see `python -m studies list`) or `all`")
+    run.add_argument("--quick", action="store_true", help="reduced grid (about a minute per study)")
+    run.add_argument("--device", default="cpu", help="torch device for the computation: cpu (default), cuda, cuda:N")
+    run.add_argument("--seed", type=int, default=0, help="root seed; every cell's seed is derived from it (default 0)")
+    run.add_argument("--out", default="reports", help="report root folder (default: reports)")
+    run.add_argument("--replot", action="store_true", help="redraw figures and summary from results.csv, no compute")
+    run.add_argument("--dtype", default="float64", choices=["float64", "float32"],
+                     help="dtype of the studies' tensors (default float64)")
     run.add_argument("--no-cache", action="store_true", help="ignore and overwrite cached cells")
-    run.add_argument("--no-progress", action="store_true")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+
+    missing = [m for m in STUDIES_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        parser.exit(2, f"python -m studies: the studies need {', '.join(missing)} (the [studies] extra); "
+                       f"install it with: {STUDIES_INSTALL}\n")
 
     if args.cmd == "list":
         with warnings.catch_warnings(record=True) as caught:
@@ -640,18 +723,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{n:<{width}}  {s.description}")
         return 0
 
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device is available here (torch.cuda.is_available() "
+                     "is False); run without --device for the CPU")
+    known = load_studies(strict=False)
     if args.names == ["all"]:
         studies = []
-        for s in load_studies(strict=False).values():
+        for s in known.values():
             if s.missing():
                 print(f"[{s.name}] skipped: needs {', '.join(s.missing())} ({s.install})", file=sys.stderr)
             else:
                 studies.append(s)
     else:
+        unknown = [n for n in args.names if n.replace("_", "-") not in known]
+        if unknown:
+            parser.error(f"unknown study {', '.join(map(repr, unknown))}; choose from: {', '.join(known)} or all")
         studies = [get_study(n) for n in args.names]
         for s in studies:
             if s.missing():
                 parser.error(f"study {s.name} needs {', '.join(s.missing())}: {s.install}")
+    if args.replot:
+        absent = [s.name for s in studies if not (Path(args.out) / s.name / "results.csv").exists()]
+        if absent:
+            parser.error(f"--replot redraws from results.csv, which {', '.join(absent)} lack(s) under "
+                         f"{args.out}/; run the study first")
     t0 = time.perf_counter()
     for s in studies:
         ts = time.perf_counter()
@@ -659,7 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             s,
             out=args.out,
             quick=args.quick,
-            device=args.device,
+            device=device,
             seed=args.seed,
             dtype=getattr(torch, args.dtype),
             replot=args.replot,

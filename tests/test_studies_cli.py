@@ -1,0 +1,100 @@
+"""The studies command line: usage errors exit 2 with one clear line, before any work or folder;
+--version; the cell cache is keyed on the code; the recorded command carries every flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import studies._framework as fw
+from studies._framework import Context, main
+
+
+def _exit(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    return int(info.value.code or 0), capsys.readouterr().err
+
+
+def test_unknown_study_is_a_usage_error_listing_the_names(capsys, tmp_path: Path) -> None:
+    code, err = _exit(["run", "no-such-study", "--out", str(tmp_path)], capsys)
+    assert code == 2
+    assert "unknown study 'no-such-study'" in err and "dlogd" in err and "real-attention" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_replot_without_results_creates_nothing(capsys, tmp_path: Path) -> None:
+    code, err = _exit(["run", "dlogd", "--replot", "--out", str(tmp_path / "r")], capsys)
+    assert code == 2 and "run the study first" in err
+    assert not (tmp_path / "r").exists()
+    # the library function says the same, also before creating the folder
+    with pytest.raises(FileNotFoundError, match="run the study first"):
+        fw.run_study(fw.get_study("dlogd"), out=tmp_path / "r2", replot=True, progress=False)
+    assert not (tmp_path / "r2").exists()
+
+
+def test_cuda_without_a_gpu_is_one_line_before_any_work(capsys, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, err = _exit(["run", "dlogd", "--device", "cuda", "--out", str(tmp_path / "r")], capsys)
+    assert code == 2 and "no CUDA device is available" in err
+    assert not (tmp_path / "r").exists()
+    code, err = _exit(["run", "dlogd", "--device", "tpu9", "--out", str(tmp_path / "r")], capsys)
+    assert code == 2 and "is not a torch device" in err
+
+
+def test_missing_studies_extra_names_the_install_command(capsys, monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "seaborn" else real(name, *a))
+    for argv in (["list"], ["run", "dlogd"]):
+        code, err = _exit(argv, capsys)
+        assert code == 2
+        assert "seaborn" in err and '-e ".[studies]"' in err
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as info:  # argparse prints the version on stdout and exits 0
+        main(["--version"])
+    assert info.value.code == 0
+    assert "kernelapprox 0.1.0" in capsys.readouterr().out
+
+
+def test_cell_cache_is_keyed_on_the_code(monkeypatch) -> None:
+    study = fw.get_study("dlogd")
+    ctx = Context(study="dlogd")
+    cell = {"d": 4}
+    key = fw._cell_key(study, cell, ctx)
+    assert key == fw._cell_key(study, cell, ctx)
+    monkeypatch.setattr(fw, "code_hash", lambda: "0" * 16)  # any change of the code
+    assert fw._cell_key(study, cell, ctx) != key
+
+
+def test_code_hash_covers_library_and_studies(tmp_path: Path, monkeypatch) -> None:
+    """Editing a study file changes the hash (a copy of the studies folder, edited)."""
+    import shutil
+
+    fw.code_hash.cache_clear()
+    before = fw.code_hash()
+    copy = tmp_path / "repo"
+    shutil.copytree(fw.REPO_ROOT / "studies", copy / "studies")
+    monkeypatch.setattr(fw, "REPO_ROOT", copy)
+    fw.code_hash.cache_clear()
+    assert fw.code_hash() == before  # same files, same hash
+    (copy / "studies" / "dlogd.py").write_text((copy / "studies" / "dlogd.py").read_text() + "\n# edit\n")
+    fw.code_hash.cache_clear()
+    assert fw.code_hash() != before
+    monkeypatch.undo()
+    fw.code_hash.cache_clear()
+
+
+def test_recorded_command_has_every_flag(tmp_path: Path) -> None:
+    ctx = Context(device=torch.device("cpu"), seed=3, quick=True, out=tmp_path / "rep" / "dlogd",
+                  dtype=torch.float32, study="dlogd")
+    cmd = fw.command_line(ctx, use_cache=False)
+    assert cmd == (f"python -m studies run dlogd --quick --seed 3 --dtype float32 --out {(tmp_path / 'rep').as_posix()}"
+                   " --no-cache")
+    default = Context(out=Path("reports") / "dlogd", study="dlogd")
+    assert fw.command_line(default) == "python -m studies run dlogd"
