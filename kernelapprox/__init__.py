@@ -1,6 +1,6 @@
-r"""kernelapprox: random-feature approximations of the softmax kernel :math:`\exp(q^\top k)`.
+r"""kernelapprox: random-feature approximations of the softmax kernel $\exp(q^\top k)$.
 
-The :math:`\varphi` inside linear attention, its theory, and the evidence.
+The $\varphi$ inside linear attention, its theory, and the evidence.
 
 >>> import torch, kernelapprox as ka
 >>> fm = ka.PositiveRF(dim=16, num_features=128, sampler="orthogonal", seed=0)

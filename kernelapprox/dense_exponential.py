@@ -1,51 +1,51 @@
 r"""Dense-exponential positive random features: OPRF (FAVOR++) and FAVOR# (SADERF, SDERF).
 
 All three generalise FAVOR+ (:class:`~kernelapprox.PositiveRF`) by a quadratic term in the
-projection :math:`\omega \sim \mathcal N(0, I_d)`, chosen from the data to minimise the variance,
-and stay **unbiased** for :math:`e^{x^\top y}` for every admissible choice:
+projection $\omega \sim \mathcal N(0, I_d)$, chosen from the data to minimise the variance,
+and stay **unbiased** for $e^{x^\top y}$ for every admissible choice:
 
 ================== ==================================================================================== ==========
-class              :math:`\varphi(x)` (query side; keys: see each class)                                fitted
+class              $\varphi(x)$ (query side; keys: see each class)                                fitted
 ================== ==================================================================================== ==========
-``OptimalPositiveRF`` :math:`\frac{D}{\sqrt r} e^{A\|\omega_i\|^2 + \sqrt{1-4A}\,\omega_i^\top x - \|x\|^2/2}`, :math:`D=(1-4A)^{d/4}`  scalar :math:`A`
-``SADERF``         OPRF on :math:`\Psi x` (queries) and :math:`\Psi^{-1} y` (keys), :math:`\Psi` diagonal    :math:`\Psi, A`
-``SDERF``          :math:`\frac{D}{\sqrt r} e^{\omega_i^\top \mathrm{diag}(A)\omega_i + \omega_i^\top B x - \|x\|^2/2}`, :math:`B = \mathrm{diag}(\sqrt{1-4A_l})Q^\top`  :math:`Q, A_l`
+``OptimalPositiveRF`` $\frac{D}{\sqrt r} e^{A\|\omega_i\|^2 + \sqrt{1-4A}\,\omega_i^\top x - \|x\|^2/2}$, $D=(1-4A)^{d/4}$  scalar $A$
+``SADERF``         OPRF on $\Psi x$ (queries) and $\Psi^{-1} y$ (keys), $\Psi$ diagonal    $\Psi, A$
+``SDERF``          $\frac{D}{\sqrt r} e^{\omega_i^\top \mathrm{diag}(A)\omega_i + \omega_i^\top B x - \|x\|^2/2}$, $B = \mathrm{diag}(\sqrt{1-4A_l})Q^\top$  $Q, A_l$
 ================== ==================================================================================== ==========
 
 Unbiasedness (GERF family, [LCD22]_ Thm 3.1, re-derived in ``docs/estimators.md``): for
-:math:`\omega\sim\mathcal N(0,I)` and :math:`1 - 4A > 0`,
-:math:`E\,e^{2A\|\omega\|^2 + B\omega^\top z} = (1-4A)^{-d/2} e^{B^2\|z\|^2/(2(1-4A))}`, so with
-:math:`B^2 = 1-4A` and :math:`D^2 = (1-4A)^{d/2}`, :math:`E\,\varphi(x)^\top\varphi(y) = e^{-(\|x\|^2
-+\|y\|^2)/2} e^{\|x+y\|^2/2} = e^{x^\top y}`. The variance is finite for :math:`A < 1/8`.
+$\omega\sim\mathcal N(0,I)$ and $1 - 4A > 0$,
+$E\,e^{2A\|\omega\|^2 + B\omega^\top z} = (1-4A)^{-d/2} e^{B^2\|z\|^2/(2(1-4A))}$, so with
+$B^2 = 1-4A$ and $D^2 = (1-4A)^{d/2}$, $E\,\varphi(x)^\top\varphi(y) = e^{-(\|x\|^2
++\|y\|^2)/2} e^{\|x+y\|^2/2} = e^{x^\top y}$. The variance is finite for $A < 1/8$.
 
 Fitting (``fit(q, k)``, in place, statistics detached from autograd as in the reference code):
-the parameters minimise the *pair-averaged log second moment* :math:`\frac1{nm}\sum_{ij}\log
-E\hat K_{ij}^2` [LCD22]_ [LCD23]_, which depends on the data only through
+the parameters minimise the *pair-averaged log second moment* $\frac1{nm}\sum_{ij}\log
+E\hat K_{ij}^2$ [LCD22]_ [LCD23]_, which depends on the data only through
 
-* OPRF: :math:`\bar t = \overline{\|x\|^2} + \overline{\|y\|^2} + 2\bar x^\top\bar y` (the mean of
-  :math:`\|x_i + y_j\|^2` over all pairs), giving
-  :math:`A^* = \frac{d - 2\bar t - \sqrt{(2\bar t + d)^2 + 8d\bar t}}{16d} \le 0`;
-* SADERF: :math:`\Psi^*_{ll} = \big(\overline{y_l^2}/\overline{x_l^2}\big)^{1/4}` (it minimises
-  :math:`\bar t` of the scaled data, since :math:`(\Psi x)^\top(\Psi^{-1}y) = x^\top y`), then
-  :math:`A^*` on the scaled data. The reference implementation (``exparf_`` in
-  google-research ``imp/max``) applies the reciprocal :math:`(\overline{x_l^2}/\overline{y_l^2})^{1/4}`,
-  which never lowers :math:`\bar t` and raises it whenever the per-dimension energies differ:
+* OPRF: $\bar t = \overline{\|x\|^2} + \overline{\|y\|^2} + 2\bar x^\top\bar y$ (the mean of
+  $\|x_i + y_j\|^2$ over all pairs), giving
+  $A^* = \frac{d - 2\bar t - \sqrt{(2\bar t + d)^2 + 8d\bar t}}{16d} \le 0$;
+* SADERF: $\Psi^*_{ll} = \big(\overline{y_l^2}/\overline{x_l^2}\big)^{1/4}$ (it minimises
+  $\bar t$ of the scaled data, since $(\Psi x)^\top(\Psi^{-1}y) = x^\top y$), then
+  $A^*$ on the scaled data. The reference implementation (``exparf_`` in
+  google-research ``imp/max``) applies the reciprocal $(\overline{x_l^2}/\overline{y_l^2})^{1/4}$,
+  which never lowers $\bar t$ and raises it whenever the per-dimension energies differ:
   ``scaling="reciprocal"`` reproduces it for comparison;
-* SDERF: :math:`P = M_x + M_y + \mu_x\mu_y^\top + \mu_y\mu_x^\top` (the pair average of
-  :math:`(x+y)(x+y)^\top`, :math:`M` second moments, :math:`\mu` means),
-  :math:`P = Q\,\mathrm{diag}(\sigma)Q^\top`, and per direction the one-dimensional
-  :math:`A_l = A^*(\bar t = \sigma_l, d = 1)`; :math:`D = \prod_l(1-4A_l)^{1/4}` is kept (the reference
-  ``expsharp_`` drops it: harmless after attention normalisation, a bias :math:`D^{-2}` of the
+* SDERF: $P = M_x + M_y + \mu_x\mu_y^\top + \mu_y\mu_x^\top$ (the pair average of
+  $(x+y)(x+y)^\top$, $M$ second moments, $\mu$ means),
+  $P = Q\,\mathrm{diag}(\sigma)Q^\top$, and per direction the one-dimensional
+  $A_l = A^*(\bar t = \sigma_l, d = 1)$; $D = \prod_l(1-4A_l)^{1/4}$ is kept (the reference
+  ``expsharp_`` drops it: harmless after attention normalisation, a bias $D^{-2}$ of the
   raw kernel). The eigenbasis is optimal because the per-direction optimum is a concave function
-  of :math:`\sigma_l` (a minimum of affine functions), and diagonals are majorised by eigenvalues.
+  of $\sigma_l$ (a minimum of affine functions), and diagonals are majorised by eigenvalues.
 
 Before ``fit`` (or with ``A=0``) every map here is FAVOR+. The maps are data-dependent: fitting
 on a batch and estimating on it (``ka.linear_attention(..., fit=True)``) is what the FAVOR++ code
 does per batch; the estimate is then unbiased conditionally on the fitted parameters.
 
-Cost: OPRF and SADERF as FAVOR+ plus :math:`O(nd)`; SDERF folds :math:`B` into the projection
-(:math:`W\,\mathrm{diag}(\sqrt{1-4A})Q^\top`, :math:`O(rd^2)` per fitted batch) so the per-token
-cost is FAVOR+'s; its fit is one ``eigh`` of a :math:`d\times d` matrix per batch element.
+Cost: OPRF and SADERF as FAVOR+ plus $O(nd)$; SDERF folds $B$ into the projection
+($W\,\mathrm{diag}(\sqrt{1-4A})Q^\top$, $O(rd^2)$ per fitted batch) so the per-token
+cost is FAVOR+'s; its fit is one ``eigh`` of a $d\times d$ matrix per batch element.
 
 References
 ----------
@@ -70,14 +70,15 @@ __all__ = ["OptimalPositiveRF", "SADERF", "SDERF", "optimal_A"]
 
 
 def optimal_A(t: torch.Tensor | float, dim: int) -> torch.Tensor:
-    r"""The variance-optimal OPRF parameter :math:`A^*(t, d)` [LCD22]_.
+    r"""The variance-optimal OPRF parameter $A^*(t, d)$ [LCD22]_.
 
-    .. math::
-        A^* = \frac{d - 2t - \sqrt{(2t + d)^2 + 8dt}}{16 d} \in (-\infty, 0],
+    $$
+    A^* = \frac{d - 2t - \sqrt{(2t + d)^2 + 8dt}}{16 d} \in (-\infty, 0],
+    $$
 
-    the admissible root of :math:`16dA^2 + (4t - 2d)A - t = 0`, which minimises the second moment
-    of one OPRF term at :math:`t = \|x + y\|^2` (and, with :math:`t = \bar t`, the pair-averaged
-    log second moment). :math:`A^*(0) = 0` (FAVOR+); :math:`A^* \to -\infty` as :math:`t\to\infty`.
+    the admissible root of $16dA^2 + (4t - 2d)A - t = 0$, which minimises the second moment
+    of one OPRF term at $t = \|x + y\|^2$ (and, with $t = \bar t$, the pair-averaged
+    log second moment). $A^*(0) = 0$ (FAVOR+); $A^* \to -\infty$ as $t\to\infty$.
 
     Parameters
     ----------
@@ -215,20 +216,22 @@ def _fitted(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class OptimalPositiveRF(_DenseExponentialRF):
     r"""Optimal positive random features, OPRF / FAVOR++ [LCD22]_.
 
-    .. math::
-        \varphi(x) = \frac{D}{\sqrt r}\Big[e^{A\|\omega_i\|^2 + \sqrt{1-4A}\,\omega_i^\top x
-        - \|x\|^2/2}\Big]_{i=1}^r,\qquad D = (1-4A)^{d/4},\qquad
-        \mathbb E\,\varphi(x)^\top\varphi(y) = e^{x^\top y}.
+    $$
+    \varphi(x) = \frac{D}{\sqrt r}\Big[e^{A\|\omega_i\|^2 + \sqrt{1-4A}\,\omega_i^\top x
+    - \|x\|^2/2}\Big]_{i=1}^r,\qquad D = (1-4A)^{d/4},\qquad
+    \mathbb E\,\varphi(x)^\top\varphi(y) = e^{x^\top y}.
+    $$
 
-    ``A = 0`` is FAVOR+ (:class:`~kernelapprox.PositiveRF`). For :math:`A < 0` the features are
-    bounded in :math:`\omega`. Variance of one term (iid rows), with :math:`t = \|x+y\|^2`:
+    ``A = 0`` is FAVOR+ (:class:`~kernelapprox.PositiveRF`). For $A < 0$ the features are
+    bounded in $\omega$. Variance of one term (iid rows), with $t = \|x+y\|^2$:
 
-    .. math::
-        \mathrm{Var} = e^{-\|x\|^2-\|y\|^2}\Big[(1-4A)^d(1-8A)^{-d/2}
-        e^{\frac{2(1-4A)t}{1-8A}} - e^t\Big]
+    $$
+    \mathrm{Var} = e^{-\|x\|^2-\|y\|^2}\Big[(1-4A)^d(1-8A)^{-d/2}
+    e^{\frac{2(1-4A)t}{1-8A}} - e^t\Big]
+    $$
 
     (:func:`kernelapprox.theory.oprf_mse`, iid and block-orthogonal rows), minimised at
-    :math:`A^*(t)` (:func:`optimal_A`). ``feature_dim = r``.
+    $A^*(t)$ (:func:`optimal_A`). ``feature_dim = r``.
 
     Parameters
     ----------
@@ -236,7 +239,7 @@ class OptimalPositiveRF(_DenseExponentialRF):
         ``d`` and ``r``.
     A : float, optional
         A fixed parameter, ``A < 1/8`` (finite variance; unbiased for ``A < 1/4``). ``None``
-        (default): chosen from data by :meth:`fit`, with :math:`A^*(\bar t)` per batch element
+        (default): chosen from data by :meth:`fit`, with $A^*(\bar t)$ per batch element
         (the FAVOR++ rule); FAVOR+ (``A = 0``) until fitted.
     **kwargs
         As :class:`~kernelapprox.RandomFeatureMap` (``sampler``, ``seed``, ``generator``,
@@ -275,7 +278,7 @@ class OptimalPositiveRF(_DenseExponentialRF):
         return self.A is not None or getattr(self, "_fitted", False)
 
     def fit(self, q: torch.Tensor, k: torch.Tensor) -> OptimalPositiveRF:
-        r"""Set :math:`A = A^*(\bar t)` per batch element from queries and keys (no-op for a fixed ``A``).
+        r"""Set $A = A^*(\bar t)$ per batch element from queries and keys (no-op for a fixed ``A``).
 
         Parameters
         ----------
@@ -318,27 +321,28 @@ register_estimator(
 class SADERF(_DenseExponentialRF):
     r"""Simplified asymmetric dense-exponential random features, SADERF (FAVOR#) [LCD23]_.
 
-    OPRF applied to :math:`\Psi x` for queries and :math:`\Psi^{-1}y` for keys, with
-    :math:`\Psi = \mathrm{diag}(\psi)` and OPRF's scalar :math:`A` (:class:`OptimalPositiveRF`):
+    OPRF applied to $\Psi x$ for queries and $\Psi^{-1}y$ for keys, with
+    $\Psi = \mathrm{diag}(\psi)$ and OPRF's scalar $A$ (:class:`OptimalPositiveRF`):
 
-    .. math::
-        \varphi(x) = f_{A}(\Psi x),\quad \psi(y) = f_{A}(\Psi^{-1}y),\qquad
-        (\Psi x)^\top(\Psi^{-1}y) = x^\top y,
+    $$
+    \varphi(x) = f_{A}(\Psi x),\quad \psi(y) = f_{A}(\Psi^{-1}y),\qquad
+    (\Psi x)^\top(\Psi^{-1}y) = x^\top y,
+    $$
 
-    so every :math:`\Psi` and :math:`A < 1/8` give an unbiased estimator. :meth:`fit` sets the
-    variance-optimal :math:`\psi_l = (\overline{y_l^2}/\overline{x_l^2})^{1/4}`, then
-    :math:`A^*` on the scaled data; the objective (pair-averaged log second moment) is then at
+    so every $\Psi$ and $A < 1/8$ give an unbiased estimator. :meth:`fit` sets the
+    variance-optimal $\psi_l = (\overline{y_l^2}/\overline{x_l^2})^{1/4}$, then
+    $A^*$ on the scaled data; the objective (pair-averaged log second moment) is then at
     most OPRF's, with equality iff the per-dimension energies of queries and keys agree.
-    A dimension with zero energy on either side keeps :math:`\psi_l = 1`.
+    A dimension with zero energy on either side keeps $\psi_l = 1$.
 
     Parameters
     ----------
     dim, num_features
         ``d`` and ``r``.
     scaling : {"optimal", "reciprocal"}, default "optimal"
-        ``"reciprocal"`` uses :math:`\psi_l = (\overline{x_l^2}/\overline{y_l^2})^{1/4}`, the choice
+        ``"reciprocal"`` uses $\psi_l = (\overline{x_l^2}/\overline{y_l^2})^{1/4}$, the choice
         of the reference code (google-research ``imp/max`` ``exparf_``): still unbiased, but with a
-        larger :math:`\bar t` than no scaling at all whenever the energies differ. For comparisons.
+        larger $\bar t$ than no scaling at all whenever the energies differ. For comparisons.
     **kwargs
         As :class:`~kernelapprox.RandomFeatureMap`.
 
@@ -368,7 +372,7 @@ class SADERF(_DenseExponentialRF):
         self.A_ = torch.tensor(0.0, dtype=torch.float64)
 
     def fit(self, q: torch.Tensor, k: torch.Tensor) -> SADERF:
-        r"""Set :math:`\Psi` and :math:`A` from queries and keys (per batch element).
+        r"""Set $\Psi$ and $A$ from queries and keys (per batch element).
 
         Parameters
         ----------
@@ -423,22 +427,24 @@ register_estimator(
 class SDERF(_DenseExponentialRF):
     r"""Symmetric dense-exponential random features, SDERF (FAVOR#) [LCD23]_.
 
-    .. math::
-        \varphi(x) = \frac{D}{\sqrt r}\Big[e^{\omega_i^\top\mathrm{diag}(A)\,\omega_i
-        + \omega_i^\top B x - \|x\|^2/2}\Big]_i,\qquad B = \mathrm{diag}(\sqrt{1 - 4A_l})\,Q^\top,
-        \qquad D = \prod_l (1-4A_l)^{1/4},
+    $$
+    \varphi(x) = \frac{D}{\sqrt r}\Big[e^{\omega_i^\top\mathrm{diag}(A)\,\omega_i
+    + \omega_i^\top B x - \|x\|^2/2}\Big]_i,\qquad B = \mathrm{diag}(\sqrt{1 - 4A_l})\,Q^\top,
+    \qquad D = \prod_l (1-4A_l)^{1/4},
+    $$
 
-    with :math:`Q` orthogonal: :math:`B^\top(I - 4\,\mathrm{diag}(A))^{-1}B = I`, so the estimator
-    is unbiased for every :math:`Q` and :math:`A_l < 1/8`. :meth:`fit` takes :math:`Q` from the
-    eigendecomposition of :math:`P = M_x + M_y + \mu_x\mu_y^\top + \mu_y\mu_x^\top` and
-    :math:`A_l = A^*(\sigma_l, 1)` per eigenvalue. Variance of one term (iid rows), with
-    :math:`z' = Q^\top(x + y)`:
+    with $Q$ orthogonal: $B^\top(I - 4\,\mathrm{diag}(A))^{-1}B = I$, so the estimator
+    is unbiased for every $Q$ and $A_l < 1/8$. :meth:`fit` takes $Q$ from the
+    eigendecomposition of $P = M_x + M_y + \mu_x\mu_y^\top + \mu_y\mu_x^\top$ and
+    $A_l = A^*(\sigma_l, 1)$ per eigenvalue. Variance of one term (iid rows), with
+    $z' = Q^\top(x + y)$:
 
-    .. math::
-        \mathrm{Var} = e^{-\|x\|^2-\|y\|^2}\Big[\prod_l \frac{1-4A_l}{\sqrt{1-8A_l}}
-        e^{\frac{2(1-4A_l)}{1-8A_l} z_l'^2} - e^{\|z'\|^2}\Big]
+    $$
+    \mathrm{Var} = e^{-\|x\|^2-\|y\|^2}\Big[\prod_l \frac{1-4A_l}{\sqrt{1-8A_l}}
+    e^{\frac{2(1-4A_l)}{1-8A_l} z_l'^2} - e^{\|z'\|^2}\Big]
+    $$
 
-    (:func:`kernelapprox.theory.sderf_mse`). The constant :math:`D` matters for the raw kernel
+    (:func:`kernelapprox.theory.sderf_mse`). The constant $D$ matters for the raw kernel
     (the reference code omits it; attention's normalisation hides that). ``feature_dim = r``.
 
     Parameters are those of :class:`~kernelapprox.RandomFeatureMap`.
@@ -463,7 +469,7 @@ class SDERF(_DenseExponentialRF):
         self.A_ = torch.zeros(self.dim, dtype=torch.float64)
 
     def fit(self, q: torch.Tensor, k: torch.Tensor) -> SDERF:
-        r"""Set :math:`Q` and :math:`A_l` from queries and keys (one ``eigh`` per batch element).
+        r"""Set $Q$ and $A_l$ from queries and keys (one ``eigh`` per batch element).
 
         Parameters
         ----------

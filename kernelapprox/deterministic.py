@@ -1,16 +1,16 @@
-r"""Deterministic feature maps for :math:`e^{q^\top k}`: the second-order Taylor map of Based and
+r"""Deterministic feature maps for $e^{q^\top k}$: the second-order Taylor map of Based and
 the Nyström map on landmarks.
 
 ================== ======================================================================= ====================== ==========
-class              :math:`\varphi(x)`                                                      ``feature_dim``        exact for
+class              $\varphi(x)$                                                      ``feature_dim``        exact for
 ================== ======================================================================= ====================== ==========
-``TaylorFeatures`` :math:`[1,\ x,\ (x_ix_j)_{i<j},\ (x_i^2/\sqrt2)_i]`                     :math:`1+d+d(d+1)/2`   —
-``NystromFeatures`` :math:`G^{-1/2}\,[e^{l_i^\top x - \|l_i\|^2/2}]_{i=1}^m`                :math:`m`              keys = landmarks
+``TaylorFeatures`` $[1,\ x,\ (x_ix_j)_{i<j},\ (x_i^2/\sqrt2)_i]$                     $1+d+d(d+1)/2$   —
+``NystromFeatures`` $G^{-1/2}\,[e^{l_i^\top x - \|l_i\|^2/2}]_{i=1}^m$                $m$              keys = landmarks
 ================== ======================================================================= ====================== ==========
 
 Neither is random: Taylor features are a fixed polynomial, Nyström features a fixed function of
 their landmarks (chosen from the data by :meth:`NystromFeatures.fit`). Both are biased
-estimators of :math:`e^{q^\top k}`; :func:`kernelapprox.theory.deterministic_error` gives their
+estimators of $e^{q^\top k}$; :func:`kernelapprox.theory.deterministic_error` gives their
 error exactly.
 
 References
@@ -56,35 +56,36 @@ def _taylor_dim(r: int, d: int) -> int:
 
 
 class TaylorFeatures(_DeterministicMap):
-    r"""The second-order Taylor map of Based [Aro24]_: :math:`\varphi(q)^\top\varphi(k) = 1 + q^\top k + \tfrac12(q^\top k)^2`.
+    r"""The second-order Taylor map of Based [Aro24]_: $\varphi(q)^\top\varphi(k) = 1 + q^\top k + \tfrac12(q^\top k)^2$.
 
-    .. math::
-        \varphi(x) = \Big[1,\ x_1, \dots, x_d,\ \big(x_ix_j\big)_{i<j},\ \big(x_i^2/\sqrt2\big)_{i}\Big],
+    $$
+    \varphi(x) = \Big[1,\ x_1, \dots, x_d,\ \big(x_ix_j\big)_{i<j},\ \big(x_i^2/\sqrt2\big)_{i}\Big],
+    $$
 
-    the upper triangle of :math:`x x^\top/\sqrt2` with the off-diagonal entries counted twice
-    (weight :math:`\sqrt2`), so that :math:`\sum_{i\le j}\varphi_{ij}(q)\varphi_{ij}(k) =
-    \tfrac12(q^\top k)^2` exactly: ``feature_dim`` :math:`= 1 + d + d(d+1)/2` (instead of
-    :math:`1 + d + d^2` for the full Kronecker square).
+    the upper triangle of $x x^\top/\sqrt2$ with the off-diagonal entries counted twice
+    (weight $\sqrt2$), so that $\sum_{i\le j}\varphi_{ij}(q)\varphi_{ij}(k) =
+    \tfrac12(q^\top k)^2$ exactly: ``feature_dim`` $= 1 + d + d(d+1)/2$ (instead of
+    $1 + d + d^2$ for the full Kronecker square).
 
-    Scaling. The library approximates :math:`e^{q^\top k}`; attention with temperature
-    :math:`1/\sqrt d` passes :math:`q d^{-1/4}, k d^{-1/4}` (Performer convention). Based writes
-    its map for raw inputs as :math:`[1, x/d^{1/4}, (x\otimes x)/(\sqrt2\sqrt d)]`, i.e. exactly
-    this map applied to :math:`x d^{-1/4}`: its :math:`d^{-1/4}` and :math:`1/\sqrt d` factors are
+    Scaling. The library approximates $e^{q^\top k}$; attention with temperature
+    $1/\sqrt d$ passes $q d^{-1/4}, k d^{-1/4}$ (Performer convention). Based writes
+    its map for raw inputs as $[1, x/d^{1/4}, (x\otimes x)/(\sqrt2\sqrt d)]$, i.e. exactly
+    this map applied to $x d^{-1/4}$: its $d^{-1/4}$ and $1/\sqrt d$ factors are
     the user's pre-scaling here.
 
-    The kernel :math:`1 + u + u^2/2 \ge \tfrac12` is positive, but the features take both signs
+    The kernel $1 + u + u^2/2 \ge \tfrac12$ is positive, but the features take both signs
     (``positive = False``, so attention applies the signed-denominator guard ``|den| <= eps`` to
-    the stabilised denominator :math:`\sum_j K(q, k_j)/(\|\varphi(q)\|\max_j\|\varphi(k_j)\|)`:
-    of order one for many keys, measured >= 2.7 for 64 random keys up to :math:`\|x\| = 30`, but
-    below ``1e-6`` for e.g. a single key orthogonal to the query at :math:`\|x\| \gtrsim 38`). Its error is :math:`1 + u + u^2/2 - e^u = -e^{\xi}u^3/6` for some
-    :math:`\xi` between 0 and :math:`u` (Lagrange remainder): an underestimate for :math:`u > 0`,
-    an overestimate for :math:`u < 0`, :math:`\approx -u^3/6` near 0
+    the stabilised denominator $\sum_j K(q, k_j)/(\|\varphi(q)\|\max_j\|\varphi(k_j)\|)$:
+    of order one for many keys, measured >= 2.7 for 64 random keys up to $\|x\| = 30$, but
+    below ``1e-6`` for e.g. a single key orthogonal to the query at $\|x\| \gtrsim 38$). Its error is $1 + u + u^2/2 - e^u = -e^{\xi}u^3/6$ for some
+    $\xi$ between 0 and $u$ (Lagrange remainder): an underestimate for $u > 0$,
+    an overestimate for $u < 0$, $\approx -u^3/6$ near 0
     (:func:`kernelapprox.theory.deterministic_error`).
 
-    Numerics. ``log_features`` returns :math:`f = \varphi(x)/\|\varphi(x)\|` (``|f| <= 1``) and
-    ``log_scale`` :math:`= \tfrac12\log(1 + \|x\|^2 + \|x\|^4/2)` (float64), with
-    :math:`\|\varphi(x)\|^2 = 1 + \|x\|^2 + \|x\|^4/2` exactly; the quadratic block is formed from
-    :math:`x/\|\varphi(x)\|^{1/2}`, so nothing overflows for finite inputs.
+    Numerics. ``log_features`` returns $f = \varphi(x)/\|\varphi(x)\|$ (``|f| <= 1``) and
+    ``log_scale`` $= \tfrac12\log(1 + \|x\|^2 + \|x\|^4/2)$ (float64), with
+    $\|\varphi(x)\|^2 = 1 + \|x\|^2 + \|x\|^4/2$ exactly; the quadratic block is formed from
+    $x/\|\varphi(x)\|^{1/2}$, so nothing overflows for finite inputs.
 
     Parameters
     ----------
@@ -112,9 +113,9 @@ class TaylorFeatures(_DeterministicMap):
     positive = False
 
     def _scaled_phi(self, xc: torch.Tensor, log_rho: torch.Tensor) -> torch.Tensor:
-        r""":math:`\varphi(x)/\rho` for ``log_rho`` :math:`= \log\rho` (..., n) float64, without
-        overflow: the linear block is :math:`(x\rho^{-1/2})\rho^{-1/2}`, the quadratic one is
-        formed from :math:`x\rho^{-1/2}`."""
+        r"""$\varphi(x)/\rho$ for ``log_rho`` $= \log\rho$ (..., n) float64, without
+        overflow: the linear block is $(x\rho^{-1/2})\rho^{-1/2}$, the quadratic one is
+        formed from $x\rho^{-1/2}$."""
         d = self.dim
         inv = torch.exp(-log_rho).to(xc.dtype).unsqueeze(-1)  # 1 / rho
         half = torch.exp(-0.5 * log_rho).to(xc.dtype).unsqueeze(-1)  # rho^{-1/2}
@@ -194,46 +195,47 @@ def _kmeans_pp(k: torch.Tensor, m: int, generator: torch.Generator) -> torch.Ten
 
 
 class NystromFeatures(FeatureMap):
-    r"""Nyström features on :math:`m` landmarks :math:`l_1..l_m` [WS01]_, [Xio21]_:
-    :math:`\varphi(q)^\top\varphi(k) = e^{q^\top L^\top}\,K_{LL}^{-1}\,e^{Lk}`, :math:`K_{LL} = e^{LL^\top}`.
+    r"""Nyström features on $m$ landmarks $l_1..l_m$ [WS01]_, [Xio21]_:
+    $\varphi(q)^\top\varphi(k) = e^{q^\top L^\top}\,K_{LL}^{-1}\,e^{Lk}$, $K_{LL} = e^{LL^\top}$.
 
-    Write :math:`e^{l_i^\top x} = e^{\|l_i\|^2/2}\,e^{l_i^\top x - \|l_i\|^2/2}` and
-    :math:`K_{LL} = D\,G\,D` with :math:`D = \mathrm{diag}(e^{\|l_i\|^2/2})` and
-    :math:`G_{ij} = e^{-\|l_i - l_j\|^2/2}` the Gaussian Gram matrix (unit diagonal). Then
+    Write $e^{l_i^\top x} = e^{\|l_i\|^2/2}\,e^{l_i^\top x - \|l_i\|^2/2}$ and
+    $K_{LL} = D\,G\,D$ with $D = \mathrm{diag}(e^{\|l_i\|^2/2})$ and
+    $G_{ij} = e^{-\|l_i - l_j\|^2/2}$ the Gaussian Gram matrix (unit diagonal). Then
 
-    .. math::
-        \varphi(x) = G^{-1/2}\,\big[e^{l_i^\top x - \|l_i\|^2/2}\big]_{i=1}^m
-                   = G^{-1/2} D^{-1} e^{Lx},
+    $$
+    \varphi(x) = G^{-1/2}\,\big[e^{l_i^\top x - \|l_i\|^2/2}\big]_{i=1}^m
+    = G^{-1/2} D^{-1} e^{Lx},
+    $$
 
-    which differs from :math:`K_{LL}^{-1/2}e^{Lx}` by an orthogonal matrix (same kernel), and
+    which differs from $K_{LL}^{-1/2}e^{Lx}$ by an orthogonal matrix (same kernel), and
     ``feature_dim = m = num_features``. The estimate is exact for keys among the landmarks:
-    :math:`\hat K(q, l_j) = e^{q^\top l_j}`; with the keys themselves as landmarks, attention is
+    $\hat K(q, l_j) = e^{q^\top l_j}$; with the keys themselves as landmarks, attention is
     exactly softmax attention.
 
-    Numerics (float64 for :math:`G`, the compute dtype for the features). :math:`G^{-1/2}` comes
-    from an eigendecomposition :math:`G = U\Lambda U^\top`:
-    :math:`G^{-1/2} = U\,\mathrm{diag}(w)\,U^\top` with :math:`w_i = (\lambda_i + \rho)^{-1/2}` for
-    :math:`\lambda_i > \texttt{rcond}\cdot\lambda_{\max}` and :math:`w_i = 0` below (a
+    Numerics (float64 for $G$, the compute dtype for the features). $G^{-1/2}$ comes
+    from an eigendecomposition $G = U\Lambda U^\top$:
+    $G^{-1/2} = U\,\mathrm{diag}(w)\,U^\top$ with $w_i = (\lambda_i + \rho)^{-1/2}$ for
+    $\lambda_i > \texttt{rcond}\cdot\lambda_{\max}$ and $w_i = 0$ below (a
     pseudo-inverse: duplicate or nearly coincident landmarks are harmless). Defaults: ridge
-    :math:`\rho = 0` and :math:`\texttt{rcond} = m\,\varepsilon_{64}`. Per row,
-    :math:`a_i(x) = l_i^\top x - \|l_i\|^2/2`, :math:`\mu(x) = \max_i a_i(x)`,
-    :math:`y = G^{-1/2}e^{a - \mu}`, :math:`\nu = \max|y|`: ``f = y / nu`` (:math:`|f| \le 1`)
-    and ``log_scale`` :math:`= \mu + \log\nu` (float64). The per-row scale
-    :math:`e^{\pm\|x\|^2/2}` never appears, so nothing overflows for finite inputs.
+    $\rho = 0$ and $\texttt{rcond} = m\,\varepsilon_{64}$. Per row,
+    $a_i(x) = l_i^\top x - \|l_i\|^2/2$, $\mu(x) = \max_i a_i(x)$,
+    $y = G^{-1/2}e^{a - \mu}$, $\nu = \max|y|$: ``f = y / nu`` ($|f| \le 1$)
+    and ``log_scale`` $= \mu + \log\nu$ (float64). The per-row scale
+    $e^{\pm\|x\|^2/2}$ never appears, so nothing overflows for finite inputs.
     :meth:`query_features` (what attention uses for queries) rescales each row so that stabilised
     attention denominators are of order one (see there). Accuracy limit: a feature vector carries
     an absolute rounding of the size of its row scale, and a key's scale grows like
-    :math:`e^{\|k\|^2/2}`, so an entry is resolved only to about
-    :math:`\varepsilon\,e^{(\|k_j\|^2 - \|l_{i^*}\|^2)/2}` relative to the row's largest kernel
-    value (:math:`l_{i^*}` the landmark nearest the query in :math:`l^\top q - \|l\|^2/2`). With
-    the keys as landmarks (``d = 8``, keys and queries :math:`s\,\mathcal N(0, I)d^{-1/4}`) attention
-    matches softmax attention to 1e-14 at :math:`s = 1`, 2e-10 (non-causal) and 6e-9 (causal) at
-    :math:`s = 2`, and only to 6e-2 / 1.7 at :math:`s = 3` (float64). Causal attention is the more
+    $e^{\|k\|^2/2}$, so an entry is resolved only to about
+    $\varepsilon\,e^{(\|k_j\|^2 - \|l_{i^*}\|^2)/2}$ relative to the row's largest kernel
+    value ($l_{i^*}$ the landmark nearest the query in $l^\top q - \|l\|^2/2$). With
+    the keys as landmarks (``d = 8``, keys and queries $s\,\mathcal N(0, I)d^{-1/4}$) attention
+    matches softmax attention to 1e-14 at $s = 1$, 2e-10 (non-causal) and 6e-9 (causal) at
+    $s = 2$, and only to 6e-2 / 1.7 at $s = 3$ (float64). Causal attention is the more
     fragile: a query's scale is set by its nearest landmark, possibly a *future* key.
 
     Landmarks. ``fit(q, k)`` places them on the keys (queries are only validated):
-    ``"segment-means"`` (Nyströmformer: means of :math:`m` contiguous segments of the sequence,
-    sizes differing by at most one; needs :math:`n \ge m` keys), or ``"kmeans++"`` (k-means++
+    ``"segment-means"`` (Nyströmformer: means of $m$ contiguous segments of the sequence,
+    sizes differing by at most one; needs $n \ge m$ keys), or ``"kmeans++"`` (k-means++
     seeding on the keys, from a seed fixed at construction, so a fit is a deterministic function of
     the keys). Keys of shape ``(..., n, d)`` give landmarks of shape
     ``(*broadcast(k.shape[:-2], batch_shape), m, d)`` (per head and per batch element), and
@@ -243,8 +245,8 @@ class NystromFeatures(FeatureMap):
     Before :meth:`fit` (choice). Every registered estimator can be built and called as is
     (``ka.get_estimator(name).build(d, r, seed=...)``, which the generic code and the studies
     do), so an unfitted map does not raise: it uses a *data-free fallback*, landmarks drawn at
-    construction from :math:`\mathcal N(0, I/\sqrt d)` (the law of keys
-    :math:`\mathcal N(0, I)\,d^{-1/4}` in the library's convention) with ``seed`` / ``generator``
+    construction from $\mathcal N(0, I/\sqrt d)$ (the law of keys
+    $\mathcal N(0, I)\,d^{-1/4}$ in the library's convention) with ``seed`` / ``generator``
     (torch's default generator if neither), shape ``(*batch_shape, m, d)``. It is a valid Nyström
     map, but placed without the data, its error is that of a random design; the first use of an
     unfitted map therefore emits a ``UserWarning`` saying to call ``fit(q, k)`` or pass
@@ -259,10 +261,10 @@ class NystromFeatures(FeatureMap):
     landmarks : {"segment-means", "kmeans++"} or Tensor, default "segment-means"
         How :meth:`fit` chooses landmarks, or the landmarks ``(*batch_shape, m, d)`` themselves.
     ridge : float, default 0.0
-        :math:`\rho \ge 0` added to the eigenvalues of :math:`G` (unit diagonal, so an absolute
+        $\rho \ge 0$ added to the eigenvalues of $G$ (unit diagonal, so an absolute
         Tikhonov term relative to the mean eigenvalue 1); 0 is the plain pseudo-inverse.
     rcond : float, optional
-        Relative eigenvalue cutoff of the pseudo-inverse; default :math:`m\varepsilon_{64}`.
+        Relative eigenvalue cutoff of the pseudo-inverse; default $m\varepsilon_{64}$.
     seed, generator :
         Draw the fallback landmarks and the k-means++ seed (as for the random maps).
     batch_shape : tuple of int, default ()
@@ -406,7 +408,7 @@ class NystromFeatures(FeatureMap):
         return self
 
     def _whitener(self) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""``(W, h)``: :math:`G^{-1/2}` (..., m, m) and :math:`\|l_i\|^2/2` (..., m), float64, cached
+        r"""``(W, h)``: $G^{-1/2}$ (..., m, m) and $\|l_i\|^2/2$ (..., m), float64, cached
         until the landmark buffer changes."""
         L = self.landmarks_
         key = (L.data_ptr(), L._version, tuple(L.shape), L.dtype, L.device, self.ridge, self.rcond)
@@ -461,15 +463,15 @@ class NystromFeatures(FeatureMap):
         return y / nu.unsqueeze(-1), ls
 
     def query_features(self, x):
-        r""":math:`\varphi(x)` up to a positive factor per row, scaled for attention.
+        r"""$\varphi(x)$ up to a positive factor per row, scaled for attention.
 
-        The row factor is :math:`e^{-s(x)}` with :math:`s(x) = \max_i l_i^\top x - \max_i
-        \|l_i\|^2/2`, the log-size of :math:`\varphi(x)^\top\varphi(k)` for a key :math:`k` at the
+        The row factor is $e^{-s(x)}$ with $s(x) = \max_i l_i^\top x - \max_i
+        \|l_i\|^2/2$, the log-size of $\varphi(x)^\top\varphi(k)$ for a key $k$ at the
         landmark of largest norm, which is about the shared key scale of attention. The stabilised
-        denominators :math:`\varphi(q)^\top z\,e^{-(s(q) + M)}` are then of order one instead of
-        :math:`e^{-(\|l\|^2_{\max} - \|l\|^2_{\min})/2}` for queries aligned with small-norm keys,
+        denominators $\varphi(q)^\top z\,e^{-(s(q) + M)}$ are then of order one instead of
+        $e^{-(\|l\|^2_{\max} - \|l\|^2_{\min})/2}$ for queries aligned with small-norm keys,
         which the signed-map guard of :func:`kernelapprox.linear_attention` (``|den| <= eps``)
-        would otherwise treat as vanishing. :math:`|f| \le \max|y|\,e^{40}` (the exponent is
+        would otherwise treat as vanishing. $|f| \le \max|y|\,e^{40}$ (the exponent is
         capped: finite in float32).
         """
         y, mu, a, h = self._raw(x)

@@ -1,22 +1,22 @@
-r"""``ka.diagnose``: from the data alone, which estimator of :math:`e^{q^\top k}` can work, at what r.
+r"""``ka.diagnose``: from the data alone, which estimator of $e^{q^\top k}$ can work, at what r.
 
 The closed forms of :mod:`kernelapprox.theory` say when random features fail: the relative
-variance of FAVOR+ grows like :math:`e^{\|q+k\|^2}/r`, that of trigonometric features like
-:math:`e^{\|q\|^2+\|k\|^2}/r`. :func:`diagnose` evaluates them on a subsample of the user's own
+variance of FAVOR+ grows like $e^{\|q+k\|^2}/r$, that of trigonometric features like
+$e^{\|q\|^2+\|k\|^2}/r$. :func:`diagnose` evaluates them on a subsample of the user's own
 ``(q, k)`` pairs, for every registered estimator with a closed form, and turns them into a
 regime report and a recommendation.
 
 What is computed (``P`` = ``max_pairs`` sampled ``(q_i, k_j)`` pairs, ``R`` = ``max_rows`` query
-rows; cost :math:`O(nd)` for the statistics plus :math:`O(R\,m\,d)` for the exact attention rows
-and :math:`O(P)` closed-form evaluations):
+rows; cost $O(nd)$ for the statistics plus $O(R\,m\,d)$ for the exact attention rows
+and $O(P)$ closed-form evaluations):
 
-* the regime: quantiles of :math:`\|q\|`, :math:`\|k\|`, of :math:`t = \|q_i + k_j\|^2` and its pair
-  mean :math:`\bar t` (the FAVOR++ statistic), and the entropy of exact attention rows
-  (:math:`\log m` = uniform);
+* the regime: quantiles of $\|q\|$, $\|k\|$, of $t = \|q_i + k_j\|^2$ and its pair
+  mean $\bar t$ (the FAVOR++ statistic), and the entropy of exact attention rows
+  ($\log m$ = uniform);
 * per estimator, at ``num_features`` projections: the predicted relative kernel MSE
-  :math:`E[(\hat K-K)^2]/K^2` (mean and median over the sampled pairs; the mean is carried by the
+  $E[(\hat K-K)^2]/K^2$ (mean and median over the sampled pairs; the mean is carried by the
   worst pairs), the ``r`` at which the median would reach ``target`` (the MSE of the iid term
-  scales as :math:`1/r`: :math:`r_{\rm need} = r\cdot \mathrm{median}/\mathrm{target}`), and, where
+  scales as $1/r$: $r_{\rm need} = r\cdot \mathrm{median}/\mathrm{target}$), and, where
   the estimator has the delta-method attention theory, the largest relative variance of the
   attention normaliser over the sampled rows (iid rows, at the same r), flagged when it exceeds
   ``0.05`` (there the delta method is off by factors, see ``docs/theory.md`` §2: the attention
@@ -155,14 +155,14 @@ def diagnose(
     q : Tensor, shape (..., n, d)
     k : Tensor, shape (..., m, d)
         Inputs exactly as they would go into :func:`kernelapprox.linear_attention` (already scaled
-        by :math:`d^{-1/4}` for attention). With leading dimensions, the first batch element is
+        by $d^{-1/4}$ for attention). With leading dimensions, the first batch element is
         diagnosed (pass one head at a time to see them all).
     feature_map : FeatureMap, optional
         Diagnose only this map (its ``num_features`` and sampler); default: every registered
         estimator with a closed form, with orthogonal rows where the theory covers them.
     v : Tensor, shape (..., m, dv), optional
         Values: with them, each row also predicts the relative attention-output error
-        :math:`\sqrt{\sum\mathrm{Var}(\hat o)}/\|o\|_F` on the sampled query rows by the delta
+        $\sqrt{\sum\mathrm{Var}(\hat o)}/\|o\|_F$ on the sampled query rows by the delta
         method (iid rows, :func:`kernelapprox.theory.attention_variance`; valid only where
         ``delta_method_valid``).
     num_features : int, optional
@@ -305,7 +305,7 @@ def diagnose(
 
 class KernelApproxWarning(UserWarning):
     """Raised (once per call site, by Python's default warning filter) when the closed forms predict
-    that a random feature map cannot approximate :math:`e^{q^\\top k}` on the given batch.
+    that a random feature map cannot approximate $e^{q^\\top k}$ on the given batch.
 
     Silence it with ``warnings.filterwarnings("ignore", category=ka.KernelApproxWarning)`` or
     ``ka.linear_attention(..., check=False)``.
@@ -317,15 +317,15 @@ WARN_RELATIVE_MSE = 1.0
 
 
 def quick_relative_mse(fm: Any, q: torch.Tensor, k: torch.Tensor) -> float:
-    r"""Predicted relative kernel MSE of ``fm`` on the batch ``(q, k)`` from :math:`O(nd)` statistics.
+    r"""Predicted relative kernel MSE of ``fm`` on the batch ``(q, k)`` from $O(nd)$ statistics.
 
     The closed form of the map's estimator (:func:`kernelapprox.theory.relative_mse`, fitted
     parameters included) evaluated at one representative pair with
-    :math:`\|x\|^2 = \overline{\|q\|^2}`, :math:`\|y\|^2 = \overline{\|k\|^2}` and
-    :math:`x^\top y = \bar q^\top\bar k` (so that :math:`\|x+y\|^2 = \bar t`, the mean over all
+    $\|x\|^2 = \overline{\|q\|^2}$, $\|y\|^2 = \overline{\|k\|^2}$ and
+    $x^\top y = \bar q^\top\bar k$ (so that $\|x+y\|^2 = \bar t$, the mean over all
     pairs; the means are taken over at most ~256 evenly spaced tokens of each sequence), for the
-    batch element with the largest :math:`\bar t`. The relative MSE is convex and
-    increasing in :math:`t`, so by Jensen the mean over pairs is at least this value: the check
+    batch element with the largest $\bar t$. The relative MSE is convex and
+    increasing in $t$, so by Jensen the mean over pairs is at least this value: the check
     errs toward silence. ``nan`` for maps without closed-form moments (deterministic, learned,
     hybrid, SORF/QMC rows).
 

@@ -1,9 +1,9 @@
-r"""Exact references: the softmax kernel :math:`\exp(q^\top k)` and softmax attention.
+r"""Exact references: the softmax kernel $\exp(q^\top k)$ and softmax attention.
 
 These are the ground truth for every error measurement in the library. Both compute in at least
 float32 (float64 inputs stay float64) and return the input dtype. Softmax attention is chunked
-over queries and log-sum-exp stabilised, so memory is :math:`O(\text{chunk}\cdot m)` per head
-instead of :math:`O(nm)`.
+over queries and log-sum-exp stabilised, so memory is $O(\text{chunk}\cdot m)$ per head
+instead of $O(nm)$.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *
 
 @no_autocast
 def softmax_kernel(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    r"""The softmax kernel matrix :math:`K = \exp(q k^\top)`.
+    r"""The softmax kernel matrix $K = \exp(q k^\top)$.
 
     Parameters
     ----------
@@ -57,14 +57,14 @@ def softmax_kernel(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     Returns
     -------
     Tensor, shape (..., n, m), dtype ``promote(q.dtype, k.dtype)``. The dot products are
-    accumulated in float64 (a float32 rounding of :math:`q^\top k \approx 100` would already be a
-    relative error of ~1e-5 in the kernel); entries overflow only where :math:`e^{q^\top k}` is not
+    accumulated in float64 (a float32 rounding of $q^\top k \approx 100$ would already be a
+    relative error of ~1e-5 in the kernel); entries overflow only where $e^{q^\top k}$ is not
     representable in the output dtype.
 
     Notes
     -----
-    For attention, pass :math:`q d^{-1/4}` and :math:`k d^{-1/4}` so that
-    :math:`K = \exp(qk^\top/\sqrt d)` (the Performer convention); nothing is rescaled here.
+    For attention, pass $q d^{-1/4}$ and $k d^{-1/4}$ so that
+    $K = \exp(qk^\top/\sqrt d)$ (the Performer convention); nothing is rescaled here.
 
     Examples
     --------
@@ -86,15 +86,16 @@ def softmax_attention(
     *,
     chunk_size: int = 1024,
 ) -> torch.Tensor:
-    r"""Exact softmax attention with the unscaled kernel :math:`\exp(q^\top k)`.
+    r"""Exact softmax attention with the unscaled kernel $\exp(q^\top k)$.
 
-    .. math::
-        o_i = \frac{\sum_{j} e^{q_i^\top k_j} v_j}{\sum_{j} e^{q_i^\top k_j}}
-        \quad (j \le i \text{ if causal}).
+    $$
+    o_i = \frac{\sum_{j} e^{q_i^\top k_j} v_j}{\sum_{j} e^{q_i^\top k_j}}
+    \quad (j \le i \text{ if causal}).
+    $$
 
     Chunked over queries (``chunk_size`` queries at a time) with a max-subtracted softmax, so peak
-    memory is :math:`O(\text{chunk\_size}\cdot m)` per head and no :math:`n\times m` matrix is held
-    (in inference; under autograd every chunk's softmax is saved for backward, :math:`O(nm)` in all).
+    memory is $O(\text{chunk\_size}\cdot m)$ per head and no $n\times m$ matrix is held
+    (in inference; under autograd every chunk's softmax is saved for backward, $O(nm)$ in all).
 
     Parameters
     ----------

@@ -1,18 +1,18 @@
-r"""Feature maps :math:`\varphi:\mathbb R^d \to \mathbb R^F` with :math:`\varphi(q)^\top\varphi(k) \approx \exp(q^\top k)`.
+r"""Feature maps $\varphi:\mathbb R^d \to \mathbb R^F$ with $\varphi(q)^\top\varphi(k) \approx \exp(q^\top k)$.
 
-Random maps hold a projection :math:`W` of shape ``(*batch_shape, r, d)`` whose rows are the
-``r = num_features`` random projections :math:`w_1..w_r` (the Performer convention, used everywhere
+Random maps hold a projection $W$ of shape ``(*batch_shape, r, d)`` whose rows are the
+``r = num_features`` random projections $w_1..w_r$ (the Performer convention, used everywhere
 in the library); ``feature_dim`` is the length of the output vector.
 
 =================== ================================================================================ ============= ========
-class               :math:`\varphi(x)`                                                               feature_dim   unbiased
+class               $\varphi(x)$                                                               feature_dim   unbiased
 =================== ================================================================================ ============= ========
-``TrigRF`` sincos   :math:`e^{\|x\|^2/2} r^{-1/2} [\sin Wx, \cos Wx]`                                 2r            yes
-``TrigRF`` offset   :math:`e^{\|x\|^2/2} \sqrt{2/r}\, \cos(Wx + b)`, :math:`b_i\sim U[0,2\pi)`        r             yes
-``PositiveRF``      :math:`e^{-\|x\|^2/2} r^{-1/2} \exp(Wx)` (FAVOR+)                                 r             yes
-``HyperbolicRF``    :math:`e^{-\|x\|^2/2} (2r)^{-1/2} [\exp(Wx), \exp(-Wx)]`                          2r            yes
-``EluFeatures``     :math:`\mathrm{elu}(x) + 1`                                                      d             no
-``ReluFeatures``    :math:`\max(x, 0)`                                                               d             no
+``TrigRF`` sincos   $e^{\|x\|^2/2} r^{-1/2} [\sin Wx, \cos Wx]$                                 2r            yes
+``TrigRF`` offset   $e^{\|x\|^2/2} \sqrt{2/r}\, \cos(Wx + b)$, $b_i\sim U[0,2\pi)$        r             yes
+``PositiveRF``      $e^{-\|x\|^2/2} r^{-1/2} \exp(Wx)$ (FAVOR+)                                 r             yes
+``HyperbolicRF``    $e^{-\|x\|^2/2} (2r)^{-1/2} [\exp(Wx), \exp(-Wx)]$                          2r            yes
+``EluFeatures``     $\mathrm{elu}(x) + 1$                                                      d             no
+``ReluFeatures``    $\max(x, 0)$                                                               d             no
 =================== ================================================================================ ============= ========
 
 "Unbiased" holds for the ``gaussian``, ``orthogonal`` (chi norms) and ``qmc`` samplers; see
@@ -20,10 +20,10 @@ class               :math:`\varphi(x)`                                          
 under the same names (``positive_mse`` next to ``PositiveRF``, and so on).
 
 Numerics. Every map also returns its features in a stabilised log-domain form,
-``f, log_scale = fm.log_features(x)`` with :math:`\varphi(x) = f\, e^{\text{log\_scale}}`, where
-``f`` is bounded (:math:`|f| \le 1` for the random maps). :meth:`FeatureMap.kernel` and
+``f, log_scale = fm.log_features(x)`` with $\varphi(x) = f\, e^{\text{log\_scale}}$, where
+``f`` is bounded ($|f| \le 1$ for the random maps). :meth:`FeatureMap.kernel` and
 :func:`kernelapprox.linear_attention` work from this form, so the scale factors
-:math:`e^{\pm\|x\|^2/2}` never overflow on their own. Inputs in bfloat16/float16 are computed in
+$e^{\pm\|x\|^2/2}$ never overflow on their own. Inputs in bfloat16/float16 are computed in
 float32; float64 stays float64.
 
 References
@@ -77,17 +77,17 @@ __all__ = [
 
 
 def _sqnorm_half(x: torch.Tensor) -> torch.Tensor:
-    """:math:`\\|x\\|^2/2`, shape (..., n), returned in float64.
+    """$\\|x\\|^2/2$, shape (..., n), returned in float64.
 
     A per-row vector, so float64 costs nothing here, while a float32 log scale of
-    :math:`\\|x\\|^2/2 = 50` would carry a rounding of ~3e-6 into every kernel entry. The dot
+    $\\|x\\|^2/2 = 50$ would carry a rounding of ~3e-6 into every kernel entry. The dot
     product is accumulated in the input's precision (a batched dot, not an upcast copy of ``x``).
     """
     return 0.5 * torch.einsum("...d,...d->...", x, x).double()
 
 
 class FeatureMap(nn.Module):
-    r"""Base class of feature maps :math:`\varphi: \mathbb R^d \to \mathbb R^F`.
+    r"""Base class of feature maps $\varphi: \mathbb R^d \to \mathbb R^F$.
 
     A subclass implements :meth:`log_features` (and may override :meth:`forward` and
     :meth:`query_features` with faster direct paths), then registers its identity once with
@@ -106,7 +106,7 @@ class FeatureMap(nn.Module):
     num_features : int
         ``r``: number of random projections (``d`` for the deterministic maps).
     feature_dim : int
-        Length ``F`` of :math:`\varphi(x)`, from the rule registered with the estimator.
+        Length ``F`` of $\varphi(x)$, from the rule registered with the estimator.
     batch_shape : tuple of int
         Shape of the batch of independent projections (``()`` for deterministic maps).
     is_random, positive : bool
@@ -120,7 +120,7 @@ class FeatureMap(nn.Module):
     #: Trainable parameters, fitted by :func:`kernelapprox.fit_feature_map` (Hedgehog).
     learned: ClassVar[bool] = False
     #: Queries and keys use the same map. Asymmetric estimators (FAVOR#'s SADERF, which scales
-    #: queries by :math:`\Psi` and keys by :math:`\Psi^{-1}`; hybrid features, whose weights are
+    #: queries by $\Psi$ and keys by $\Psi^{-1}$; hybrid features, whose weights are
     #: an indefinite kernel) set it false and override :meth:`key_log_features`; every key-side
     #: computation of the library goes through :meth:`key_log_features` / :meth:`key_features`.
     symmetric: ClassVar[bool] = True
@@ -144,7 +144,7 @@ class FeatureMap(nn.Module):
 
     @property
     def feature_dim(self) -> int:
-        """Length ``F`` of :math:`\\varphi(x)`: the registered rule of the estimator at ``(r, d)``."""
+        """Length ``F`` of $\\varphi(x)$: the registered rule of the estimator at ``(r, d)``."""
         est = _rule_for(self)
         if est is None:
             raise NotImplementedError(
@@ -238,7 +238,7 @@ class FeatureMap(nn.Module):
     # ------------------------------------------------------------------ API
     @no_autocast
     def log_features(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""Stabilised features: :math:`\varphi(x) = f \cdot e^{\text{log\_scale}}`.
+        r"""Stabilised features: $\varphi(x) = f \cdot e^{\text{log\_scale}}$.
 
         Parameters
         ----------
@@ -254,18 +254,18 @@ class FeatureMap(nn.Module):
             Bounded features in the compute dtype (see the class docstring).
         log_scale : Tensor, shape (..., n) or (..., 1)
             Natural log of the per-row (or shared) scale, in float64 for the random maps (it holds
-            terms like :math:`\|x\|^2/2` whose float32 rounding would show in the kernel).
-            Stabilising shifts that cancel in :math:`f e^{\text{log\_scale}}` are detached from
-            autograd; gradients of any function of :math:`\varphi` are exact.
+            terms like $\|x\|^2/2$ whose float32 rounding would show in the kernel).
+            Stabilising shifts that cancel in $f e^{\text{log\_scale}}$ are detached from
+            autograd; gradients of any function of $\varphi$ are exact.
         """
         raise NotImplementedError
 
     @no_autocast
     def query_features(self, x: torch.Tensor) -> torch.Tensor:
-        r""":math:`\varphi(x)` up to a positive factor per row: ``f`` of :meth:`log_features`.
+        r"""$\varphi(x)$ up to a positive factor per row: ``f`` of :meth:`log_features`.
 
         What attention needs for its queries: a per-query positive factor cancels between the
-        numerator and the denominator of :math:`o_i`. Subclasses may skip computing the scale.
+        numerator and the denominator of $o_i$. Subclasses may skip computing the scale.
 
         Parameters
         ----------
@@ -279,8 +279,8 @@ class FeatureMap(nn.Module):
 
     @no_autocast
     def key_log_features(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""Stabilised *key* features :math:`\psi(y) = f\,e^{\text{log\_scale}}`, with
-        :math:`\hat K(x, y) = \varphi(x)^\top\psi(y)`.
+        r"""Stabilised *key* features $\psi(y) = f\,e^{\text{log\_scale}}$, with
+        $\hat K(x, y) = \varphi(x)^\top\psi(y)$.
 
         Same contract as :meth:`log_features`, which it is for symmetric maps (the default).
 
@@ -298,7 +298,7 @@ class FeatureMap(nn.Module):
 
     @no_autocast
     def key_features(self, x: torch.Tensor) -> torch.Tensor:
-        r""":math:`\psi(x)`, the plain key-side features (:meth:`forward` for symmetric maps).
+        r"""$\psi(x)$, the plain key-side features (:meth:`forward` for symmetric maps).
 
         Parameters
         ----------
@@ -317,7 +317,7 @@ class FeatureMap(nn.Module):
 
     @no_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r""":math:`\varphi(x)`, the plain (unstabilised) features (query side; see :meth:`key_features`).
+        r"""$\varphi(x)$, the plain (unstabilised) features (query side; see :meth:`key_features`).
 
         Parameters
         ----------
@@ -326,8 +326,8 @@ class FeatureMap(nn.Module):
         Returns
         -------
         Tensor, shape (*broadcast(x.shape[:-2], batch_shape), n, feature_dim), dtype of ``x``.
-            May overflow where :math:`\varphi(x)` itself is not representable (e.g. trigonometric
-            features at :math:`\|x\| \gtrsim 13` in float32); use :meth:`kernel` or
+            May overflow where $\varphi(x)$ itself is not representable (e.g. trigonometric
+            features at $\|x\| \gtrsim 13$ in float32); use :meth:`kernel` or
             :meth:`log_features` there.
         """
         xc, out_dtype = self._prepare("x", x)
@@ -339,12 +339,12 @@ class FeatureMap(nn.Module):
     def kernel(
         self, q: torch.Tensor, k: torch.Tensor, *, compute_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        r"""The kernel estimate :math:`\hat K = \varphi(q)\varphi(k)^\top`, computed in the log domain.
+        r"""The kernel estimate $\hat K = \varphi(q)\varphi(k)^\top$, computed in the log domain.
 
-        :math:`\hat K_{ij} = G_{ij} e^{s_i + t_j}` with :math:`G = f_q f_k^\top` and
-        :math:`(f, s)` from :meth:`log_features`; where :math:`e^{s_i + t_j}` alone over- or
-        underflows, :math:`\operatorname{sign}(G_{ij}) \exp(\log|G_{ij}| + s_i + t_j)`, so that no
-        scale factor overflows unless :math:`\hat K_{ij}` itself does.
+        $\hat K_{ij} = G_{ij} e^{s_i + t_j}$ with $G = f_q f_k^\top$ and
+        $(f, s)$ from :meth:`log_features`; where $e^{s_i + t_j}$ alone over- or
+        underflows, $\operatorname{sign}(G_{ij}) \exp(\log|G_{ij}| + s_i + t_j)$, so that no
+        scale factor overflows unless $\hat K_{ij}$ itself does.
 
         Parameters
         ----------
@@ -352,9 +352,9 @@ class FeatureMap(nn.Module):
         k : Tensor, shape (..., m, d)
         compute_dtype : torch.dtype, optional
             Dtype of the computation. Default float64: this is the verification path, and in
-            float32 the projection :math:`Wx` alone carries a relative rounding of ~1e-5 into
-            :math:`\hat K` at :math:`\|x\| = 10`, :math:`d = 64`. Pass ``torch.float32`` for
-            speed (``linear_attention`` never materialises :math:`\hat K`). It is promoted with
+            float32 the projection $Wx$ alone carries a relative rounding of ~1e-5 into
+            $\hat K$ at $\|x\| = 10$, $d = 64$. Pass ``torch.float32`` for
+            speed (``linear_attention`` never materialises $\hat K$). It is promoted with
             the map's dtype like every computation (at least float32).
 
         Returns
@@ -413,7 +413,7 @@ class RandomFeatureMap(FeatureMap):
     dim : int
         Input dimension ``d``.
     num_features : int
-        ``r``, the number of random projections :math:`w_1..w_r`.
+        ``r``, the number of random projections $w_1..w_r$.
     sampler : str or Sampler, default "gaussian"
         ``"gaussian"``, ``"orthogonal"``, ``"structured"``, ``"qmc"`` or a
         :class:`~kernelapprox.samplers.Sampler` (e.g. ``OrthogonalSampler(norms="fixed")``).
@@ -471,7 +471,7 @@ class RandomFeatureMap(FeatureMap):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dense projection :math:`W`, shape ``(*batch_shape, r, d)`` (materialised for SORF)."""
+        """The dense projection $W$, shape ``(*batch_shape, r, d)`` (materialised for SORF)."""
         return self.projection.weight
 
     @classmethod
@@ -563,13 +563,14 @@ class RandomFeatureMap(FeatureMap):
 class PositiveRF(RandomFeatureMap):
     r"""Positive random features (FAVOR+) [Cho21]_ Lemma 1.
 
-    .. math::
-        \varphi(x) = \frac{e^{-\|x\|^2/2}}{\sqrt r}\,\big[e^{w_1^\top x}, \dots, e^{w_r^\top x}\big],
-        \qquad \mathbb E\,\varphi(x)^\top\varphi(y) = e^{x^\top y}.
+    $$
+    \varphi(x) = \frac{e^{-\|x\|^2/2}}{\sqrt r}\,\big[e^{w_1^\top x}, \dots, e^{w_r^\top x}\big],
+    \qquad \mathbb E\,\varphi(x)^\top\varphi(y) = e^{x^\top y}.
+    $$
 
-    ``feature_dim = r``. MSE (iid): :math:`\frac1r e^{\|x+y\|^2}\mathrm{SM}^2(1-e^{-\|x+y\|^2})`
+    ``feature_dim = r``. MSE (iid): $\frac1r e^{\|x+y\|^2}\mathrm{SM}^2(1-e^{-\|x+y\|^2})$
     (:func:`kernelapprox.theory.positive_mse`). Stabilised form: per-row max of
-    :math:`w^\top x - \|x\|^2/2` subtracted (queries), one max per sequence for keys.
+    $w^\top x - \|x\|^2/2$ subtracted (queries), one max per sequence for keys.
 
     Parameters are those of :class:`RandomFeatureMap`.
 
@@ -623,7 +624,7 @@ def _grad(*ts: torch.Tensor) -> bool:
 def _exp_shifted(
     u: torch.Tensor, m: torch.Tensor, c: torch.Tensor, shared: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Stabilised :math:`\exp(u + c)` for :math:`\log\varphi = u + c` (``u`` (..., n, F), ``c`` (..., n)).
+    r"""Stabilised $\exp(u + c)$ for $\log\varphi = u + c$ (``u`` (..., n, F), ``c`` (..., n)).
 
     ``m`` (..., n) is the (detached) row max of ``u``. Per row: ``f = exp(u - m)``,
     ``log_scale = m + c``. Shared: ``M = max_rows(m + c)`` (detached), ``f = exp(u + c - M)``,
@@ -653,11 +654,12 @@ def _exp_shifted(
 class HyperbolicRF(RandomFeatureMap):
     r"""Hyperbolic (antithetic positive) random features [Cho21]_ Lemma 2 / §2.4.
 
-    .. math::
-        \varphi(x) = \frac{e^{-\|x\|^2/2}}{\sqrt{2r}}\,\big[e^{Wx}, e^{-Wx}\big],\qquad
-        \hat K = \frac{e^{-(\|x\|^2+\|y\|^2)/2}}{r}\sum_i \cosh\big(w_i^\top(x+y)\big).
+    $$
+    \varphi(x) = \frac{e^{-\|x\|^2/2}}{\sqrt{2r}}\,\big[e^{Wx}, e^{-Wx}\big],\qquad
+    \hat K = \frac{e^{-(\|x\|^2+\|y\|^2)/2}}{r}\sum_i \cosh\big(w_i^\top(x+y)\big).
+    $$
 
-    ``feature_dim = 2r``. MSE (iid): :math:`\tfrac12(1-e^{-\|x+y\|^2})` times that of
+    ``feature_dim = 2r``. MSE (iid): $\tfrac12(1-e^{-\|x+y\|^2})$ times that of
     :class:`PositiveRF` with the same ``r`` (:func:`kernelapprox.theory.hyperbolic_mse`).
 
     Examples
@@ -708,23 +710,25 @@ register_estimator(
 
 
 class TrigRF(RandomFeatureMap):
-    r"""Trigonometric random features for :math:`\exp(x^\top y)` [RR07]_, [Cho21]_ Lemma 2.
+    r"""Trigonometric random features for $\exp(x^\top y)$ [RR07]_, [Cho21]_ Lemma 2.
 
     ``variant="sincos"`` (default; ``feature_dim = 2r``):
 
-    .. math::
-        \varphi(x) = \frac{e^{\|x\|^2/2}}{\sqrt r}\,[\sin Wx, \cos Wx], \qquad
-        \hat K = e^{(\|x\|^2+\|y\|^2)/2}\,\frac1r\sum_i \cos\big(w_i^\top(x-y)\big).
+    $$
+    \varphi(x) = \frac{e^{\|x\|^2/2}}{\sqrt r}\,[\sin Wx, \cos Wx], \qquad
+    \hat K = e^{(\|x\|^2+\|y\|^2)/2}\,\frac1r\sum_i \cos\big(w_i^\top(x-y)\big).
+    $$
 
     ``variant="offset"`` (``feature_dim = r``; scikit-learn's ``RBFSampler`` form [SS15]_):
 
-    .. math::
-        \varphi(x) = e^{\|x\|^2/2}\sqrt{2/r}\,\cos(Wx + b), \quad b_i \sim U[0, 2\pi).
+    $$
+    \varphi(x) = e^{\|x\|^2/2}\sqrt{2/r}\,\cos(Wx + b), \quad b_i \sim U[0, 2\pi).
+    $$
 
     Both are unbiased; the sincos form has lower variance at equal ``r`` [SS15]_. Features take
-    both signs, so attention denominators can be :math:`\le 0`. The scale
-    :math:`e^{\|x\|^2/2}` is carried in ``log_scale`` (it overflows float32 at
-    :math:`\|x\|\approx 13.3`, and the product of two at :math:`\|q\|=\|k\|\approx 9.4`).
+    both signs, so attention denominators can be $\le 0$. The scale
+    $e^{\|x\|^2/2}$ is carried in ``log_scale`` (it overflows float32 at
+    $\|x\|\approx 13.3$, and the product of two at $\|q\|=\|k\|\approx 9.4$).
 
     Parameters
     ----------
@@ -891,13 +895,13 @@ class _DeterministicMap(FeatureMap):
 
 
 class EluFeatures(_DeterministicMap):
-    r"""The elu+1 map of linear attention [Kat20]_: :math:`\varphi(x) = \mathrm{elu}(x) + 1`.
+    r"""The elu+1 map of linear attention [Kat20]_: $\varphi(x) = \mathrm{elu}(x) + 1$.
 
     Deterministic (no projection; ``redraw`` is a no-op), positive, ``feature_dim = d``: maps
     x (..., n, d) to (..., n, d). Computed
-    branch-wise as :math:`x + 1` for :math:`x \ge 0` and :math:`e^{x}` below, so it does not
-    round to 0 in bfloat16 for :math:`x \le -8` (flash-linear-attention issue #1261). As an
-    estimator of :math:`\exp(q^\top k)` it is biased; :func:`kernelapprox.theory.deterministic_error`
+    branch-wise as $x + 1$ for $x \ge 0$ and $e^{x}$ below, so it does not
+    round to 0 in bfloat16 for $x \le -8$ (flash-linear-attention issue #1261). As an
+    estimator of $\exp(q^\top k)$ it is biased; :func:`kernelapprox.theory.deterministic_error`
     gives the error.
 
     Examples
@@ -916,7 +920,7 @@ register_estimator(EluFeatures, name="elu", label="elu+1", feature_dim="d")
 
 
 class ReluFeatures(_DeterministicMap):
-    r"""The ReLU map :math:`\varphi(x) = \max(x, 0)` (Performer-ReLU, [Cho21]_ App. A.4).
+    r"""The ReLU map $\varphi(x) = \max(x, 0)$ (Performer-ReLU, [Cho21]_ App. A.4).
 
     Deterministic, non-negative, ``feature_dim = d``: maps x (..., n, d) to (..., n, d). Rows can
     be all zero, so attention

@@ -19,12 +19,13 @@ causality are recorded, never skipped.
 
 Attention of a captured head is
 
-.. math::
-    o_i = \sum_j \operatorname{softmax}_j\big(s\, q_i^\top k_j + M_{ij}\big)\, v_j,
+$$
+o_i = \sum_j \operatorname{softmax}_j\big(s\, q_i^\top k_j + M_{ij}\big)\, v_j,
+$$
 
-with the model's scaling :math:`s` (usually :math:`d_{\text{head}}^{-1/2}`) and mask
-:math:`M_{ij}\in\{0,-\infty\}`: the softmax kernel of the library, :math:`\exp(\tilde q_i^\top
-\tilde k_j)`, on :math:`\tilde q = \sqrt s\, q`, :math:`\tilde k = \sqrt s\, k`
+with the model's scaling $s$ (usually $d_{\text{head}}^{-1/2}$) and mask
+$M_{ij}\in\{0,-\infty\}$: the softmax kernel of the library, $\exp(\tilde q_i^\top
+\tilde k_j)$, on $\tilde q = \sqrt s\, q$, $\tilde k = \sqrt s\, k$
 (:meth:`Capture.kernel_inputs`).
 
 The helpers :func:`load_minilm` (sentence-transformers all-MiniLM-L6-v2 from the offline wheel
@@ -106,7 +107,7 @@ class LayerCapture:
     v : Tensor, shape (batch, heads, m, d_v)
         Values, repeated like the keys.
     scaling : float
-        The model's logit scale :math:`s` (``module.scaling``; :math:`d_{\text{head}}^{-1/2}` when the
+        The model's logit scale $s$ (``module.scaling``; $d_{\text{head}}^{-1/2}$ when the
         model passes none).
     allowed : Tensor of bool, shape (batch, 1, n, m)
         ``True`` where query ``i`` may attend to key ``j`` (the model's mask: causality and padding).
@@ -132,7 +133,7 @@ class LayerCapture:
     module: str = ""
 
     def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        r""":math:`(\sqrt s\,q, \sqrt s\,k)`: the softmax kernel of this layer is ``exp(q̃ k̃ᵀ)``.
+        r"""$(\sqrt s\,q, \sqrt s\,k)$: the softmax kernel of this layer is ``exp(q̃ k̃ᵀ)``.
 
         Returns
         -------
@@ -142,7 +143,7 @@ class LayerCapture:
         return self.q * r, self.k * r
 
     def attention_weights(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        r"""Exact attention rows :math:`\operatorname{softmax}(s\,qk^\top + M)`, computed in ``dtype``.
+        r"""Exact attention rows $\operatorname{softmax}(s\,qk^\top + M)$, computed in ``dtype``.
 
         Returns
         -------
@@ -153,7 +154,7 @@ class LayerCapture:
         return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
     def softmax_attention(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        r"""Exact attention output :math:`\operatorname{softmax}(s\,qk^\top + M)\,v` in ``dtype``.
+        r"""Exact attention output $\operatorname{softmax}(s\,qk^\top + M)\,v$ in ``dtype``.
 
         Rows with no allowed key (none in the supported models) give zeros.
 
@@ -234,7 +235,7 @@ class Capture:
         return all(lc.causal for lc in self.layers)
 
     def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""Stacked :math:`(\sqrt{s_l}\,q, \sqrt{s_l}\,k)`, shapes (layers, batch, heads, n|m, d_head)."""
+        r"""Stacked $(\sqrt{s_l}\,q, \sqrt{s_l}\,k)$, shapes (layers, batch, heads, n|m, d_head)."""
         r = self.scaling.sqrt().to(self.layers[0].q.dtype).view(-1, 1, 1, 1, 1)
         return self.q * r, self.k * r
 
@@ -677,15 +678,16 @@ def linearize(
 ) -> Linearized:
     r"""Swap the model's softmax attention for :func:`kernelapprox.linear_attention`, reversibly.
 
-    In every linearised layer, head :math:`h` computes
+    In every linearised layer, head $h$ computes
 
-    .. math::
-        o_i = \frac{\varphi_h(\tilde q_i)^\top \sum_{j \in J_i} \varphi_h(\tilde k_j) v_j^\top}
-                   {\varphi_h(\tilde q_i)^\top \sum_{j \in J_i} \varphi_h(\tilde k_j)},
-        \qquad \tilde q = \sqrt s\,q,\ \tilde k = \sqrt s\,k,
+    $$
+    o_i = \frac{\varphi_h(\tilde q_i)^\top \sum_{j \in J_i} \varphi_h(\tilde k_j) v_j^\top}
+    {\varphi_h(\tilde q_i)^\top \sum_{j \in J_i} \varphi_h(\tilde k_j)},
+    \qquad \tilde q = \sqrt s\,q,\ \tilde k = \sqrt s\,k,
+    $$
 
-    where :math:`s` is the model's own scaling and :math:`J_i` the keys its mask allows
-    (:math:`j \le i` where the model is causal; padded keys excluded). Random maps get an
+    where $s$ is the model's own scaling and $J_i$ the keys its mask allows
+    ($j \le i$ where the model is causal; padded keys excluded). Random maps get an
     independent draw per head (``batch_shape=(heads,)``) and per layer; data-dependent maps
     (``fm.data_dependent``: FAVOR++, FAVOR#, Nyström) are fitted on every batch they see, as in
     use; learned maps (Hedgehog) are fitted per head on ``calibration`` inputs by

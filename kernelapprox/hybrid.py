@@ -1,16 +1,16 @@
 r"""Hybrid random features: the angular hybrid of hyperbolic and trigonometric features [HRF22]_.
 
-Positive (hyperbolic) features estimate :math:`e^{x^\top y}` exactly at :math:`x = -y` and are
-poor near :math:`x = y`; trigonometric features are exact at :math:`x = y` and poor near
-:math:`x = -y`. The angular hybrid weighs the two by an unbiased estimate of
-:math:`\theta_{x,y}/\pi`, which is 0 at :math:`x \parallel y` and 1 at :math:`x \parallel -y`:
+Positive (hyperbolic) features estimate $e^{x^\top y}$ exactly at $x = -y$ and are
+poor near $x = y$; trigonometric features are exact at $x = y$ and poor near
+$x = -y$. The angular hybrid weighs the two by an unbiased estimate of
+$\theta_{x,y}/\pi$, which is 0 at $x \parallel y$ and 1 at $x \parallel -y$:
 
-.. math::
-
-    \hat K(x, y) = \hat\lambda(x, y)\,\hat K_{\text{hyp}}(x, y)
-                 + \big(1 - \hat\lambda(x, y)\big)\,\hat K_{\text{trig}}(x, y),\qquad
-    \hat\lambda(x, y) = \frac12 - \frac1{2n}\sum_{l=1}^n
-        \operatorname{sgn}(g_l^\top x)\operatorname{sgn}(g_l^\top y).
+$$
+\hat K(x, y) = \hat\lambda(x, y)\,\hat K_{\text{hyp}}(x, y)
++ \big(1 - \hat\lambda(x, y)\big)\,\hat K_{\text{trig}}(x, y),\qquad
+\hat\lambda(x, y) = \frac12 - \frac1{2n}\sum_{l=1}^n
+\operatorname{sgn}(g_l^\top x)\operatorname{sgn}(g_l^\top y).
+$$
 
 :class:`HybridRF` is registered as ``"hybrid"``; its closed-form MSE is
 :func:`kernelapprox.theory.hybrid.hybrid_mse`.
@@ -43,14 +43,14 @@ MAX_DEFAULT_ANGULAR = 8
 
 
 def default_num_angular(num_features: int, dim: int) -> int:
-    r"""The default ``num_angular`` of :class:`HybridRF`: :math:`n = \min(r, 8)`, whatever ``dim``.
+    r"""The default ``num_angular`` of :class:`HybridRF`: $n = \min(r, 8)$, whatever ``dim``.
 
-    The feature dimension is :math:`4r(n + 1)` (a tensor product), so :math:`n` multiplies the
+    The feature dimension is $4r(n + 1)$ (a tensor product), so $n$ multiplies the
     cost of attention. At a fixed feature budget the MSE of :func:`~kernelapprox.theory.hybrid.hybrid_mse`
-    is :math:`\propto (n + 1)\,(M_\infty + \lambda(1-\lambda)\mathrm{Var}(A - B)/n)`, minimal at
-    :math:`n^* = \sqrt{\lambda(1-\lambda)\mathrm{Var}(A-B)/M_\infty}`: about 1 for generic pairs
-    (:math:`\theta \approx \pi/2`) and a few for nearly aligned ones
-    (:math:`n^* \to \sqrt{(1-\lambda)/\lambda}`), so a small constant keeps ``feature_dim`` linear
+    is $\propto (n + 1)\,(M_\infty + \lambda(1-\lambda)\mathrm{Var}(A - B)/n)$, minimal at
+    $n^* = \sqrt{\lambda(1-\lambda)\mathrm{Var}(A-B)/M_\infty}$: about 1 for generic pairs
+    ($\theta \approx \pi/2$) and a few for nearly aligned ones
+    ($n^* \to \sqrt{(1-\lambda)/\lambda}$), so a small constant keeps ``feature_dim`` linear
     in ``r``; ``r`` itself below 8 keeps tiny maps tiny. Registered rule:
     ``feature_dim(r, d) = 4 r (min(r, 8) + 1)`` (the registry's rule sees only ``(r, d)``; a map built
     with another ``num_angular`` reports its own ``feature_dim``).
@@ -68,10 +68,10 @@ def _feature_dim(r: int, d: int) -> int:
 
 
 def _times_exp(G: torch.Tensor, logs: torch.Tensor) -> torch.Tensor:
-    r""":math:`G\,e^{\text{logs}}` without overflow of the scale alone (as :meth:`FeatureMap.kernel`).
+    r"""$G\,e^{\text{logs}}$ without overflow of the scale alone (as :meth:`FeatureMap.kernel`).
 
-    One rounding where :math:`e^{\text{logs}}` is representable; elsewhere
-    :math:`\operatorname{sign}(G)\exp(\log|G| + \text{logs})` with a safe log (zeros give 0 with
+    One rounding where $e^{\text{logs}}$ is representable; elsewhere
+    $\operatorname{sign}(G)\exp(\log|G| + \text{logs})$ with a safe log (zeros give 0 with
     a zero gradient).
     """
     fi = torch.finfo(logs.dtype)
@@ -87,57 +87,57 @@ class HybridRF(RandomFeatureMap):
     r"""Angular hybrid random features (HRF) [HRF22]_: hyperbolic and sin/cos features mixed by
     an estimate of the angle.
 
-    With :math:`r` projections :math:`w_i` (rows of :math:`W`, shared by both parts) and
-    :math:`n` = ``num_angular`` independent vectors :math:`g_l` (rows of ``angular``, drawn by the
-    same sampler, independently of :math:`W`):
+    With $r$ projections $w_i$ (rows of $W$, shared by both parts) and
+    $n$ = ``num_angular`` independent vectors $g_l$ (rows of ``angular``, drawn by the
+    same sampler, independently of $W$):
 
-    .. math::
+    $$
+    \hat K = \hat\lambda\,\underbrace{\frac{\Lambda}{r}\sum_i\cosh\big(w_i^\top(x+y)\big)}_{A\ (\text{hyperbolic})}
+    + (1-\hat\lambda)\,\underbrace{\frac{1}{\Lambda r}\sum_i\cos\big(w_i^\top(x-y)\big)}_{B\ (\text{sin/cos})},
+    \qquad \hat\lambda = \frac12 - \frac1{2n}\sum_l \operatorname{sgn}(g_l^\top x)\operatorname{sgn}(g_l^\top y),
+    $$
 
-        \hat K = \hat\lambda\,\underbrace{\frac{\Lambda}{r}\sum_i\cosh\big(w_i^\top(x+y)\big)}_{A\ (\text{hyperbolic})}
-        + (1-\hat\lambda)\,\underbrace{\frac{1}{\Lambda r}\sum_i\cos\big(w_i^\top(x-y)\big)}_{B\ (\text{sin/cos})},
-        \qquad \hat\lambda = \frac12 - \frac1{2n}\sum_l \operatorname{sgn}(g_l^\top x)\operatorname{sgn}(g_l^\top y),
+    $\Lambda = e^{-(\|x\|^2+\|y\|^2)/2}$. $\mathbb E\hat\lambda = \theta_{x,y}/\pi$
+    (Goemans–Williamson) and $\hat\lambda$ is independent of $A, B$, so
+    $\mathbb E\hat K = e^{x^\top y}$: unbiased for iid, χ-norm orthogonal and QMC rows.
 
-    :math:`\Lambda = e^{-(\|x\|^2+\|y\|^2)/2}`. :math:`\mathbb E\hat\lambda = \theta_{x,y}/\pi`
-    (Goemans–Williamson) and :math:`\hat\lambda` is independent of :math:`A, B`, so
-    :math:`\mathbb E\hat K = e^{x^\top y}`: unbiased for iid, χ-norm orthogonal and QMC rows.
-
-    Which part gets :math:`\hat\lambda`. At :math:`\theta = 0` every sign product is
-    :math:`+1` and :math:`\hat\lambda \equiv 0`; at :math:`\theta = \pi`, :math:`\hat\lambda \equiv 1`.
-    The sin/cos estimator is exact at :math:`x = y` and the hyperbolic one at :math:`x = -y`, so
-    the weight :math:`\hat\lambda` goes to the *hyperbolic* part: then :math:`\hat K` is exact at
+    Which part gets $\hat\lambda$. At $\theta = 0$ every sign product is
+    $+1$ and $\hat\lambda \equiv 0$; at $\theta = \pi$, $\hat\lambda \equiv 1$.
+    The sin/cos estimator is exact at $x = y$ and the hyperbolic one at $x = -y$, so
+    the weight $\hat\lambda$ goes to the *hyperbolic* part: then $\hat K$ is exact at
     both extremes (equal norms), with variance 0. The reversed assignment (trigonometric part
-    weighted by :math:`\hat\lambda`, as in the official HRF notebook) is exact nowhere and has a
+    weighted by $\hat\lambda$, as in the official HRF notebook) is exact nowhere and has a
     far larger MSE near both extremes (measured in ``tests/test_hybrid.py``).
 
-    Features. The kernel :math:`1 - \hat\lambda = c(x)^\top c(y)` with
-    :math:`c(x) = \tfrac1{\sqrt2}[1, \operatorname{sgn}(Gx)/\sqrt n]` is positive semi-definite, but
-    :math:`\hat\lambda = \tilde c(x)^\top c(y)`, :math:`\tilde c(x) = \tfrac1{\sqrt2}[1,
-    -\operatorname{sgn}(Gx)/\sqrt n]`, is not: the map is asymmetric (``symmetric = False``).
+    Features. The kernel $1 - \hat\lambda = c(x)^\top c(y)$ with
+    $c(x) = \tfrac1{\sqrt2}[1, \operatorname{sgn}(Gx)/\sqrt n]$ is positive semi-definite, but
+    $\hat\lambda = \tilde c(x)^\top c(y)$, $\tilde c(x) = \tfrac1{\sqrt2}[1,
+    -\operatorname{sgn}(Gx)/\sqrt n]$, is not: the map is asymmetric (``symmetric = False``).
     Queries and keys get tensor-product features
 
-    .. math::
-
-        \varphi(x) = \big[c(x)\otimes\varphi_{\text{hyp}}(x),\ c(x)\otimes\varphi_{\text{trig}}(x)\big],
-        \qquad
-        \psi(y) = \big[\tilde c(y)\otimes\varphi_{\text{hyp}}(y),\ c(y)\otimes\varphi_{\text{trig}}(y)\big],
+    $$
+    \varphi(x) = \big[c(x)\otimes\varphi_{\text{hyp}}(x),\ c(x)\otimes\varphi_{\text{trig}}(x)\big],
+    \qquad
+    \psi(y) = \big[\tilde c(y)\otimes\varphi_{\text{hyp}}(y),\ c(y)\otimes\varphi_{\text{trig}}(y)\big],
+    $$
 
     (:meth:`log_features`, :meth:`key_log_features`), which differ in the sign of the
-    :math:`\operatorname{sgn}(Gx)\otimes\varphi_{\text{hyp}}` block, and
-    :math:`\hat K = \varphi(x)^\top\psi(y)`. ``feature_dim`` :math:`= (n+1)\cdot 4r`.
+    $\operatorname{sgn}(Gx)\otimes\varphi_{\text{hyp}}$ block, and
+    $\hat K = \varphi(x)^\top\psi(y)$. ``feature_dim`` $= (n+1)\cdot 4r$.
 
-    Numerics. :math:`\varphi_{\text{hyp}}` scales like :math:`e^{-\|x\|^2/2}` and
-    :math:`\varphi_{\text{trig}}` like :math:`e^{+\|x\|^2/2}`. With
-    :math:`\ell_A = \max_i|w_i^\top x| - \|x\|^2/2 - \tfrac12\log 4r` and
-    :math:`\ell_B = \|x\|^2/2 - \tfrac12\log 2r`, each row has
-    ``log_scale`` :math:`L = \max(\ell_A, \ell_B)` (float64) and
-    :math:`f = [c\otimes e^{\pm Wx - \max|Wx|}e^{\ell_A - L},\ c\otimes[\sin Wx, \cos Wx]\,e^{\ell_B - L}]`,
-    :math:`|f| \le 1`: the larger block is bounded and the smaller one may underflow to 0, its
-    honest value relative to the other (``shared=True``: one :math:`L` per sequence). In the
-    product :math:`\varphi(x)^\top\psi(y)` the two blocks of :math:`c` cancel exactly only in
-    exact arithmetic: where :math:`\hat\lambda \in \{0, 1\}` the rounding of the other part (of
-    the size of its scale, :math:`e^{(\|x\|^2+\|y\|^2)/2}` for the trigonometric one) remains.
-    :meth:`kernel` therefore computes :math:`\hat\lambda`, :math:`A` and :math:`B` separately
-    (:math:`\hat\lambda` exactly, each part in the log domain; :math:`O(nm(r + n))` instead of a
+    Numerics. $\varphi_{\text{hyp}}$ scales like $e^{-\|x\|^2/2}$ and
+    $\varphi_{\text{trig}}$ like $e^{+\|x\|^2/2}$. With
+    $\ell_A = \max_i|w_i^\top x| - \|x\|^2/2 - \tfrac12\log 4r$ and
+    $\ell_B = \|x\|^2/2 - \tfrac12\log 2r$, each row has
+    ``log_scale`` $L = \max(\ell_A, \ell_B)$ (float64) and
+    $f = [c\otimes e^{\pm Wx - \max|Wx|}e^{\ell_A - L},\ c\otimes[\sin Wx, \cos Wx]\,e^{\ell_B - L}]$,
+    $|f| \le 1$: the larger block is bounded and the smaller one may underflow to 0, its
+    honest value relative to the other (``shared=True``: one $L$ per sequence). In the
+    product $\varphi(x)^\top\psi(y)$ the two blocks of $c$ cancel exactly only in
+    exact arithmetic: where $\hat\lambda \in \{0, 1\}$ the rounding of the other part (of
+    the size of its scale, $e^{(\|x\|^2+\|y\|^2)/2}$ for the trigonometric one) remains.
+    :meth:`kernel` therefore computes $\hat\lambda$, $A$ and $B$ separately
+    ($\hat\lambda$ exactly, each part in the log domain; $O(nm(r + n))$ instead of a
     product of ``feature_dim``-long vectors), the same value up to that rounding, exact at the
     extremes at any norm.
 
@@ -149,18 +149,18 @@ class HybridRF(RandomFeatureMap):
         ``n``, the number of angular vectors; default :func:`default_num_angular` ``= min(r, 8)``.
     **kwargs
         ``sampler``, ``seed``, ``generator``, ``batch_shape``, ``device``, ``dtype`` of
-        :class:`~kernelapprox.RandomFeatureMap`. The sampler draws :math:`W` and then the angular
+        :class:`~kernelapprox.RandomFeatureMap`. The sampler draws $W$ and then the angular
         vectors (``(*batch_shape, n, d)``, buffer ``angular``) from the same generator.
 
     Notes
     -----
     MSE (iid rows and vectors, :func:`kernelapprox.theory.hybrid.hybrid_mse`):
-    :math:`(\lambda^2+v)(V_A+V_B-2C)+2\lambda(C-V_B)+V_B` with :math:`\lambda=\theta/\pi`,
-    :math:`v = \lambda(1-\lambda)/n` and :math:`C=\mathrm{Cov}(A,B)=\frac{\mathrm{SM}^2}r(\cos(\|x\|^2-\|y\|^2)-1)`.
+    $(\lambda^2+v)(V_A+V_B-2C)+2\lambda(C-V_B)+V_B$ with $\lambda=\theta/\pi$,
+    $v = \lambda(1-\lambda)/n$ and $C=\mathrm{Cov}(A,B)=\frac{\mathrm{SM}^2}r(\cos(\|x\|^2-\|y\|^2)-1)$.
     It is not an average of per-projection terms, so it is not registered as an
     :class:`~kernelapprox.EstimatorTheory` (``ka.theory.mse`` raises ``NotImplementedError``).
     Far from both extremes with large norms the hyperbolic part's relative variance
-    :math:`\sim e^{\|x+y\|^2}/r` enters with weight :math:`\lambda^2`: the estimator is then as
+    $\sim e^{\|x+y\|^2}/r$ enters with weight $\lambda^2$: the estimator is then as
     heavy-tailed as positive features there.
 
     References
@@ -295,7 +295,7 @@ class HybridRF(RandomFeatureMap):
 
     # ------------------------------------------------------------------ API
     def log_features(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""Query features :math:`\varphi(x) = f e^{\text{log\_scale}}` (class docstring).
+        r"""Query features $\varphi(x) = f e^{\text{log\_scale}}$ (class docstring).
 
         Parameters
         ----------
@@ -305,14 +305,14 @@ class HybridRF(RandomFeatureMap):
 
         Returns
         -------
-        f : Tensor, shape (*broadcast(x.shape[:-2], batch_shape), n, feature_dim), :math:`|f| \le 1`
+        f : Tensor, shape (*broadcast(x.shape[:-2], batch_shape), n, feature_dim), $|f| \le 1$
         log_scale : Tensor, shape (..., n) or (..., 1), float64
         """
         return self._stabilised(x, shared, key=False)
 
     def key_log_features(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""Key features :math:`\psi(y) = f e^{\text{log\_scale}}`: the query features with the
-        sign of the :math:`\operatorname{sgn}(Gy)\otimes\varphi_{\text{hyp}}` block flipped.
+        r"""Key features $\psi(y) = f e^{\text{log\_scale}}$: the query features with the
+        sign of the $\operatorname{sgn}(Gy)\otimes\varphi_{\text{hyp}}$ block flipped.
 
         Parameters
         ----------
@@ -321,7 +321,7 @@ class HybridRF(RandomFeatureMap):
 
         Returns
         -------
-        f : Tensor, shape (*broadcast(x.shape[:-2], batch_shape), m, feature_dim), :math:`|f| \le 1`
+        f : Tensor, shape (*broadcast(x.shape[:-2], batch_shape), m, feature_dim), $|f| \le 1$
         log_scale : Tensor, shape (..., m) or (..., 1), float64
         """
         return self._stabilised(x, shared, key=True)
@@ -329,11 +329,11 @@ class HybridRF(RandomFeatureMap):
     def kernel(
         self, q: torch.Tensor, k: torch.Tensor, *, compute_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        r""":math:`\hat K = \hat\lambda A + (1 - \hat\lambda) B` from its parts (class docstring).
+        r"""$\hat K = \hat\lambda A + (1 - \hat\lambda) B$ from its parts (class docstring).
 
-        Equal to :math:`\varphi(q)^\top\psi(k)` up to rounding; :math:`\hat\lambda` is exact
+        Equal to $\varphi(q)^\top\psi(k)$ up to rounding; $\hat\lambda$ is exact
         (integer sign sums) and each part is formed in the log domain, so the estimate is exact at
-        :math:`k = q` and :math:`k = -q` at any norm.
+        $k = q$ and $k = -q$ at any norm.
 
         Parameters
         ----------

@@ -1,17 +1,17 @@
 r"""Learned feature maps (Hedgehog) and their distillation from softmax attention.
 
-A learned map :math:`\varphi_\theta` has trainable parameters :math:`\theta` (an ``nn.Module`` with
+A learned map $\varphi_\theta$ has trainable parameters $\theta$ (an ``nn.Module`` with
 ``nn.Parameter`` s, ``learned = True``), fitted so that linear attention with
-:math:`\varphi_\theta` reproduces the *attention weights* of softmax attention on calibration
-data (:func:`fit_feature_map`). It is not random and not an estimator of :math:`e^{q^\top k}`:
+$\varphi_\theta$ reproduces the *attention weights* of softmax attention on calibration
+data (:func:`fit_feature_map`). It is not random and not an estimator of $e^{q^\top k}$:
 there is no unbiasedness or variance theory; its fidelity is measured (:func:`distillation_loss`,
 attention-output errors against :func:`kernelapprox.softmax_attention`).
 
 ================================== ==================================================================== ===========
-estimator                          :math:`\varphi(x)`, :math:`z = Wx + b`                               feature_dim
+estimator                          $\varphi(x)$, $z = Wx + b$                               feature_dim
 ================================== ==================================================================== ===========
-``hedgehog`` (``variant="fla"``)   :math:`\mathrm{softmax}([2z, -2z])` (one normalisation, 2f entries)   2f
-``hedgehog-lolcats``               :math:`[\mathrm{softmax}(z), \mathrm{softmax}(-z)]` (two)             2f
+``hedgehog`` (``variant="fla"``)   $\mathrm{softmax}([2z, -2z])$ (one normalisation, 2f entries)   2f
+``hedgehog-lolcats``               $[\mathrm{softmax}(z), \mathrm{softmax}(-z)]$ (two)             2f
 ================================== ==================================================================== ===========
 
 References
@@ -56,30 +56,32 @@ OPTIMIZERS = ("adam", "sgd")
 class HedgehogFeatures(FeatureMap):
     r"""Hedgehog's trainable softmax feature map [Zha24]_, in its two published forms.
 
-    With :math:`z = Wx + b` (:math:`W \in \mathbb R^{f\times d}`, :math:`b \in \mathbb R^f`,
+    With $z = Wx + b$ ($W \in \mathbb R^{f\times d}$, $b \in \mathbb R^f$,
     one pair per entry of ``batch_shape``):
 
     * ``variant="fla"`` (flash-linear-attention's ``HedgehogFeatureMap``; estimator
-      ``"hedgehog"``): one softmax over the :math:`2f` entries,
+      ``"hedgehog"``): one softmax over the $2f$ entries,
 
-      .. math::
-          \varphi(x) = \mathrm{softmax}\big([2z, -2z]\big),\qquad
-          \varphi(x)_j = \frac{e^{\pm 2 z_j}}{\sum_{l=1}^f 2\cosh(2 z_l)},\qquad
-          \textstyle\sum_j \varphi(x)_j = 1;
+      $$
+      \varphi(x) = \mathrm{softmax}\big([2z, -2z]\big),\qquad
+      \varphi(x)_j = \frac{e^{\pm 2 z_j}}{\sum_{l=1}^f 2\cosh(2 z_l)},\qquad
+      \textstyle\sum_j \varphi(x)_j = 1;
+      $$
 
     * ``variant="lolcats"`` (LoLCATs' ``SoftmaxDim`` [Zha25]_; estimator ``"hedgehog-lolcats"``):
       two separate softmaxes,
 
-      .. math::
-          \varphi(x) = \big[\mathrm{softmax}(z), \mathrm{softmax}(-z)\big],
-          \qquad \text{each half sums to 1.}
+      $$
+      \varphi(x) = \big[\mathrm{softmax}(z), \mathrm{softmax}(-z)\big],
+      \qquad \text{each half sums to 1.}
+      $$
 
     ``feature_dim = 2f``. The two are different kernels: in linear attention the per-query factor
     cancels, the per-key one does not, and the key normalisers differ
-    (:math:`\sum_l 2\cosh 2z_l` once, versus :math:`\sum_l e^{z_l}` and :math:`\sum_l e^{-z_l}`
-    weighting the two halves separately), so no rescaling of :math:`W` maps one onto the other.
+    ($\sum_l 2\cosh 2z_l$ once, versus $\sum_l e^{z_l}$ and $\sum_l e^{-z_l}$
+    weighting the two halves separately), so no rescaling of $W$ maps one onto the other.
 
-    Features are positive and bounded (:math:`0 < \varphi_j \le 1`): :meth:`log_features` returns
+    Features are positive and bounded ($0 < \varphi_j \le 1$): :meth:`log_features` returns
     ``f`` = the features and ``log_scale = 0``. Queries and keys share the map. Gradients reach
     ``weight`` and ``bias`` through every entry point (``fm(x)``, ``fm.kernel``,
     :func:`kernelapprox.linear_attention`).
@@ -89,18 +91,18 @@ class HedgehogFeatures(FeatureMap):
     dim : int
         Input dimension ``d``.
     num_features : int, optional
-        ``f``, the number of rows of :math:`W` (default ``d``); ``feature_dim = 2f``.
+        ``f``, the number of rows of $W$ (default ``d``); ``feature_dim = 2f``.
     variant : {"fla", "lolcats"}, default "fla"
     bias : bool, optional
-        Learn :math:`b`. Default: the reference of the variant (``nn.Linear`` with a bias for
+        Learn $b$. Default: the reference of the variant (``nn.Linear`` with a bias for
         ``"fla"``; no bias for ``"lolcats"``).
     init : {"identity", "kaiming"}, default "identity"
-        ``"identity"``: :math:`W = I_{f\times d}` (ones on the diagonal, zero elsewhere:
-        :math:`W = I` when ``f = d``; both references start there). ``"kaiming"``: ``nn.Linear``'s
-        :math:`U(-1/\sqrt d, 1/\sqrt d)` entries, drawn from ``seed``/``generator``. :math:`b = 0`
+        ``"identity"``: $W = I_{f\times d}$ (ones on the diagonal, zero elsewhere:
+        $W = I$ when ``f = d``; both references start there). ``"kaiming"``: ``nn.Linear``'s
+        $U(-1/\sqrt d, 1/\sqrt d)$ entries, drawn from ``seed``/``generator``. $b = 0$
         in both.
     batch_shape : tuple of int, default ()
-        Independent maps, :math:`W` of shape ``(*batch_shape, f, d)``, broadcast against the
+        Independent maps, $W$ of shape ``(*batch_shape, f, d)``, broadcast against the
         input's leading dimensions: ``(H,)`` for one map per head of a ``(B, H, n, d)`` input.
     seed : int, optional
         Seed of the ``"kaiming"`` draw (a fresh CPU generator); ``None`` draws from torch's
@@ -203,7 +205,7 @@ class HedgehogFeatures(FeatureMap):
 
     # ------------------------------------------------------------------ computation
     def _project(self, xc: torch.Tensor) -> torch.Tensor:
-        """:math:`z = Wx + b`, shape (*broadcast(lead, batch_shape), n, f), in ``xc``'s dtype."""
+        """$z = Wx + b$, shape (*broadcast(lead, batch_shape), n, f), in ``xc``'s dtype."""
         z = torch.matmul(xc, self.weight.to(xc.dtype).mT)
         if self.bias is not None:
             z = z + self.bias.to(xc.dtype).unsqueeze(-2)
@@ -351,7 +353,7 @@ def _validate(fm: object, q: object, k: object, causal: object, scale: object) -
 def _row_losses(
     fm: FeatureMap, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor | None, causal: bool, scale: float
 ) -> torch.Tensor:
-    r"""Cross-entropy :math:`-\sum_j A_{ij}\log\hat A_{ij}` of the query rows ``rows`` (all if None).
+    r"""Cross-entropy $-\sum_j A_{ij}\log\hat A_{ij}$ of the query rows ``rows`` (all if None).
 
     ``q``, ``k`` validated and in the compute dtype. Shape (*broadcast(lead, batch_shape), n_rows).
     """
@@ -385,14 +387,15 @@ def distillation_loss(
     r"""Hedgehog's distillation loss [Zha24]_ eq. 5: cross-entropy of linear-attention weights
     against softmax-attention weights, averaged over query rows (and all leading dimensions).
 
-    .. math::
-        A_{ij} = \operatorname{softmax}_j\big(\text{scale}\cdot q_i^\top k_j\big),\qquad
-        \hat A_{ij} = \frac{\varphi(q_i)^\top\varphi(k_j)}{\sum_l \varphi(q_i)^\top\varphi(k_l)},\qquad
-        \mathcal L = -\frac1n\sum_i\sum_j A_{ij}\log\hat A_{ij}
+    $$
+    A_{ij} = \operatorname{softmax}_j\big(\text{scale}\cdot q_i^\top k_j\big),\qquad
+    \hat A_{ij} = \frac{\varphi(q_i)^\top\varphi(k_j)}{\sum_l \varphi(q_i)^\top\varphi(k_l)},\qquad
+    \mathcal L = -\frac1n\sum_i\sum_j A_{ij}\log\hat A_{ij}
+    $$
 
-    (:math:`j, l \le i` when causal). Its minimum over :math:`\hat A` is the entropy of
-    :math:`A`, reached at :math:`\hat A = A`. Computed in the log domain (:math:`\log\hat A` by a
-    log-softmax over :math:`\log\varphi(q_i)^\top\varphi(k_j)`), in the library's compute dtype;
+    ($j, l \le i$ when causal). Its minimum over $\hat A$ is the entropy of
+    $A$, reached at $\hat A = A$. Computed in the log domain ($\log\hat A$ by a
+    log-softmax over $\log\varphi(q_i)^\top\varphi(k_j)$), in the library's compute dtype;
     differentiable with respect to the map's parameters.
 
     Parameters
@@ -408,7 +411,7 @@ def distillation_loss(
     scale : float, default 1.0
         Multiplies the logits of the *target* only: ``scale=1`` is
         :func:`kernelapprox.softmax_attention` on the same ``q, k`` (the library's convention:
-        inputs already carry :math:`d^{-1/4}` each); raw projections with ``scale=d**-0.5`` give
+        inputs already carry $d^{-1/4}$ each); raw projections with ``scale=d**-0.5`` give
         the usual transformer attention.
 
     Returns
@@ -446,7 +449,7 @@ def fit_feature_map(
     r"""Fit a learned feature map by distilling softmax attention into linear attention [Zha24]_.
 
     Minimises :func:`distillation_loss` (the cross-entropy between the exact attention rows
-    :math:`A_{i\cdot}` and the linearised rows :math:`\hat A_{i\cdot}`, [Zha24]_ eq. 5) over the
+    $A_{i\cdot}$ and the linearised rows $\hat A_{i\cdot}$, [Zha24]_ eq. 5) over the
     map's trainable parameters, in place, with ``steps`` steps of Adam (or SGD).
 
     Heads: with ``fm.batch_shape = (H,)`` each head has its own parameters; the objective is the

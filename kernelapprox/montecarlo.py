@@ -81,14 +81,14 @@ def _matrix(name: str, x: torch.Tensor) -> None:
 
 
 def relative_error(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    r"""Entrywise relative error :math:`|\hat K_{ij}-K_{ij}|/|K_{ij}|`.
+    r"""Entrywise relative error $|\hat K_{ij}-K_{ij}|/|K_{ij}|$.
 
     Parameters
     ----------
     estimate : torch.Tensor
-        :math:`\hat K`, any shape broadcasting with ``exact`` (e.g. ``(S, ..., n, m)``).
+        $\hat K$, any shape broadcasting with ``exact`` (e.g. ``(S, ..., n, m)``).
     exact : torch.Tensor
-        :math:`K`, e.g. ``(..., n, m)``.
+        $K$, e.g. ``(..., n, m)``.
 
     Returns
     -------
@@ -106,7 +106,7 @@ def relative_error(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
 
 def relative_rms(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     r"""Root mean square of the entrywise relative error over a matrix,
-    :math:`\sqrt{\frac1{nm}\sum_{ij}(\hat K_{ij}-K_{ij})^2/K_{ij}^2}`.
+    $\sqrt{\frac1{nm}\sum_{ij}(\hat K_{ij}-K_{ij})^2/K_{ij}^2}$.
 
     Parameters
     ----------
@@ -131,7 +131,7 @@ def relative_rms(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
 
 
 def relative_frobenius(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    r"""Relative Frobenius error of a matrix, :math:`\|\hat K-K\|_F/\|K\|_F`.
+    r"""Relative Frobenius error of a matrix, $\|\hat K-K\|_F/\|K\|_F$.
 
     Parameters
     ----------
@@ -157,7 +157,7 @@ def relative_frobenius(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Ten
 
 
 def max_abs_error(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    r"""Largest absolute error over a matrix, :math:`\max_{ij}|\hat K_{ij}-K_{ij}|`.
+    r"""Largest absolute error over a matrix, $\max_{ij}|\hat K_{ij}-K_{ij}|$.
 
     Parameters
     ----------
@@ -183,14 +183,14 @@ def max_abs_error(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
 
 def attention_relative_error(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     r"""Relative Frobenius error of an attention output per row-set,
-    :math:`\|\hat O-O\|_F/\|O\|_F` over the ``(n, dv)`` block of one sequence (and head).
+    $\|\hat O-O\|_F/\|O\|_F$ over the ``(n, dv)`` block of one sequence (and head).
 
     Parameters
     ----------
     estimate : torch.Tensor
-        :math:`\hat O`, shape ``(..., n, dv)``.
+        $\hat O$, shape ``(..., n, dv)``.
     exact : torch.Tensor
-        :math:`O`, broadcasting with ``estimate``.
+        $O$, broadcasting with ``estimate``.
 
     Returns
     -------
@@ -210,9 +210,9 @@ def attention_relative_error(estimate: torch.Tensor, exact: torch.Tensor) -> tor
 
 def total_variation(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     r"""Total variation distance between attention rows,
-    :math:`\mathrm{TV}_i=\tfrac12\sum_j|\hat a_{ij}-a_{ij}|`.
+    $\mathrm{TV}_i=\tfrac12\sum_j|\hat a_{ij}-a_{ij}|$.
 
-    The rows :math:`\hat a_i=\hat K_{i\cdot}/\sum_j\hat K_{ij}` sum to one; for non-positive
+    The rows $\hat a_i=\hat K_{i\cdot}/\sum_j\hat K_{ij}$ sum to one; for non-positive
     estimators (trigonometric features) they may have negative entries, and the distance may then
     exceed 1.
 
@@ -258,10 +258,10 @@ def mean_ci(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     r"""Sample mean with its Student-t confidence interval.
 
-    .. math::
-
-        \bar x\pm t_{S-1,(1+c)/2}\,\frac{s}{\sqrt S},\qquad
-        s^2=\frac1{S-1}\sum_{d=1}^S(x_d-\bar x)^2 .
+    $$
+    \bar x\pm t_{S-1,(1+c)/2}\,\frac{s}{\sqrt S},\qquad
+    s^2=\frac1{S-1}\sum_{d=1}^S(x_d-\bar x)^2 .
+    $$
 
     Valid for independent draws with finite variance (CLT); for heavy-tailed draws (positive
     features at large norms) the interval can be too narrow at small S.
@@ -304,12 +304,12 @@ def variance_ci(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     r"""Sample variance with an asymptotic normal confidence interval from the fourth moment.
 
-    With central moments :math:`m_2, m_4` of the S draws, :math:`s^2=\frac S{S-1}m_2` and
+    With central moments $m_2, m_4$ of the S draws, $s^2=\frac S{S-1}m_2$ and
 
-    .. math::
-
-        \mathrm{se}(s^2)\approx\sqrt{\frac{m_4-m_2^2}{S}},\qquad
-        s^2\pm z_{(1+c)/2}\,\mathrm{se}(s^2).
+    $$
+    \mathrm{se}(s^2)\approx\sqrt{\frac{m_4-m_2^2}{S}},\qquad
+    s^2\pm z_{(1+c)/2}\,\mathrm{se}(s^2).
+    $$
 
     This does not assume normal draws (the chi-square interval would, and is badly wrong for the
     heavy-tailed estimates of random features); it needs a finite fourth moment and large S.
@@ -357,9 +357,9 @@ def quantile_ci(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     r"""Sample quantiles of a 1-D set of iid draws with exact distribution-free confidence intervals.
 
-    The interval for the population :math:`p`-quantile is a pair of order statistics
-    :math:`[x_{(l)}, x_{(u)}]` whose coverage :math:`P(l \le B < u)`, :math:`B \sim
-    \mathrm{Binomial}(S, p)`, is at least ``confidence`` for any continuous distribution
+    The interval for the population $p$-quantile is a pair of order statistics
+    $[x_{(l)}, x_{(u)}]$ whose coverage $P(l \le B < u)$, $B \sim
+    \mathrm{Binomial}(S, p)$, is at least ``confidence`` for any continuous distribution
     (``scipy.stats.quantile_test(...).confidence_interval``; Conover 1999, §3.2). No resampling,
     no normal approximation. Where too few draws exist for a bound at this level (e.g. the
     upper bound of a 0.99 quantile from 100 draws) that bound is ``nan``: honest, not
@@ -470,7 +470,7 @@ class _PowerSums:
 class StreamingMoments:
     r"""Mean and variance of draws that arrive in chunks (along axis 0), with confidence intervals.
 
-    Keeps float64 sums of :math:`(x - c)^p`, :math:`p = 1..4`, with :math:`c` the mean of the
+    Keeps float64 sums of $(x - c)^p$, $p = 1..4$, with $c$ the mean of the
     first chunk (so the variance does not cancel when the mean is far from 0). The intervals are
     those of :func:`mean_ci` (Student t) and :func:`variance_ci` (fourth moment), computed from
     the sums: use it when the draws do not fit in memory at once.
@@ -527,15 +527,15 @@ def ratio_of_means_ci(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     r"""Ratio of the means of two *independent* samples of positive draws, with a delta-method CI.
 
-    .. math::
-
-        \hat\rho = \bar x/\bar y,\qquad
-        \mathrm{se}(\log\hat\rho)^2 = \frac{s_x^2}{S_x\bar x^2} + \frac{s_y^2}{S_y\bar y^2},\qquad
-        \hat\rho\, e^{\pm z\,\mathrm{se}}.
+    $$
+    \hat\rho = \bar x/\bar y,\qquad
+    \mathrm{se}(\log\hat\rho)^2 = \frac{s_x^2}{S_x\bar x^2} + \frac{s_y^2}{S_y\bar y^2},\qquad
+    \hat\rho\, e^{\pm z\,\mathrm{se}}.
+    $$
 
     Valid for large samples with finite variances. For heavy-tailed draws (squared errors of
-    positive random features at large :math:`\|q+k\|`, whose fourth moment grows like
-    :math:`e^{8\|q+k\|^2}`) the sample variances are unreliable and the interval is too narrow;
+    positive random features at large $\|q+k\|$, whose fourth moment grows like
+    $e^{8\|q+k\|^2}$) the sample variances are unreliable and the interval is too narrow;
     check convergence before trusting it.
 
     Parameters
@@ -643,7 +643,7 @@ def batched_draws(
 
 
 def _estimate(copy: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    r""":math:`\hat K` of every draw of ``copy``: ``(c, ..., n, m)``, from the stabilised features.
+    r"""$\hat K$ of every draw of ``copy``: ``(c, ..., n, m)``, from the stabilised features.
 
     The same value as ``copy.kernel(q, k)`` up to rounding; the key scale is shared over the
     sequence, so the scales combine as one broadcast product (no log of the Gram matrix).
@@ -744,15 +744,15 @@ def kernel_error(
 ) -> dict:
     r"""Monte Carlo error of a kernel estimator over S independent projections.
 
-    For draws :math:`d=1..S` of the projection, :math:`\hat K^{(d)}` = ``copy.kernel(q, k)`` (computed from
+    For draws $d=1..S$ of the projection, $\hat K^{(d)}$ = ``copy.kernel(q, k)`` (computed from
     ``copy.log_features``) and
-    :math:`e^{(d)}=\hat K^{(d)}-K` with :math:`K=e^{qk^\top}`; per entry
+    $e^{(d)}=\hat K^{(d)}-K$ with $K=e^{qk^\top}$; per entry
 
-    .. math::
-
-        \overline{K}=K+\bar e,\quad \mathrm{bias}=\bar e\pm t\frac{s_e}{\sqrt S},\quad
-        \mathrm{MSE}=\overline{e^2}\pm t\frac{s_{e^2}}{\sqrt S},\quad
-        \mathrm{Var}=s_e^2\pm z\sqrt{\frac{m_4-m_2^2}{S}},
+    $$
+    \overline{K}=K+\bar e,\quad \mathrm{bias}=\bar e\pm t\frac{s_e}{\sqrt S},\quad
+    \mathrm{MSE}=\overline{e^2}\pm t\frac{s_{e^2}}{\sqrt S},\quad
+    \mathrm{Var}=s_e^2\pm z\sqrt{\frac{m_4-m_2^2}{S}},
+    $$
 
     accumulated as streaming power sums (float64) chunk by chunk, plus per-draw scalar metrics
     (relative Frobenius, relative RMS, max absolute and max relative error over the whole
@@ -893,18 +893,18 @@ def attention_error(
 ) -> dict:
     r"""Monte Carlo error of random-feature attention over S independent projections.
 
-    Per draw, :math:`\hat K` = ``copy.kernel(q, k)`` (masked to :math:`j\le i` if ``causal``),
-    :math:`\hat a_{ij}=\hat K_{ij}/\sum_l\hat K_{il}` and :math:`\hat o_i=\sum_j\hat a_{ij}v_j`
+    Per draw, $\hat K$ = ``copy.kernel(q, k)`` (masked to $j\le i$ if ``causal``),
+    $\hat a_{ij}=\hat K_{ij}/\sum_l\hat K_{il}$ and $\hat o_i=\sum_j\hat a_{ij}v_j$
     (the same function of the features as :func:`kernelapprox.linear_attention`, evaluated through
     the kernel matrix so that the attention rows are available). Against the exact
-    :math:`o_i=\sum_jA_{ij}v_j` it reports per output coordinate the mean of :math:`\hat o`
+    $o_i=\sum_jA_{ij}v_j$ it reports per output coordinate the mean of $\hat o$
     (t-interval), bias, variance (with the fourth-moment standard error, the quantity
     :func:`kernelapprox.theory.attention_variance` approximates) and MSE, and per draw
-    the relative error :math:`\|\hat O-O\|_F/\|O\|_F` over the whole block and the mean and max
-    over rows of :math:`\mathrm{TV}_i=\frac12\sum_j|\hat a_{ij}-A_{ij}|`.
+    the relative error $\|\hat O-O\|_F/\|O\|_F$ over the whole block and the mean and max
+    over rows of $\mathrm{TV}_i=\frac12\sum_j|\hat a_{ij}-A_{ij}|$.
 
-    For non-positive maps (trigonometric) the denominator :math:`\sum_j\hat K_{ij}` can be near 0
-    and :math:`\hat o` then has no finite variance: expect large, unstable variance estimates and
+    For non-positive maps (trigonometric) the denominator $\sum_j\hat K_{ij}$ can be near 0
+    and $\hat o$ then has no finite variance: expect large, unstable variance estimates and
     look at the quantiles.
 
     Parameters

@@ -1,6 +1,6 @@
 r"""One estimator identity: every feature map class declares who it is here, once.
 
-An :class:`Estimator` is the identity of one estimator of :math:`\exp(q^\top k)`: a short
+An :class:`Estimator` is the identity of one estimator of $\exp(q^\top k)$: a short
 canonical name (``"positive"``, ``"trig-sincos"``, ...), the :class:`~kernelapprox.FeatureMap`
 class that computes it and the constructor arguments that select it (``TrigRF`` is two estimators,
 ``variant="sincos"`` and ``variant="offset"``), a legend label, the rule giving ``feature_dim``
@@ -56,7 +56,7 @@ __all__ = [
 #: * ``"attention_variance"``: the delta-method variance of attention outputs (iid rows);
 #: * ``"bounded_terms"``: per-projection terms bounded, so Hoeffding and Bernstein bounds apply;
 #: * ``"uniform"``: uniform-convergence bounds over a ball (``ka.theory.required_features_uniform``);
-#: * ``"exact_error"``: a deterministic map, whose error against :math:`e^{q^\top k}` is computed
+#: * ``"exact_error"``: a deterministic map, whose error against $e^{q^\top k}$ is computed
 #:   exactly (no randomness, bias only).
 CLOSED_FORMS = ("moments", "attention_variance", "bounded_terms", "uniform", "exact_error")
 
@@ -65,7 +65,7 @@ CLOSED_FORMS = ("moments", "attention_variance", "bounded_terms", "uniform", "ex
 class EstimatorTheory:
     r"""The closed forms of one random estimator, as functions the generic theory code calls.
 
-    The estimator is :math:`\hat K = \frac1r\sum_{i=1}^r X_i`, an average of per-projection terms
+    The estimator is $\hat K = \frac1r\sum_{i=1}^r X_i$, an average of per-projection terms
     (see :mod:`kernelapprox.theory.moments`).
 
     Attributes
@@ -73,25 +73,25 @@ class EstimatorTheory:
     components : callable, optional
         ``components(geo, orthogonal) -> kernelapprox.theory.moments.Components``: the scale,
         per-projection variance, same-block pair covariance, relative bias and
-        :math:`\log e^{q^\top k}` of every entry, for the row law ``orthogonal`` (``None`` = iid,
+        $\log e^{q^\top k}$ of every entry, for the row law ``orthogonal`` (``None`` = iid,
         ``"chi"``, ``"fixed"``). ``None``: no closed-form moments.
     row_laws : frozenset of str
         The :attr:`Sampler.row_law <kernelapprox.samplers.Sampler.row_law>` values covered by
         ``components`` (``"iid"``, ``"orthogonal-chi"``, ``"orthogonal-fixed"``).
     attention_pair_terms : tuple of (c, alpha, beta, gamma), optional
-        :math:`E[X_jX_l]` for two keys sharing a query, iid Gaussian rows:
-        :math:`\sum c\,e^{\alpha\|q\|^2+\beta(q^\top k_j+q^\top k_l)+\gamma k_j^\top k_l}`
+        $E[X_jX_l]$ for two keys sharing a query, iid Gaussian rows:
+        $\sum c\,e^{\alpha\|q\|^2+\beta(q^\top k_j+q^\top k_l)+\gamma k_j^\top k_l}$
         (:mod:`kernelapprox.theory.attention`).
     term_bound : callable, optional
-        ``term_bound(components) -> a / K``, a bound on :math:`|X_i|` relative to the kernel, when
+        ``term_bound(components) -> a / K``, a bound on $|X_i|$ relative to the kernel, when
         the per-projection terms are bounded (Hoeffding and Bernstein bounds then apply).
     uniform_variant : str, optional
         ``"sincos"`` or ``"offset"``: the uniform-convergence bounds of
         :mod:`kernelapprox.theory.uniform` cover this estimator.
     prepare : callable, optional
         ``prepare(fm, q, k) -> (q, k, params)`` for estimators with (fitted) parameters: the
-        inputs the closed forms see (float64 NumPy arrays; e.g. SADERF's :math:`\Psi q` and
-        :math:`\Psi^{-1}k`) and keyword arguments passed on to ``components`` (e.g. OPRF's ``A``).
+        inputs the closed forms see (float64 NumPy arrays; e.g. SADERF's $\Psi q$ and
+        $\Psi^{-1}k$) and keyword arguments passed on to ``components`` (e.g. OPRF's ``A``).
     """
 
     components: Callable[..., Any] | None = None

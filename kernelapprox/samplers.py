@@ -1,24 +1,24 @@
-r"""Projection samplers: the random matrix :math:`W \in \mathbb{R}^{r \times d}` of a random feature map.
+r"""Projection samplers: the random matrix $W \in \mathbb{R}^{r \times d}$ of a random feature map.
 
 Every sampler draws on a CPU :class:`torch.Generator` in float64, so that the same seed gives the
 same projection on every device and dtype (the feature map casts and moves it afterwards), and
 returns a :class:`Projection` module. A sampler's ``row_law`` tells :mod:`kernelapprox.theory`
 which closed forms apply to its rows (``"iid"``, ``"orthogonal-chi"``, ``"orthogonal-fixed"``,
-``"simplex"``, or ``None`` where no closed form is claimed). Rows :math:`w_1, \dots, w_r` are the ``r = num_features``
+``"simplex"``, or ``None`` where no closed form is claimed). Rows $w_1, \dots, w_r$ are the ``r = num_features``
 random projections (the Performer convention used throughout the library).
 
 =============== ======================================================================== ==========
 name            construction                                                             unbiased
 =============== ======================================================================== ==========
-``gaussian``    iid :math:`w_i \sim \mathcal N(0, I_d)`                                   yes
-``orthogonal``  independent Haar-orthogonal :math:`d\times d` blocks, sign-corrected QR,   yes (chi)
-                rows rescaled by independent :math:`\chi_d` norms (``norms="chi"``) or
-                :math:`\sqrt d` (``norms="fixed"``, biased: estimates SMREG)
-``structured``  SORF: rows of :math:`\sqrt p\, H D_1 H D_2 H D_3` (fast Walsh–Hadamard)    no (small bias)
-``qmc``         scrambled Sobol'/Halton points through :math:`\Phi^{-1}`                  yes
-``simplex``     SimRF: independent blocks of :math:`d` rows :math:`\rho_i R^\top s_i`,     yes
-                :math:`s_i` the vertices of a regular simplex (:math:`s_i^\top s_j =
-                -\tfrac1{d-1}`), :math:`R` Haar, :math:`\rho_i` iid :math:`\chi_d`
+``gaussian``    iid $w_i \sim \mathcal N(0, I_d)$                                   yes
+``orthogonal``  independent Haar-orthogonal $d\times d$ blocks, sign-corrected QR,   yes (chi)
+                rows rescaled by independent $\chi_d$ norms (``norms="chi"``) or
+                $\sqrt d$ (``norms="fixed"``, biased: estimates SMREG)
+``structured``  SORF: rows of $\sqrt p\, H D_1 H D_2 H D_3$ (fast Walsh–Hadamard)    no (small bias)
+``qmc``         scrambled Sobol'/Halton points through $\Phi^{-1}$                  yes
+``simplex``     SimRF: independent blocks of $d$ rows $\rho_i R^\top s_i$,     yes
+                $s_i$ the vertices of a regular simplex ($s_i^\top s_j =
+                -\tfrac1{d-1}$), $R$ Haar, $\rho_i$ iid $\chi_d$
 ``simplex+``    SimRF+: as ``simplex``, the directions first adapted to the norms          yes
 =============== ======================================================================== ==========
 
@@ -112,8 +112,8 @@ def make_generator(seed: int | None = None, generator: torch.Generator | None = 
 def fwht(x: torch.Tensor) -> torch.Tensor:
     r"""Unnormalised fast Walsh–Hadamard transform over the last dimension.
 
-    Computes :math:`x H_p` with :math:`H_p` the Sylvester–Hadamard matrix (entries :math:`\pm 1`),
-    in :math:`O(p \log p)` for ``p = x.shape[-1]`` a power of two.
+    Computes $x H_p$ with $H_p$ the Sylvester–Hadamard matrix (entries $\pm 1$),
+    in $O(p \log p)$ for ``p = x.shape[-1]`` a power of two.
 
     Parameters
     ----------
@@ -142,9 +142,9 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
 
 
 class Projection(nn.Module):
-    r"""A (batch of) projection(s) :math:`W` of shape ``(*batch_shape, r, d)``.
+    r"""A (batch of) projection(s) $W$ of shape ``(*batch_shape, r, d)``.
 
-    ``forward(x)`` returns :math:`x W^\top`, shape ``(*broadcast(x.shape[:-2], batch_shape), n, r)``.
+    ``forward(x)`` returns $x W^\top$, shape ``(*broadcast(x.shape[:-2], batch_shape), n, r)``.
     """
 
     num_features: int
@@ -153,11 +153,11 @@ class Projection(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:  # pragma: no cover - abstract
-        """The dense projection :math:`W`, shape ``(*batch_shape, r, d)``."""
+        """The dense projection $W$, shape ``(*batch_shape, r, d)``."""
         raise NotImplementedError
 
     def project_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Write :math:`xW^\\top` into ``out`` (shape (..., n, r), possibly a strided view); return ``out``."""
+        """Write $xW^\\top$ into ``out`` (shape (..., n, r), possibly a strided view); return ``out``."""
         return out.copy_(self(x))
 
     @torch.no_grad()
@@ -179,13 +179,13 @@ class Projection(nn.Module):
         row_bias: torch.Tensor | None = None,
         col_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        r""":math:`x W^\top + b_{\text{row}} \mathbf 1^\top + \mathbf 1 b_{\text{col}}^\top`.
+        r"""$x W^\top + b_{\text{row}} \mathbf 1^\top + \mathbf 1 b_{\text{col}}^\top$.
 
         Parameters
         ----------
         x : Tensor, shape (..., n, d)
         row_bias : Tensor, shape (..., n), optional
-            Added to every feature of a row (e.g. :math:`-\|x\|^2/2`).
+            Added to every feature of a row (e.g. $-\|x\|^2/2$).
         col_bias : Tensor, shape (*batch_shape, r), optional
             Added to every row (e.g. random phases).
         """
@@ -249,10 +249,10 @@ class DenseProjection(Projection):
 class HadamardProjection(Projection):
     r"""Structured orthogonal projection (SORF) applied with a fast Walsh–Hadamard transform.
 
-    Block :math:`b` has rows of :math:`M_b = \sqrt p\, H D_{1b} H D_{2b} H D_{3b}` with
-    :math:`H = H_p/\sqrt p` the normalised Walsh–Hadamard matrix, :math:`D_{ib}` diagonal
-    Rademacher, :math:`p = 2^{\lceil \log_2 d \rceil}`; inputs are zero-padded to length ``p``.
-    ``forward`` costs :math:`O(n \cdot n_{\text{blocks}} \cdot p \log p)` and never forms :math:`W`.
+    Block $b$ has rows of $M_b = \sqrt p\, H D_{1b} H D_{2b} H D_{3b}$ with
+    $H = H_p/\sqrt p$ the normalised Walsh–Hadamard matrix, $D_{ib}$ diagonal
+    Rademacher, $p = 2^{\lceil \log_2 d \rceil}$; inputs are zero-padded to length ``p``.
+    ``forward`` costs $O(n \cdot n_{\text{blocks}} \cdot p \log p)$ and never forms $W$.
 
     Parameters
     ----------
@@ -292,7 +292,7 @@ class HadamardProjection(Projection):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The materialised :math:`W`, shape ``(*batch_shape, r, d)`` (built on demand)."""
+        """The materialised $W$, shape ``(*batch_shape, r, d)`` (built on demand)."""
         eye = torch.eye(self.padded_dim, dtype=self.signs.dtype, device=self.signs.device)
         cols = self(eye)  # (*B, p, r): row j is W e_j
         return cols.mT[..., : self.dim].contiguous()
@@ -355,7 +355,7 @@ class Sampler:
 
 
 class GaussianSampler(Sampler):
-    r"""iid rows :math:`w_i \sim \mathcal N(0, I_d)`.
+    r"""iid rows $w_i \sim \mathcal N(0, I_d)$.
 
     Examples
     --------
@@ -378,8 +378,8 @@ class GaussianSampler(Sampler):
 def haar_orthogonal(shape: tuple[int, ...], d: int, generator: torch.Generator) -> torch.Tensor:
     r"""Haar-distributed orthogonal matrices of shape ``(*shape, d, d)`` (float64, CPU).
 
-    QR of a Gaussian matrix with the sign correction :math:`Q \operatorname{diag}(\operatorname{sign} R_{ii})`
-    [Mez07]_; without it, LAPACK's Householder QR ties column signs to :math:`R_{ii}` and
+    QR of a Gaussian matrix with the sign correction $Q \operatorname{diag}(\operatorname{sign} R_{ii})$
+    [Mez07]_; without it, LAPACK's Householder QR ties column signs to $R_{ii}$ and
     the rows of a block are *not* uniformly distributed (the Performer ORF bias).
     """
     G = torch.randn(*shape, d, d, generator=generator, dtype=torch.float64, device="cpu")
@@ -394,14 +394,14 @@ class OrthogonalSampler(Sampler):
 
     ``sample(r, d, batch_shape=B, generator=g)`` returns a projection of shape ``(*B, r, d)``.
 
-    ``n_blocks = ceil(r / d)`` independent Haar-orthogonal :math:`d \times d` blocks (sign-corrected
-    QR [Mez07]_); block :math:`b` gives rows :math:`bd, \dots, bd + d - 1`, the last block keeps
+    ``n_blocks = ceil(r / d)`` independent Haar-orthogonal $d \times d$ blocks (sign-corrected
+    QR [Mez07]_); block $b$ gives rows $bd, \dots, bd + d - 1$, the last block keeps
     only its first ``r - (n_blocks - 1) d`` rows. Rows are rescaled:
 
-    * ``norms="chi"``: by independent :math:`\chi_d` variables, independent of the directions, so
-      every row is marginally :math:`\mathcal N(0, I_d)` and every estimator stays unbiased;
-    * ``norms="fixed"``: to norm :math:`\sqrt d` (Yu's ORF′; positive features then estimate the
-      regularised kernel SMREG, not :math:`\exp(q^\top k)`).
+    * ``norms="chi"``: by independent $\chi_d$ variables, independent of the directions, so
+      every row is marginally $\mathcal N(0, I_d)$ and every estimator stays unbiased;
+    * ``norms="fixed"``: to norm $\sqrt d$ (Yu's ORF′; positive features then estimate the
+      regularised kernel SMREG, not $\exp(q^\top k)$).
 
     Parameters
     ----------
@@ -447,11 +447,11 @@ class StructuredSampler(Sampler):
 
     ``sample(r, d, batch_shape=B, generator=g)`` returns a projection of shape ``(*B, r, d)``.
 
-    Rows of :math:`\sqrt p\, H D_1 H D_2 H D_3` per block (``p`` = next power of two ``>= d``),
-    applied in :math:`O(r \log d)` per input through :func:`fwht`. The rows of a full
-    :math:`p`-dimensional block are orthogonal with norm :math:`\sqrt p`; when :math:`d < p` only
-    their first :math:`d` coordinates act on the (zero-padded) input, and those are *not* orthogonal. The estimators built on it are slightly *biased*
-    (Yu et al. Thm 3: :math:`|\mathbb E K_{\mathrm{SORF}} - K| \le 6z/\sqrt d`), and no closed-form
+    Rows of $\sqrt p\, H D_1 H D_2 H D_3$ per block (``p`` = next power of two ``>= d``),
+    applied in $O(r \log d)$ per input through :func:`fwht`. The rows of a full
+    $p$-dimensional block are orthogonal with norm $\sqrt p$; when $d < p$ only
+    their first $d$ coordinates act on the (zero-padded) input, and those are *not* orthogonal. The estimators built on it are slightly *biased*
+    (Yu et al. Thm 3: $|\mathbb E K_{\mathrm{SORF}} - K| \le 6z/\sqrt d$), and no closed-form
     variance is claimed for them (use :mod:`kernelapprox.montecarlo`).
     """
 
@@ -471,13 +471,13 @@ class StructuredSampler(Sampler):
 
 
 class QMCSampler(Sampler):
-    r"""Randomised quasi-Monte Carlo rows [Avr16]_: :math:`w_i = \Phi^{-1}(t_i)` coordinate-wise.
+    r"""Randomised quasi-Monte Carlo rows [Avr16]_: $w_i = \Phi^{-1}(t_i)$ coordinate-wise.
 
     ``sample(r, d, batch_shape=B, generator=g)`` returns a projection of shape ``(*B, r, d)``.
 
     ``t_1..t_r`` are the first ``r`` points of a scrambled Sobol' (``method="sobol"``) or Halton
     sequence from :mod:`scipy.stats.qmc`, one independent scrambling per batch element. Scrambling
-    makes each point uniform on :math:`[0,1)^d`, so each row is marginally :math:`\mathcal N(0, I_d)`
+    makes each point uniform on $[0,1)^d$, so each row is marginally $\mathcal N(0, I_d)$
     and the estimators stay unbiased; rows are negatively dependent (low discrepancy). No
     closed-form variance is claimed (use :mod:`kernelapprox.montecarlo`).
 
@@ -489,7 +489,7 @@ class QMCSampler(Sampler):
         scrambling from scipy; about 1 ms per draw, a Python loop over draws *at sampling time*).
         ``"shift"``: the unscrambled sequence plus an independent uniform shift modulo 1 per batch
         element (Cranley–Patterson rotation), vectorised — for very many Monte Carlo draws. Both
-        make every row marginally :math:`\mathcal N(0, I_d)`, and draws are independent.
+        make every row marginally $\mathcal N(0, I_d)$, and draws are independent.
     """
 
     name = "qmc"
@@ -535,17 +535,17 @@ class QMCSampler(Sampler):
 
 
 def simplex_vectors(dim: int) -> torch.Tensor:
-    r"""The :math:`d` unit vertices of a regular simplex centred at 0, as rows (float64, CPU).
+    r"""The $d$ unit vertices of a regular simplex centred at 0, as rows (float64, CPU).
 
-    .. math::
+    $$
+    s_i = \sqrt{\tfrac d{d-1}}\, e_i - \frac{\sqrt d + 1}{(d-1)^{3/2}}\,\mathbf 1' \quad (i < d),
+    \qquad s_d = \frac{\mathbf 1'}{\sqrt{d-1}},
+    $$
 
-        s_i = \sqrt{\tfrac d{d-1}}\, e_i - \frac{\sqrt d + 1}{(d-1)^{3/2}}\,\mathbf 1' \quad (i < d),
-        \qquad s_d = \frac{\mathbf 1'}{\sqrt{d-1}},
-
-    with :math:`\mathbf 1'` the all-ones vector with its last entry 0. Then
-    :math:`\|s_i\| = 1`, :math:`s_i^\top s_j = -\tfrac1{d-1}` (:math:`i \ne j`) and
-    :math:`\sum_i s_i = 0`: the Gram matrix is :math:`SS^\top = \tfrac d{d-1} I - \tfrac1{d-1}\mathbf 1\mathbf 1^\top`.
-    The vertices span the first :math:`d - 1` coordinates (the last column is 0).
+    with $\mathbf 1'$ the all-ones vector with its last entry 0. Then
+    $\|s_i\| = 1$, $s_i^\top s_j = -\tfrac1{d-1}$ ($i \ne j$) and
+    $\sum_i s_i = 0$: the Gram matrix is $SS^\top = \tfrac d{d-1} I - \tfrac1{d-1}\mathbf 1\mathbf 1^\top$.
+    The vertices span the first $d - 1$ coordinates (the last column is 0).
 
     Parameters
     ----------
@@ -555,7 +555,7 @@ def simplex_vectors(dim: int) -> torch.Tensor:
     Returns
     -------
     Tensor, shape (d, d)
-        Row ``i`` is :math:`s_{i+1}`.
+        Row ``i`` is $s_{i+1}$.
 
     References
     ----------
@@ -587,11 +587,11 @@ def simplex_vectors(dim: int) -> torch.Tensor:
 
 def _simplex_plus_directions(rho: torch.Tensor, S: torch.Tensor, iterations: int) -> torch.Tensor:
     r"""SimRF+ directions [Rei23]_ eq. (17): ``iterations`` sweeps of
-    :math:`s_i \leftarrow -v_i/\|v_i\|`, :math:`v_i = \sum_{j\ne i}\rho_j s_j`, rows in order
-    (each update is the exact minimiser of :math:`\|\sum_j \rho_j s_j\|^2` over the unit vector
-    :math:`s_i`, so the objective never increases). ``rho``: (..., d) norms (0 for rows a partial
+    $s_i \leftarrow -v_i/\|v_i\|$, $v_i = \sum_{j\ne i}\rho_j s_j$, rows in order
+    (each update is the exact minimiser of $\|\sum_j \rho_j s_j\|^2$ over the unit vector
+    $s_i$, so the objective never increases). ``rho``: (..., d) norms (0 for rows a partial
     block drops: they take no part); ``S``: (..., d, d) starting directions. A row whose
-    :math:`v_i` vanishes (a block of one row) keeps its direction."""
+    $v_i$ vanishes (a block of one row) keeps its direction."""
     d = S.shape[-1]
     lead = rho.shape[:-1]
     dirs = [S[..., i, :].expand(*lead, d).contiguous() for i in range(d)]  # contiguous rows: fast
@@ -615,26 +615,26 @@ class SimplexSampler(Sampler):
 
     ``n_blocks = ceil(r / d)`` independent blocks; block rows are
 
-    .. math::
+    $$
+    w_i = \rho_i\, R^\top s_i, \qquad i = 1..d,
+    $$
 
-        w_i = \rho_i\, R^\top s_i, \qquad i = 1..d,
-
-    with :math:`s_i` the unit vertices of a regular simplex (:func:`simplex_vectors`:
-    :math:`s_i^\top s_j = -\tfrac1{d-1}`, :math:`\sum_i s_i = 0`), :math:`R` a Haar-orthogonal
-    matrix (sign-corrected QR, as :class:`OrthogonalSampler`) and :math:`\rho_i` iid
-    :math:`\chi_d`, independent of :math:`R`. The last block keeps its first
-    ``r - (n_blocks - 1) d`` rows. Each row is marginally :math:`\mathcal N(0, I_d)`
-    (its direction :math:`R^\top s_i` is uniform on the sphere and independent of its norm), so
+    with $s_i$ the unit vertices of a regular simplex (:func:`simplex_vectors`:
+    $s_i^\top s_j = -\tfrac1{d-1}$, $\sum_i s_i = 0$), $R$ a Haar-orthogonal
+    matrix (sign-corrected QR, as :class:`OrthogonalSampler`) and $\rho_i$ iid
+    $\chi_d$, independent of $R$. The last block keeps its first
+    ``r - (n_blocks - 1) d`` rows. Each row is marginally $\mathcal N(0, I_d)$
+    (its direction $R^\top s_i$ is uniform on the sphere and independent of its norm), so
     every estimator stays unbiased; two rows of a block have the fixed angle
-    :math:`\cos = -\tfrac1{d-1}` (ORF: 0), which lowers the MSE of positive features further
+    $\cos = -\tfrac1{d-1}$ (ORF: 0), which lowers the MSE of positive features further
     (:mod:`kernelapprox.theory.simplex`).
 
     ``plus=True`` (SimRF+, eq. 17): given the norms of a block, the directions start at the simplex
-    and take ``iterations`` sweeps of :math:`s_i \leftarrow -\sum_{j\ne i}\rho_j s_j /
-    \|\sum_{j\ne i}\rho_j s_j\|` (in row order, each step minimising :math:`\|\sum_j\rho_j s_j\|`),
-    then are rotated by :math:`R`. The directions now depend on the norms, but :math:`R` still
+    and take ``iterations`` sweeps of $s_i \leftarrow -\sum_{j\ne i}\rho_j s_j /
+    \|\sum_{j\ne i}\rho_j s_j\|$ (in row order, each step minimising $\|\sum_j\rho_j s_j\|$),
+    then are rotated by $R$. The directions now depend on the norms, but $R$ still
     makes each row's direction uniform and independent of *all* the norms, so each row is
-    still :math:`\mathcal N(0, I_d)` and the estimators unbiased. Its pair law depends on the
+    still $\mathcal N(0, I_d)$ and the estimators unbiased. Its pair law depends on the
     norms: ``row_law`` is ``None`` (no closed form; use :mod:`kernelapprox.montecarlo`).
 
     Parameters

@@ -83,14 +83,15 @@ def linear_attention(
     fit: bool = False,
     check: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
-    r"""Linear attention with feature map :math:`\varphi` (queries and keys use the same map).
+    r"""Linear attention with feature map $\varphi$ (queries and keys use the same map).
 
-    .. math::
-        o_i = \frac{\varphi(q_i)^\top \sum_{j} \varphi(k_j) v_j^\top}{\varphi(q_i)^\top \sum_j \varphi(k_j)}
-        \qquad (j \le i \text{ if causal}),
+    $$
+    o_i = \frac{\varphi(q_i)^\top \sum_{j} \varphi(k_j) v_j^\top}{\varphi(q_i)^\top \sum_j \varphi(k_j)}
+    \qquad (j \le i \text{ if causal}),
+    $$
 
-    computed by associativity: :math:`O(nFd_v)` time instead of :math:`O(n^2 d)`
-    [Kat20]_, [Cho21]_. Non-causal: one state :math:`\varphi(K)^\top[V, 1]`. Causal: chunk-wise
+    computed by associativity: $O(nFd_v)$ time instead of $O(n^2 d)$
+    [Kat20]_, [Cho21]_. Non-causal: one state $\varphi(K)^\top[V, 1]$. Causal: chunk-wise
     (:func:`chunk_linear_attention`), memory linear in ``n``.
 
     Numerics: features come from :meth:`FeatureMap.log_features`; the per-query scale cancels in
@@ -114,9 +115,9 @@ def linear_attention(
         Also return the state after the last token (hand it to :class:`RecurrentLinearAttention`).
     eps : float, default 1e-6
         Guard for signed (trigonometric) maps, applied to the *stabilised* denominator
-        :math:`\varphi(q_i)^\top z\, e^{-(s_{q_i} + M_i)}` (query scale :math:`s_{q_i}`, key scale
-        :math:`M_i` = running maximum of the key log-scales, the same in all three forms): where
-        it is :math:`\le \varepsilon` in absolute value it becomes :math:`den + 2\varepsilon`.
+        $\varphi(q_i)^\top z\, e^{-(s_{q_i} + M_i)}$ (query scale $s_{q_i}$, key scale
+        $M_i$ = running maximum of the key log-scales, the same in all three forms): where
+        it is $\le \varepsilon$ in absolute value it becomes $den + 2\varepsilon$.
         Positive maps are only guarded against underflow.
     fit : bool, default False
         First choose the map's data-dependent parameters from this batch,
@@ -127,7 +128,7 @@ def linear_attention(
         Warn (:class:`kernelapprox.KernelApproxWarning`, once per call site under Python's default
         filter) when the map's closed form predicts a relative kernel MSE above
         ``kernelapprox.diagnose.WARN_RELATIVE_MSE`` (1.0) on this batch
-        (:func:`kernelapprox.diagnose.quick_relative_mse`: :math:`O(nd)` statistics, one
+        (:func:`kernelapprox.diagnose.quick_relative_mse`: $O(nd)$ statistics, one
         closed-form evaluation; maps without closed-form moments are not checked; on an accelerator
         only the first call of each map is checked, since the decision needs one host
         synchronisation). ``False``, or

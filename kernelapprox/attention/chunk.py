@@ -34,25 +34,26 @@ def chunk_linear_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
     r"""Causal linear attention, chunked.
 
-    With chunks :math:`c` of ``chunk_size`` tokens, :math:`A_c = \operatorname{tril}(\varphi(Q_c)\varphi(K_c)^\top)`
-    and the state before the chunk :math:`S_{<c} = S_0 + \sum_{c' < c}\varphi(K_{c'})^\top [V_{c'}, 1]`:
+    With chunks $c$ of ``chunk_size`` tokens, $A_c = \operatorname{tril}(\varphi(Q_c)\varphi(K_c)^\top)$
+    and the state before the chunk $S_{<c} = S_0 + \sum_{c' < c}\varphi(K_{c'})^\top [V_{c'}, 1]$:
 
-    .. math::
-        [\text{num}, \text{den}]_c = \varphi(Q_c)\, S_{<c} + A_c\,[V_c, 1].
+    $$
+    [\text{num}, \text{den}]_c = \varphi(Q_c)\, S_{<c} + A_c\,[V_c, 1].
+    $$
 
-    Causal stabilisation: every key keeps its own log scale :math:`s_j`, and query :math:`i` works at
-    the scale :math:`M_i = \max_{j \le i} s_j` (with the initial state's), so no output depends,
+    Causal stabilisation: every key keeps its own log scale $s_j$, and query $i$ works at
+    the scale $M_i = \max_{j \le i} s_j$ (with the initial state's), so no output depends,
     even through rounding, on a later key (a global key maximum would let one large future key
     underflow the past). The carried state is rescaled to the running maximum, exactly as in
     :class:`RecurrentLinearAttention`, so the two forms agree to rounding.
 
-    Output :math:`i` depends on positions :math:`\le i` only, also for non-finite inputs: a NaN or
-    Inf at position :math:`j` reaches rows :math:`\ge j` (as in the recurrent form), never rows
+    Output $i$ depends on positions $\le i$ only, also for non-finite inputs: a NaN or
+    Inf at position $j$ reaches rows $\ge j$ (as in the recurrent form), never rows
     before it, whatever the chunk size; padding after the sequence has no effect.
 
     Chunk states are formed for groups of chunks sized so that they never outweigh the features:
-    peak memory :math:`O(n(F + d_v) + F d_v)` per head for any ``chunk_size``, and no
-    :math:`(n, F, d_v)` tensor. Cost :math:`O(nFd_v + nC(F + d_v))` for chunk size :math:`C`.
+    peak memory $O(n(F + d_v) + F d_v)$ per head for any ``chunk_size``, and no
+    $(n, F, d_v)$ tensor. Cost $O(nFd_v + nC(F + d_v))$ for chunk size $C$.
 
     Parameters
     ----------

@@ -2,9 +2,9 @@ r"""Plain quadratic references for linear attention: the ground truth of the fas
 
 Following flash-linear-attention's layout, these are the plainest formulas, sharing no code with
 the fast paths (:mod:`.parallel`, :mod:`.chunk`, :mod:`.recurrent`): the features are the plain
-:math:`\varphi(x)` of ``feature_map(x)`` (no log-domain stabilisation, so they overflow where
-:math:`\varphi` itself does -- use moderate inputs, in float64), the kernel matrix is materialised,
-and nothing is guarded. :math:`O(n^2)` memory (:func:`naive_linear_attention`) or a Python loop
+$\varphi(x)$ of ``feature_map(x)`` (no log-domain stabilisation, so they overflow where
+$\varphi$ itself does -- use moderate inputs, in float64), the kernel matrix is materialised,
+and nothing is guarded. $O(n^2)$ memory (:func:`naive_linear_attention`) or a Python loop
 over tokens (:func:`naive_recurrent_linear_attention`): for tests and small problems only.
 """
 
@@ -30,10 +30,12 @@ def _plain_features(q, k, v, feature_map, causal):
 def naive_linear_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: FeatureMap, causal: bool = False
 ) -> torch.Tensor:
-    r"""Materialise :math:`\hat A = \varphi(Q)\varphi(K)^\top` (lower-triangular if causal) and
+    r"""Materialise $\hat A = \varphi(Q)\varphi(K)^\top$ (lower-triangular if causal) and
     normalise its rows.
 
-    .. math:: o_i = \frac{\sum_j \hat A_{ij} v_j}{\sum_j \hat A_{ij}} \qquad (j \le i \text{ if causal}).
+    $$
+    o_i = \frac{\sum_j \hat A_{ij} v_j}{\sum_j \hat A_{ij}} \qquad (j \le i \text{ if causal}).
+    $$
 
     Parameters
     ----------
@@ -42,7 +44,7 @@ def naive_linear_attention(
     v : Tensor, shape (..., m, dv)
     feature_map : FeatureMap
     causal : bool, default False
-        Keep :math:`j \le i` only (``n == m``).
+        Keep $j \le i$ only (``n == m``).
 
     Returns
     -------
@@ -71,9 +73,10 @@ def naive_recurrent_linear_attention(
 ) -> torch.Tensor:
     r"""Causal linear attention as the plain recurrence, one token at a time.
 
-    .. math::
-        S_t = S_{t-1} + \varphi(k_t) v_t^\top,\quad z_t = z_{t-1} + \varphi(k_t),\quad
-        o_t = \frac{S_t^\top\varphi(q_t)}{z_t^\top\varphi(q_t)}.
+    $$
+    S_t = S_{t-1} + \varphi(k_t) v_t^\top,\quad z_t = z_{t-1} + \varphi(k_t),\quad
+    o_t = \frac{S_t^\top\varphi(q_t)}{z_t^\top\varphi(q_t)}.
+    $$
 
     Parameters
     ----------

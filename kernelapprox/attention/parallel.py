@@ -21,11 +21,11 @@ def parallel_linear_attention(
     return_state: bool = False,
     eps: float = 1e-6,
 ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
-    r"""Non-causal linear attention :math:`O = \varphi(Q)\,[\varphi(K)^\top [V, 1]]`, normalised.
+    r"""Non-causal linear attention $O = \varphi(Q)\,[\varphi(K)^\top [V, 1]]$, normalised.
 
     Keys share one log scale (their maximum; there is no causality to respect), queries keep a
-    per-row scale that cancels in the ratio. Cost :math:`O(n F d_v)`, memory
-    :math:`O(n(F + d_v) + F d_v)` per head.
+    per-row scale that cancels in the ratio. Cost $O(n F d_v)$, memory
+    $O(n(F + d_v) + F d_v)$ per head.
 
     Parameters
     ----------

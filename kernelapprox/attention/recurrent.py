@@ -13,11 +13,12 @@ from .state import LinearAttentionState
 class RecurrentLinearAttention:
     r"""Token-by-token causal linear attention (decoding).
 
-    .. math::
-        S_t = S_{t-1} + \varphi(k_t) v_t^\top,\quad z_t = z_{t-1} + \varphi(k_t),\quad
-        o_t = \frac{S_t^\top \varphi(q_t)}{z_t^\top \varphi(q_t)}.
+    $$
+    S_t = S_{t-1} + \varphi(k_t) v_t^\top,\quad z_t = z_{t-1} + \varphi(k_t),\quad
+    o_t = \frac{S_t^\top \varphi(q_t)}{z_t^\top \varphi(q_t)}.
+    $$
 
-    The state has a fixed size :math:`F \times (d_v + 1)`, so a step costs :math:`O(F d_v)`
+    The state has a fixed size $F \times (d_v + 1)$, so a step costs $O(F d_v)$
     independently of ``t`` (no KV cache). The state is kept stabilised
     (:class:`LinearAttentionState`): a key whose feature scale exceeds the state's rescales it.
 

@@ -11,11 +11,12 @@ __all__ = ["LinearAttentionState"]
 
 @dataclass
 class LinearAttentionState:
-    r"""State :math:`(S, z)` of causal linear attention after ``t`` tokens.
+    r"""State $(S, z)$ of causal linear attention after ``t`` tokens.
 
-    .. math::
-        S_t = \sum_{j\le t} \varphi(k_j) v_j^\top \in \mathbb R^{F\times d_v},\qquad
-        z_t = \sum_{j\le t} \varphi(k_j) \in \mathbb R^{F}.
+    $$
+    S_t = \sum_{j\le t} \varphi(k_j) v_j^\top \in \mathbb R^{F\times d_v},\qquad
+    z_t = \sum_{j\le t} \varphi(k_j) \in \mathbb R^{F}.
+    $$
 
     Stored stabilised as ``kv = [S | z] * exp(-log_scale)`` so that exponential feature scales never
     overflow; :attr:`S` and :attr:`z` return the true values (which may overflow for huge norms,
@@ -34,12 +35,12 @@ class LinearAttentionState:
 
     @property
     def S(self) -> torch.Tensor:
-        """:math:`S`, shape (..., F, dv)."""
+        """$S$, shape (..., F, dv)."""
         return self.kv[..., :-1] * torch.exp(self.log_scale).to(self.kv.dtype)
 
     @property
     def z(self) -> torch.Tensor:
-        """:math:`z`, shape (..., F)."""
+        """$z$, shape (..., F)."""
         return (self.kv[..., -1:] * torch.exp(self.log_scale).to(self.kv.dtype)).squeeze(-1)
 
     @property

@@ -6,8 +6,8 @@ r"""Theory of the random-feature estimators: pointwise moments, concentration, u
   (:func:`kernelapprox.estimator_of`) and the closed forms it declares
   (:class:`kernelapprox.EstimatorTheory`: ``POSITIVE_THEORY``, ``TRIG_SINCOS_THEORY``, ...).
 * :mod:`.concentration` — Chebyshev / CLT / Hoeffding / Bernstein bounds on
-  :math:`P(|\hat K - K| \ge \varepsilon K)` and :func:`required_features` inverting them.
-* :mod:`.uniform` — uniform convergence over the ball :math:`B(R)` (Rahimi–Recht,
+  $P(|\hat K - K| \ge \varepsilon K)$ and :func:`required_features` inverting them.
+* :mod:`.uniform` — uniform convergence over the ball $B(R)$ (Rahimi–Recht,
   Sutherland–Schneider, Sriperumbudur–Szabó, Performer Thm 4) and
   :func:`required_features_uniform`.
 * :mod:`.attention` — delta-method variance of normalised attention outputs.

@@ -1,75 +1,75 @@
 r"""Delta-method (first-order) variance of random-feature attention outputs.
 
-Random-feature attention replaces the exact softmax kernel :math:`K_{ij}=e^{q_i^\top k_j}` by an
-unbiased estimate :math:`\hat K_{ij}=\phi(q_i)^\top\phi(k_j)` and normalises row by row,
+Random-feature attention replaces the exact softmax kernel $K_{ij}=e^{q_i^\top k_j}$ by an
+unbiased estimate $\hat K_{ij}=\phi(q_i)^\top\phi(k_j)$ and normalises row by row,
 
-.. math::
+$$
+\hat o_i=\frac{\sum_j\hat K_{ij}v_j}{\sum_j\hat K_{ij}},\qquad
+o_i=\frac{\sum_jK_{ij}v_j}{\sum_jK_{ij}}=\sum_jA_{ij}v_j .
+$$
 
-    \hat o_i=\frac{\sum_j\hat K_{ij}v_j}{\sum_j\hat K_{ij}},\qquad
-    o_i=\frac{\sum_jK_{ij}v_j}{\sum_jK_{ij}}=\sum_jA_{ij}v_j .
-
-:math:`\hat o_i` is a ratio of two correlated estimates, so it is biased and has no closed-form
+$\hat o_i$ is a ratio of two correlated estimates, so it is biased and has no closed-form
 variance. This module gives the first-order (delta-method) variance of every output coordinate,
-built from the exact covariances :math:`\mathrm{Cov}(\hat K_{ij},\hat K_{il})` of two kernel entries
-that share the query :math:`q_i`; both are derived for iid Gaussian projections below and in
+built from the exact covariances $\mathrm{Cov}(\hat K_{ij},\hat K_{il})$ of two kernel entries
+that share the query $q_i$; both are derived for iid Gaussian projections below and in
 ``docs/theory.md``.
 
 Derivation (DERIVED; checked by Monte Carlo in ``tests/test_theory_attention.py``)
 -----------------------------------------------------------------------------------
-**Delta method.** Write :math:`D_i=\sum_jK_{ij}` and :math:`\hat K_{ij}=K_{ij}+\varepsilon_{ij}`.
-Expanding :math:`\hat o_i` to first order in :math:`\varepsilon`,
+**Delta method.** Write $D_i=\sum_jK_{ij}$ and $\hat K_{ij}=K_{ij}+\varepsilon_{ij}$.
+Expanding $\hat o_i$ to first order in $\varepsilon$,
 
-.. math::
-
-    \hat o_i-o_i\approx\frac1{D_i}\sum_j\varepsilon_{ij}(v_j-o_i),\qquad
-    \mathrm{Var}(\hat o_{ic})\approx\frac1{D_i^2}\sum_{j,l}
-    \mathrm{Cov}(\hat K_{ij},\hat K_{il})\,(v_{jc}-o_{ic})(v_{lc}-o_{ic}).
+$$
+\hat o_i-o_i\approx\frac1{D_i}\sum_j\varepsilon_{ij}(v_j-o_i),\qquad
+\mathrm{Var}(\hat o_{ic})\approx\frac1{D_i^2}\sum_{j,l}
+\mathrm{Cov}(\hat K_{ij},\hat K_{il})\,(v_{jc}-o_{ic})(v_{lc}-o_{ic}).
+$$
 
 **Covariance of two entries sharing a query.** Each estimator averages r iid per-projection terms,
-:math:`\hat K_{ij}=\frac1r\sum_{s=1}^rX_{sj}`, so
-:math:`\mathrm{Cov}(\hat K_{ij},\hat K_{il})=\frac1r\big(E[X_jX_l]-K_{ij}K_{il}\big)`. The Gaussian
-moment generating function :math:`E e^{\omega^\top a}=e^{\|a\|^2/2}` (and its real part
-:math:`E\cos\omega^\top a=e^{-\|a\|^2/2}`) gives, with :math:`q=q_i`:
+$\hat K_{ij}=\frac1r\sum_{s=1}^rX_{sj}$, so
+$\mathrm{Cov}(\hat K_{ij},\hat K_{il})=\frac1r\big(E[X_jX_l]-K_{ij}K_{il}\big)$. The Gaussian
+moment generating function $E e^{\omega^\top a}=e^{\|a\|^2/2}$ (and its real part
+$E\cos\omega^\top a=e^{-\|a\|^2/2}$) gives, with $q=q_i$:
 
-* positive, :math:`X_j=e^{\omega^\top(q+k_j)-(\|q\|^2+\|k_j\|^2)/2}`:
-  :math:`E[X_jX_l]=e^{-\|q\|^2-(\|k_j\|^2+\|k_l\|^2)/2}\,e^{\|2q+k_j+k_l\|^2/2}
-  =e^{\|q\|^2+2q^\top k_j+2q^\top k_l+k_j^\top k_l}`;
-* hyperbolic, :math:`X_j=e^{-(\|q\|^2+\|k_j\|^2)/2}\cosh\omega^\top(q+k_j)`; using
-  :math:`\cosh a\cosh b=\tfrac12[\cosh(a+b)+\cosh(a-b)]`:
-  :math:`E[X_jX_l]=\tfrac12e^{\|q\|^2+2q^\top k_j+2q^\top k_l+k_j^\top k_l}
-  +\tfrac12e^{-\|q\|^2-k_j^\top k_l}`;
-* trig sin/cos, :math:`X_j=e^{(\|q\|^2+\|k_j\|^2)/2}\cos\omega^\top(q-k_j)`; using
-  :math:`\cos a\cos b=\tfrac12[\cos(a+b)+\cos(a-b)]`:
-  :math:`E[X_jX_l]=\tfrac12e^{-\|q\|^2+2q^\top k_j+2q^\top k_l-k_j^\top k_l}
-  +\tfrac12e^{\|q\|^2+k_j^\top k_l}`;
-* trig offset, :math:`X_j=2e^{(\|q\|^2+\|k_j\|^2)/2}\cos(\omega^\top q+b)\cos(\omega^\top k_j+b)
-  =e^{(\|q\|^2+\|k_j\|^2)/2}[\cos\omega^\top(q-k_j)+\cos(\omega^\top(q+k_j)+2b)]`; the
-  :math:`2b` terms have mean 0 against the difference terms and
-  :math:`E_b[\cos(a+2b)\cos(c+2b)]=\tfrac12\cos(a-c)`, so
-  :math:`E[X_jX_l]=\text{(sin/cos)}+\tfrac12e^{\|q\|^2+k_j^\top k_l}`.
+* positive, $X_j=e^{\omega^\top(q+k_j)-(\|q\|^2+\|k_j\|^2)/2}$:
+  $E[X_jX_l]=e^{-\|q\|^2-(\|k_j\|^2+\|k_l\|^2)/2}\,e^{\|2q+k_j+k_l\|^2/2}
+  =e^{\|q\|^2+2q^\top k_j+2q^\top k_l+k_j^\top k_l}$;
+* hyperbolic, $X_j=e^{-(\|q\|^2+\|k_j\|^2)/2}\cosh\omega^\top(q+k_j)$; using
+  $\cosh a\cosh b=\tfrac12[\cosh(a+b)+\cosh(a-b)]$:
+  $E[X_jX_l]=\tfrac12e^{\|q\|^2+2q^\top k_j+2q^\top k_l+k_j^\top k_l}
+  +\tfrac12e^{-\|q\|^2-k_j^\top k_l}$;
+* trig sin/cos, $X_j=e^{(\|q\|^2+\|k_j\|^2)/2}\cos\omega^\top(q-k_j)$; using
+  $\cos a\cos b=\tfrac12[\cos(a+b)+\cos(a-b)]$:
+  $E[X_jX_l]=\tfrac12e^{-\|q\|^2+2q^\top k_j+2q^\top k_l-k_j^\top k_l}
+  +\tfrac12e^{\|q\|^2+k_j^\top k_l}$;
+* trig offset, $X_j=2e^{(\|q\|^2+\|k_j\|^2)/2}\cos(\omega^\top q+b)\cos(\omega^\top k_j+b)
+  =e^{(\|q\|^2+\|k_j\|^2)/2}[\cos\omega^\top(q-k_j)+\cos(\omega^\top(q+k_j)+2b)]$; the
+  $2b$ terms have mean 0 against the difference terms and
+  $E_b[\cos(a+2b)\cos(c+2b)]=\tfrac12\cos(a-c)$, so
+  $E[X_jX_l]=\text{(sin/cos)}+\tfrac12e^{\|q\|^2+k_j^\top k_l}$.
 
-At :math:`j=l` these reduce to Performer Lemma 2 (positive, hyperbolic, trig) and to the
+At $j=l$ these reduce to Performer Lemma 2 (positive, hyperbolic, trig) and to the
 Sutherland–Schneider variance of the offset features (``estimators.md`` §1–2).
 
-Every case is a sum of terms :math:`c\,e^{\alpha\|q\|^2+\beta(q^\top k_j+q^\top k_l)+\gamma k_j^\top
-k_l}` with :math:`(c,\alpha,\beta,\gamma)` in each estimator's ``EstimatorTheory.attention_pair_terms``
+Every case is a sum of terms $c\,e^{\alpha\|q\|^2+\beta(q^\top k_j+q^\top k_l)+\gamma k_j^\top
+k_l}$ with $(c,\alpha,\beta,\gamma)$ in each estimator's ``EstimatorTheory.attention_pair_terms``
 (``kernelapprox.theory.moments``). Because the weights
-:math:`a_{jc}=v_{jc}-o_{ic}` satisfy :math:`\sum_jK_{ij}a_{jc}=0` exactly, the
-:math:`-K_{ij}K_{il}` part of the covariance drops out of the quadratic form, and
+$a_{jc}=v_{jc}-o_{ic}$ satisfy $\sum_jK_{ij}a_{jc}=0$ exactly, the
+$-K_{ij}K_{il}$ part of the covariance drops out of the quadratic form, and
 
-.. math::
-
-    \mathrm{Var}(\hat o_{ic})\approx\frac1r\sum_{\text{terms}}c\sum_{j,l}
-    e^{u_{ij}+u_{il}}\,e^{-\|k_j-\gamma k_l\|^2/2}\,a_{jc}a_{lc},\qquad
-    u_{ij}=\log A_{ij}+(\beta-1)q_i^\top k_j+\tfrac12\|k_j\|^2+\tfrac\alpha2\|q_i\|^2,
+$$
+\mathrm{Var}(\hat o_{ic})\approx\frac1r\sum_{\text{terms}}c\sum_{j,l}
+e^{u_{ij}+u_{il}}\,e^{-\|k_j-\gamma k_l\|^2/2}\,a_{jc}a_{lc},\qquad
+u_{ij}=\log A_{ij}+(\beta-1)q_i^\top k_j+\tfrac12\|k_j\|^2+\tfrac\alpha2\|q_i\|^2,
+$$
 
 which is how it is evaluated (log-domain weights shifted by their row maximum, and a kernel matrix
-:math:`e^{-\|k_j-\gamma k_l\|^2/2}\in(0,1]`), in float64.
+$e^{-\|k_j-\gamma k_l\|^2/2}\in(0,1]$), in float64.
 
-Validity. The delta method neglects terms of higher order in :math:`\hat D_i/D_i-1`; it is
+Validity. The delta method neglects terms of higher order in $\hat D_i/D_i-1$; it is
 accurate when :func:`normaliser_relative_variance` is below about 0.01 (moderate norms of the
-attention-scaled inputs, enough features), and fails when :math:`\hat D_i` has a heavy tail
-(positive features at large :math:`\|q+k\|`: it then over-states the variance) or can be close
+attention-scaled inputs, enough features), and fails when $\hat D_i$ has a heavy tail
+(positive features at large $\|q+k\|$: it then over-states the variance) or can be close
 to 0 (trig features, whose denominator is not positive). ``docs/theory.md`` shows both regimes against Monte Carlo; use
 :func:`kernelapprox.montecarlo.attention_error` there.
 """
@@ -150,22 +150,22 @@ def _check_inputs(fm: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor 
 
 
 def kernel_covariance(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    r"""Covariance of two kernel estimates that share a query, :math:`\mathrm{Cov}(\hat K_{ij},
-    \hat K_{il})`.
+    r"""Covariance of two kernel estimates that share a query, $\mathrm{Cov}(\hat K_{ij},
+    \hat K_{il})$.
 
-    For an estimator averaging :math:`r` = ``fm.num_features`` iid Gaussian projections
+    For an estimator averaging $r$ = ``fm.num_features`` iid Gaussian projections
     (positive: r coordinates; hyperbolic and trig sin/cos: 2r; trig offset: r),
 
-    .. math::
-
-        \mathrm{Cov}(\hat K_{ij},\hat K_{il})=\frac1r\Big(\sum_{\text{terms}}c\,
-        e^{\alpha\|q_i\|^2+\beta(q_i^\top k_j+q_i^\top k_l)+\gamma k_j^\top k_l}
-        -e^{q_i^\top k_j+q_i^\top k_l}\Big),
+    $$
+    \mathrm{Cov}(\hat K_{ij},\hat K_{il})=\frac1r\Big(\sum_{\text{terms}}c\,
+    e^{\alpha\|q_i\|^2+\beta(q_i^\top k_j+q_i^\top k_l)+\gamma k_j^\top k_l}
+    -e^{q_i^\top k_j+q_i^\top k_l}\Big),
+    $$
 
     with the terms of the module docstring (positive: one term
-    :math:`(1,1,2,1)`; hyperbolic: :math:`(\tfrac12,1,2,1),(\tfrac12,-1,0,-1)`; trig sin/cos:
-    :math:`(\tfrac12,-1,2,-1),(\tfrac12,1,0,1)`; trig offset: :math:`(\tfrac12,-1,2,-1),(1,1,0,1)`).
-    The diagonal :math:`j=l` is the pointwise variance of Performer Lemma 2. Entries in different
+    $(1,1,2,1)$; hyperbolic: $(\tfrac12,1,2,1),(\tfrac12,-1,0,-1)$; trig sin/cos:
+    $(\tfrac12,-1,2,-1),(\tfrac12,1,0,1)$; trig offset: $(\tfrac12,-1,2,-1),(1,1,0,1)$).
+    The diagonal $j=l$ is the pointwise variance of Performer Lemma 2. Entries in different
     query rows are covariant too, but the attention rows only need this block.
 
     Parameters
@@ -181,7 +181,7 @@ def kernel_covariance(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> torch
     Returns
     -------
     torch.Tensor
-        float64, shape ``(..., n, m, m)``. Memory is :math:`n m^2` doubles: meant for analysis of
+        float64, shape ``(..., n, m, m)``. Memory is $n m^2$ doubles: meant for analysis of
         small blocks (use :func:`attention_variance` for attention, which never forms it).
 
     Raises
@@ -230,28 +230,28 @@ def attention_variance(
 ) -> torch.Tensor:
     r"""First-order (delta-method) variance of each random-feature attention output.
 
-    The estimate is :math:`\hat o_i=\sum_j\hat K_{ij}v_j/\sum_j\hat K_{ij}` with
-    :math:`\hat K` = ``fm.kernel(q, k)``; with :math:`A` the exact softmax weights,
-    :math:`o_i=\sum_jA_{ij}v_j` and :math:`D_i=\sum_je^{q_i^\top k_j}`,
+    The estimate is $\hat o_i=\sum_j\hat K_{ij}v_j/\sum_j\hat K_{ij}$ with
+    $\hat K$ = ``fm.kernel(q, k)``; with $A$ the exact softmax weights,
+    $o_i=\sum_jA_{ij}v_j$ and $D_i=\sum_je^{q_i^\top k_j}$,
 
-    .. math::
+    $$
+    \mathrm{Var}(\hat o_{ic})\approx\frac1{D_i^2}\sum_{j,l}\mathrm{Cov}(\hat K_{ij},
+    \hat K_{il})(v_{jc}-o_{ic})(v_{lc}-o_{ic})
+    =\frac1r\sum_{\text{terms}}c\sum_{j,l}e^{u_{ij}+u_{il}}e^{-\|k_j-\gamma k_l\|^2/2}
+    (v_{jc}-o_{ic})(v_{lc}-o_{ic})
+    $$
 
-        \mathrm{Var}(\hat o_{ic})\approx\frac1{D_i^2}\sum_{j,l}\mathrm{Cov}(\hat K_{ij},
-        \hat K_{il})(v_{jc}-o_{ic})(v_{lc}-o_{ic})
-        =\frac1r\sum_{\text{terms}}c\sum_{j,l}e^{u_{ij}+u_{il}}e^{-\|k_j-\gamma k_l\|^2/2}
-        (v_{jc}-o_{ic})(v_{lc}-o_{ic})
+    (derivation, the covariances and $u_{ij}$ in the module docstring and
+    ``docs/theory.md``). With ``causal=True`` the sums run over $j,l\le i$.
 
-    (derivation, the covariances and :math:`u_{ij}` in the module docstring and
-    ``docs/theory.md``). With ``causal=True`` the sums run over :math:`j,l\le i`.
-
-    It is a first-order approximation: its relative error is :math:`O(1/r)` when :math:`\hat D_i`
+    It is a first-order approximation: its relative error is $O(1/r)$ when $\hat D_i$
     concentrates (check with :func:`normaliser_relative_variance`; below about 0.01 is safe).
     The tests find it within 10% of Monte Carlo for attention-scaled rows of norm 0.5 at
     r = 64 (all four maps) and norm 0.75 at r = 256 (positive). At larger norms or smaller r it
     fails: it over-states the (bounded) variance of positive/hyperbolic outputs, by factors of
     3-14 at norm 1.5, and for trigonometric maps the true variance is infinite (the denominator
     has positive density at 0) while the delta value describes the limiting normal law. Raw
-    :math:`\mathcal N(0, I_d)` rows scaled by :math:`d^{-1/4}` have norm :math:`d^{1/4}` (2 at
+    $\mathcal N(0, I_d)$ rows scaled by $d^{-1/4}$ have norm $d^{1/4}$ (2 at
     d = 16): already in the failure regime. See ``docs/theory.md``.
 
     Parameters
@@ -273,7 +273,7 @@ def attention_variance(
     -------
     torch.Tensor
         float64, shape ``(..., n, dv)``: the approximate variance of each coordinate of
-        :math:`\hat o_i`.
+        $\hat o_i$.
 
     Raises
     ------
@@ -312,19 +312,19 @@ def normaliser_relative_variance(
     *,
     causal: bool = False,
 ) -> torch.Tensor:
-    r"""Relative variance of the attention normaliser, :math:`\mathrm{Var}(\hat D_i)/D_i^2`.
+    r"""Relative variance of the attention normaliser, $\mathrm{Var}(\hat D_i)/D_i^2$.
 
-    :math:`\hat D_i=\sum_j\hat K_{ij}` is the denominator of random-feature attention and
-    :math:`D_i=\sum_je^{q_i^\top k_j}` its mean. Exactly (no approximation),
+    $\hat D_i=\sum_j\hat K_{ij}$ is the denominator of random-feature attention and
+    $D_i=\sum_je^{q_i^\top k_j}$ its mean. Exactly (no approximation),
 
-    .. math::
+    $$
+    \frac{\mathrm{Var}(\hat D_i)}{D_i^2}=\frac1r\Big(\sum_{\text{terms}}c\sum_{j,l}
+    e^{u_{ij}+u_{il}}e^{-\|k_j-\gamma k_l\|^2/2}-1\Big)
+    $$
 
-        \frac{\mathrm{Var}(\hat D_i)}{D_i^2}=\frac1r\Big(\sum_{\text{terms}}c\sum_{j,l}
-        e^{u_{ij}+u_{il}}e^{-\|k_j-\gamma k_l\|^2/2}-1\Big)
-
-    with the terms and :math:`u_{ij}` of :func:`attention_variance`. It is the diagnostic of the
-    delta method: the first-order expansion of :math:`\hat o_i=\hat N_i/\hat D_i` is accurate
-    when :math:`\hat D_i/D_i` concentrates, i.e. when this number is small. The Monte Carlo
+    with the terms and $u_{ij}$ of :func:`attention_variance`. It is the diagnostic of the
+    delta method: the first-order expansion of $\hat o_i=\hat N_i/\hat D_i$ is accurate
+    when $\hat D_i/D_i$ concentrates, i.e. when this number is small. The Monte Carlo
     comparison in ``docs/theory.md`` (d=16) finds the delta variance within about 10% where
     its maximum over rows is below about 0.01, 15-35% high (positive, hyperbolic) or 10-20% low
     (trigonometric) around 0.02-0.05, and off by factors where it is of order 0.1-1.

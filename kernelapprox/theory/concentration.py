@@ -1,47 +1,47 @@
-r"""Pointwise concentration: bounds on :math:`P(|\hat K - K| \ge \varepsilon K)` and the ``r`` they require.
+r"""Pointwise concentration: bounds on $P(|\hat K - K| \ge \varepsilon K)$ and the ``r`` they require.
 
-For one kernel entry :math:`K = e^{x^\top y}` and its estimate :math:`\hat K = \frac1r\sum_iX_i`
-(see :mod:`kernelapprox.theory.moments`), write :math:`b = E\hat K - K` (0 except for fixed-norm
-ORF) and :math:`\tau = \varepsilon K - |b|`. Four bounds are offered, all built on the exact
+For one kernel entry $K = e^{x^\top y}$ and its estimate $\hat K = \frac1r\sum_iX_i$
+(see :mod:`kernelapprox.theory.moments`), write $b = E\hat K - K$ (0 except for fixed-norm
+ORF) and $\tau = \varepsilon K - |b|$. Four bounds are offered, all built on the exact
 moments:
 
 ``"chebyshev"`` (always valid, any sampler with a closed form, iid or ORF)
-    Markov's inequality on the squared error: :math:`P \le \mathrm{MSE}/(\varepsilon K)^2`
+    Markov's inequality on the squared error: $P \le \mathrm{MSE}/(\varepsilon K)^2$
     [elementary]. The ORF dependence between rows is fully accounted for by the exact ORF
     variance.
 
 ``"clt"`` (asymptotic, *not* a bound)
-    :math:`\hat K \approx \mathcal N(K + b, \mathrm{Var}\hat K)`:
-    :math:`P \approx \Phi\big(\frac{-\varepsilon K - b}{\sigma}\big) + \Phi\big(\frac{b -
-    \varepsilon K}{\sigma}\big)`. Valid as ``r → ∞`` for iid rows and, for ORF, as the number of
-    independent blocks grows. For positive/hyperbolic features at large :math:`\|x+y\|` the
+    $\hat K \approx \mathcal N(K + b, \mathrm{Var}\hat K)$:
+    $P \approx \Phi\big(\frac{-\varepsilon K - b}{\sigma}\big) + \Phi\big(\frac{b -
+    \varepsilon K}{\sigma}\big)$. Valid as ``r → ∞`` for iid rows and, for ORF, as the number of
+    independent blocks grows. For positive/hyperbolic features at large $\|x+y\|$ the
     convergence is slow (log-normal summands), and the approximation underestimates the tail.
 
 ``"hoeffding"`` (trig only, valid)
-    The per-projection terms are bounded: :math:`|X_i| \le a` with :math:`a = C =
-    e^{(\|x\|^2+\|y\|^2)/2}` (sin/cos) or :math:`a = 2C` (offset: :math:`X_i = 2C\cos(\cdot)\cos(\cdot)`,
-    the :math:`\sqrt2^2` of the :math:`\sqrt{2/r}` scaling). Rows of different orthogonal blocks
-    are independent, so Hoeffding applies to the block sums :math:`B_k \in [-a n_k, a n_k]`:
+    The per-projection terms are bounded: $|X_i| \le a$ with $a = C =
+    e^{(\|x\|^2+\|y\|^2)/2}$ (sin/cos) or $a = 2C$ (offset: $X_i = 2C\cos(\cdot)\cos(\cdot)$,
+    the $\sqrt2^2$ of the $\sqrt{2/r}$ scaling). Rows of different orthogonal blocks
+    are independent, so Hoeffding applies to the block sums $B_k \in [-a n_k, a n_k]$:
 
-    .. math::
+    $$
+    P \le 2\exp\Big(-\frac{r^2\tau^2}{2a^2\sum_k n_k^2}\Big),
+    $$
 
-        P \le 2\exp\Big(-\frac{r^2\tau^2}{2a^2\sum_k n_k^2}\Big),
-
-    with :math:`\sum_k n_k^2 = r` for iid rows (the usual :math:`2e^{-r\tau^2/(2a^2)}`) and
-    :math:`b\,d^2 + r'^2` for ``r = b d + r'`` ORF rows (a factor ≈ ``d`` weaker: Hoeffding cannot
+    with $\sum_k n_k^2 = r$ for iid rows (the usual $2e^{-r\tau^2/(2a^2)}$) and
+    $b\,d^2 + r'^2$ for ``r = b d + r'`` ORF rows (a factor ≈ ``d`` weaker: Hoeffding cannot
     see the variance reduction of ORF; use Chebyshev with the exact variance there) [DERIVED].
 
 ``"bernstein"`` (trig only, valid)
-    On the same independent block sums, with :math:`|B_k - EB_k| \le n_k(a + |\mu|)` and
-    :math:`\sum_k\mathrm{Var}B_k = r^2\,\mathrm{Var}\hat K` (exact):
+    On the same independent block sums, with $|B_k - EB_k| \le n_k(a + |\mu|)$ and
+    $\sum_k\mathrm{Var}B_k = r^2\,\mathrm{Var}\hat K$ (exact):
 
-    .. math::
-
-        P \le 2\exp\Big(-\frac{r^2\tau^2/2}{r^2\mathrm{Var}\hat K + M r\tau/3}\Big),\qquad
-        M = \max_k n_k\,(a+|\mu|) .
+    $$
+    P \le 2\exp\Big(-\frac{r^2\tau^2/2}{r^2\mathrm{Var}\hat K + M r\tau/3}\Big),\qquad
+    M = \max_k n_k\,(a+|\mu|) .
+    $$
 
 Positive and hyperbolic features have no Hoeffding/Bernstein bound here: the per-projection term
-:math:`\Lambda e^{w^\top z}` is log-normal — unbounded, with a heavy right tail (its moment
+$\Lambda e^{w^\top z}$ is log-normal — unbounded, with a heavy right tail (its moment
 generating function is infinite) — so exponential bounds need care (Performer Thms 3/5 give
 bounds of a different, Chernoff-type form). Use Chebyshev (valid) or the CLT (asymptotic).
 
@@ -197,7 +197,7 @@ def failure_probability(
     method: str = "chebyshev",
     orthogonal: str | None = None,
 ) -> Any:
-    r"""Bound (or CLT approximation) on :math:`P(|\hat K_{ij} - K_{ij}| \ge \varepsilon K_{ij})` per entry.
+    r"""Bound (or CLT approximation) on $P(|\hat K_{ij} - K_{ij}| \ge \varepsilon K_{ij})$ per entry.
 
     See the module docstring for the four methods and their validity.
 
@@ -252,17 +252,17 @@ def required_features(
     orthogonal: str | None = None,
     reduce: str | None = "max",
 ) -> Any:
-    r"""Smallest number of projections ``r`` with :math:`P(|\hat K - K| \ge \varepsilon K) \le \delta`.
+    r"""Smallest number of projections ``r`` with $P(|\hat K - K| \ge \varepsilon K) \le \delta$.
 
     Inverts the bound of :func:`failure_probability` entry by entry. Closed forms in the iid
-    unbiased case (:math:`v_1` = relative per-projection variance, :math:`a` = relative bound on a
-    term, :math:`z = \Phi^{-1}(1-\delta/2)`):
+    unbiased case ($v_1$ = relative per-projection variance, $a$ = relative bound on a
+    term, $z = \Phi^{-1}(1-\delta/2)$):
 
-    * Chebyshev: :math:`r = \lceil v_1/(\varepsilon^2\delta)\rceil`;
-    * CLT: :math:`r = \lceil v_1 z^2/\varepsilon^2\rceil` (asymptotic);
-    * Hoeffding: :math:`r = \lceil 2a^2\log(2/\delta)/\varepsilon^2\rceil`
-      (:math:`a = e^{s/2}` for sin/cos, :math:`2e^{s/2}` for offset);
-    * Bernstein: :math:`r = \lceil 2(v_1 + M\varepsilon/3)\log(2/\delta)/\varepsilon^2\rceil`.
+    * Chebyshev: $r = \lceil v_1/(\varepsilon^2\delta)\rceil$;
+    * CLT: $r = \lceil v_1 z^2/\varepsilon^2\rceil$ (asymptotic);
+    * Hoeffding: $r = \lceil 2a^2\log(2/\delta)/\varepsilon^2\rceil$
+      ($a = e^{s/2}$ for sin/cos, $2e^{s/2}$ for offset);
+    * Bernstein: $r = \lceil 2(v_1 + M\varepsilon/3)\log(2/\delta)/\varepsilon^2\rceil$.
 
     In general (ORF, bias) ``r`` is found by integer bisection on the exact bound, which returns
     ``r`` with ``bound(r) <= delta < bound(r - 1)``; this is the smallest such ``r`` whenever the
@@ -292,7 +292,7 @@ def required_features(
     -------
     int or float or array
         ``math.inf`` (or ``inf`` entries) where no ``r`` achieves the level: a fixed-norm ORF bias
-        with :math:`|b| \ge \varepsilon K` (or :math:`b^2 \ge \delta\varepsilon^2K^2` for Chebyshev).
+        with $|b| \ge \varepsilon K$ (or $b^2 \ge \delta\varepsilon^2K^2$ for Chebyshev).
 
     Raises
     ------

@@ -1,40 +1,43 @@
 r"""Closed-form variance and MSE of the dense-exponential estimators (OPRF/FAVOR++, SADERF, SDERF).
 
-One term of OPRF with parameter :math:`A < 1/8` (:class:`kernelapprox.OptimalPositiveRF`) is
-:math:`X = \Lambda D^2 e^{2A\|\omega\|^2 + \sqrt{1-4A}\,\omega^\top z}` with :math:`z = x + y`,
-:math:`t = \|z\|^2`, :math:`\Lambda = e^{-(\|x\|^2+\|y\|^2)/2}`, :math:`D^2 = (1-4A)^{d/2}`. By the
-Gaussian integral :math:`E\,e^{a\|\omega\|^2 + b^\top\omega} = (1-2a)^{-d/2}e^{\|b\|^2/(2(1-2a))}`
-(:math:`a < 1/2`):
+One term of OPRF with parameter $A < 1/8$ (:class:`kernelapprox.OptimalPositiveRF`) is
+$X = \Lambda D^2 e^{2A\|\omega\|^2 + \sqrt{1-4A}\,\omega^\top z}$ with $z = x + y$,
+$t = \|z\|^2$, $\Lambda = e^{-(\|x\|^2+\|y\|^2)/2}$, $D^2 = (1-4A)^{d/2}$. By the
+Gaussian integral $E\,e^{a\|\omega\|^2 + b^\top\omega} = (1-2a)^{-d/2}e^{\|b\|^2/(2(1-2a))}$
+($a < 1/2$):
 
-.. math::
-    E X = e^{x^\top y},\qquad
-    E X^2 = \Lambda^2 (1-4A)^d (1-8A)^{-d/2} \exp\Big(\frac{2(1-4A)\,t}{1-8A}\Big)
-    \quad\text{[LCD22]_, DERIVED, MC-verified in tests/test_dense_exponential.py}.
+$$
+E X = e^{x^\top y},\qquad
+E X^2 = \Lambda^2 (1-4A)^d (1-8A)^{-d/2} \exp\Big(\frac{2(1-4A)\,t}{1-8A}\Big)
+\quad\text{[LCD22]_, DERIVED, MC-verified in tests/test_dense_exponential.py}.
+$$
 
 Block-orthogonal rows with χ norms (``sampler="orthogonal"``): for two rows of one block,
-:math:`\|w_i + w_j\|^2 = \|w_i\|^2 + \|w_j\|^2 =: \rho^2 \sim \chi^2_{2d}` and the direction of
-:math:`w_i + w_j` is uniform and independent of :math:`\rho`, so
+$\|w_i + w_j\|^2 = \|w_i\|^2 + \|w_j\|^2 =: \rho^2 \sim \chi^2_{2d}$ and the direction of
+$w_i + w_j$ is uniform and independent of $\rho$, so
 
-.. math::
-    E X_iX_j = \Lambda^2 D^4\, E_\rho\Big[e^{2A\rho^2}\,{}_0F_1\big(;\tfrac d2;\tfrac{(1-4A)\rho^2 t}{4}\big)\Big]
-    = \Lambda^2\,{}_1F_1\big(d; \tfrac d2; \tfrac t2\big),
+$$
+E X_iX_j = \Lambda^2 D^4\, E_\rho\Big[e^{2A\rho^2}\,{}_0F_1\big(;\tfrac d2;\tfrac{(1-4A)\rho^2 t}{4}\big)\Big]
+= \Lambda^2\,{}_1F_1\big(d; \tfrac d2; \tfrac t2\big),
+$$
 
-independent of :math:`A` (the series in :math:`E\rho^{2k}e^{2A\rho^2} = (1-4A)^{-d-k}2^k(d)_k` sums
+independent of $A$ (the series in $E\rho^{2k}e^{2A\rho^2} = (1-4A)^{-d-k}2^k(d)_k$ sums
 to FAVOR+'s pair moment) [DERIVED; MC-verified]. Hence
-:math:`\mathrm{MSE}^{\rm ort} = \frac{\mathrm{Var}X}{r} + \frac{P}{r^2}\Lambda^2({}_1F_1 - e^t)` with
-the pair count :math:`P` of :func:`kernelapprox.theory.orf_pair_count`.
+$\mathrm{MSE}^{\rm ort} = \frac{\mathrm{Var}X}{r} + \frac{P}{r^2}\Lambda^2({}_1F_1 - e^t)$ with
+the pair count $P$ of :func:`kernelapprox.theory.orf_pair_count`.
 
-SADERF is OPRF on :math:`(\Psi x, \Psi^{-1} y)`: the same formulas on the scaled pair. SDERF is a
-product over the eigen-directions :math:`l` of one-dimensional OPRFs with parameters :math:`A_l` on
-:math:`z' = Q^\top z`:
+SADERF is OPRF on $(\Psi x, \Psi^{-1} y)$: the same formulas on the scaled pair. SDERF is a
+product over the eigen-directions $l$ of one-dimensional OPRFs with parameters $A_l$ on
+$z' = Q^\top z$:
 
-.. math::
-    E X^2 = \Lambda^2 \prod_l \frac{1-4A_l}{\sqrt{1-8A_l}}\exp\Big(\frac{2(1-4A_l)}{1-8A_l}z_l'^2\Big)
+$$
+E X^2 = \Lambda^2 \prod_l \frac{1-4A_l}{\sqrt{1-8A_l}}\exp\Big(\frac{2(1-4A_l)}{1-8A_l}z_l'^2\Big)
+$$
 
 (iid rows only: with orthogonal rows the anisotropic quadratic term breaks the rotation
 invariance used above, and no closed form is given).
 
-All values are float64, from a log scale and an :math:`O(1)` bracket (as in
+All values are float64, from a log scale and an $O(1)$ bracket (as in
 :mod:`kernelapprox.theory.moments`).
 
 References
@@ -79,8 +82,8 @@ __all__ = [
 
 
 def oprf_optimal_A(t: Any, d: int) -> np.ndarray:
-    r""":math:`A^*(t, d) = \frac{d - 2t - \sqrt{(2t+d)^2 + 8dt}}{16d}` (float64 array), the
-    variance-optimal OPRF parameter at :math:`t = \|x+y\|^2` (see
+    r"""$A^*(t, d) = \frac{d - 2t - \sqrt{(2t+d)^2 + 8dt}}{16d}$ (float64 array), the
+    variance-optimal OPRF parameter at $t = \|x+y\|^2$ (see
     :func:`kernelapprox.dense_exponential.optimal_A`).
 
     Examples
@@ -104,7 +107,7 @@ def oprf_components(geo: _Geometry, orthogonal: str | None, A: Any = None) -> Co
     r""":class:`~kernelapprox.theory.moments.Components` of OPRF with parameter ``A``.
 
     ``A`` broadcasts against the ``(..., n, m)`` pair arrays; ``None`` takes each pair's own
-    optimum :math:`A^*(\|x+y\|^2, d)` (the estimator tuned at that pair, as in the CRT
+    optimum $A^*(\|x+y\|^2, d)$ (the estimator tuned at that pair, as in the CRT
     variance comparisons). ``orthogonal`` is ``None`` (iid) or ``"chi"``.
     """
     if orthogonal not in (None, "chi"):
@@ -132,14 +135,15 @@ def oprf_components(geo: _Geometry, orthogonal: str | None, A: Any = None) -> Co
 
 
 def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: str | None = None) -> Any:
-    r"""MSE (= variance: OPRF is unbiased) of every entry of an OPRF estimate of :math:`e^{q^\top k}`.
+    r"""MSE (= variance: OPRF is unbiased) of every entry of an OPRF estimate of $e^{q^\top k}$.
 
-    .. math::
-        \mathrm{MSE} = \frac{e^{-\|x\|^2-\|y\|^2}}{r}\Big[(1-4A)^d(1-8A)^{-d/2}
-        e^{\frac{2(1-4A)t}{1-8A}} - e^t\Big] + \frac{P}{r^2}e^{-\|x\|^2-\|y\|^2}
-        \big[{}_1F_1(d;\tfrac d2;\tfrac t2) - e^t\big]
+    $$
+    \mathrm{MSE} = \frac{e^{-\|x\|^2-\|y\|^2}}{r}\Big[(1-4A)^d(1-8A)^{-d/2}
+    e^{\frac{2(1-4A)t}{1-8A}} - e^t\Big] + \frac{P}{r^2}e^{-\|x\|^2-\|y\|^2}
+    \big[{}_1F_1(d;\tfrac d2;\tfrac t2) - e^t\big]
+    $$
 
-    (:math:`P = 0` for iid rows; see the module docstring). ``A = 0`` gives
+    ($P = 0$ for iid rows; see the module docstring). ``A = 0`` gives
     :func:`kernelapprox.theory.positive_mse`.
 
     Parameters
@@ -149,7 +153,7 @@ def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: st
     num_features : int
         ``r``.
     A : float or array, optional
-        Broadcasts against ``(..., n, m)``; default: each pair's optimum :math:`A^*(t)`.
+        Broadcasts against ``(..., n, m)``; default: each pair's optimum $A^*(t)$.
     orthogonal : {None, "chi"}
         iid rows, or block-orthogonal rows with χ norms.
 
@@ -177,8 +181,8 @@ def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: st
 def sderf_components(geo: _Geometry, orthogonal: str | None, tw: Any = None, L0: Any = None) -> Components:
     r""":class:`~kernelapprox.theory.moments.Components` of SDERF (iid rows).
 
-    ``tw`` is :math:`\sum_l \frac{1-4A_l}{1-8A_l} z_l'^2` per pair and ``L0`` is
-    :math:`\sum_l[\log(1-4A_l) - \frac12\log(1-8A_l)]` (from a fitted map; see the module docstring).
+    ``tw`` is $\sum_l \frac{1-4A_l}{1-8A_l} z_l'^2$ per pair and ``L0`` is
+    $\sum_l[\log(1-4A_l) - \frac12\log(1-8A_l)]$ (from a fitted map; see the module docstring).
     """
     if tw is None or L0 is None:
         raise NotImplementedError("SDERF's moments need a fitted map: call ka.theory.mse(fm, q, k) with fm.fit(...) done")

@@ -1,70 +1,70 @@
 r"""Closed-form MSE of the angular hybrid estimator (:class:`kernelapprox.hybrid.HybridRF`).
 
-The estimator [HRF22]_ mixes two unbiased estimators of :math:`\mathrm{SM}(x, y) = e^{x^\top y}`
-that share the projections :math:`w_1..w_r`,
+The estimator [HRF22]_ mixes two unbiased estimators of $\mathrm{SM}(x, y) = e^{x^\top y}$
+that share the projections $w_1..w_r$,
 
-.. math::
+$$
+A = \frac{\Lambda}{r}\sum_{i=1}^r \cosh(w_i^\top z), \qquad
+B = \frac{1}{\Lambda r}\sum_{i=1}^r \cos(w_i^\top \Delta)
+$$
 
-    A = \frac{\Lambda}{r}\sum_{i=1}^r \cosh(w_i^\top z), \qquad
-    B = \frac{1}{\Lambda r}\sum_{i=1}^r \cos(w_i^\top \Delta)
+(hyperbolic and sin/cos features; $z = x+y$, $\Delta = x-y$,
+$\Lambda = e^{-(\|x\|^2+\|y\|^2)/2}$), with the weight
 
-(hyperbolic and sin/cos features; :math:`z = x+y`, :math:`\Delta = x-y`,
-:math:`\Lambda = e^{-(\|x\|^2+\|y\|^2)/2}`), with the weight
+$$
+\hat\lambda = \frac12 - \frac1{2n}\sum_{l=1}^n \operatorname{sgn}(g_l^\top x)\operatorname{sgn}(g_l^\top y),
+\qquad \mathbb E\hat\lambda = \lambda = \frac{\theta_{x,y}}{\pi},
+$$
 
-.. math::
+from $n$ Gaussian vectors $g_l$ independent of the $w_i$:
+$\hat K = \hat\lambda A + (1-\hat\lambda) B$.
 
-    \hat\lambda = \frac12 - \frac1{2n}\sum_{l=1}^n \operatorname{sgn}(g_l^\top x)\operatorname{sgn}(g_l^\top y),
-    \qquad \mathbb E\hat\lambda = \lambda = \frac{\theta_{x,y}}{\pi},
+MSE (DERIVED). $\hat K - \mathrm{SM} = \hat\lambda(A - \mathrm{SM}) + (1-\hat\lambda)(B - \mathrm{SM})$
+and $\hat\lambda$ is independent of $(A, B)$, so with $v = \mathrm{Var}\,\hat\lambda$
 
-from :math:`n` Gaussian vectors :math:`g_l` independent of the :math:`w_i`:
-:math:`\hat K = \hat\lambda A + (1-\hat\lambda) B`.
+$$
+\mathrm{MSE} = (\lambda^2 + v)\,V_A + \big((1-\lambda)^2 + v\big)\,V_B
++ 2\big(\lambda(1-\lambda) - v\big)\,C
+= (\lambda^2+v)(V_A+V_B-2C) + 2\lambda(C-V_B) + V_B .
+$$
 
-MSE (DERIVED). :math:`\hat K - \mathrm{SM} = \hat\lambda(A - \mathrm{SM}) + (1-\hat\lambda)(B - \mathrm{SM})`
-and :math:`\hat\lambda` is independent of :math:`(A, B)`, so with :math:`v = \mathrm{Var}\,\hat\lambda`
+For iid sign vectors the $n$ terms $\operatorname{sgn}(g_l^\top x)\operatorname{sgn}(g_l^\top y)$
+are iid $\pm1$ with mean $1-2\lambda$, so $v = \lambda(1-\lambda)/n$. For iid
+Gaussian rows $w_i$ (Performer Lemma 2 [Cho21]_),
 
-.. math::
+$$
+V_A = \frac{\Lambda^2}{2r}\,(e^{t}-1)^2,\qquad V_B = \frac{1}{2r\Lambda^2}(1-e^{-s})^2,
+\qquad t = \|z\|^2,\ s = \|\Delta\|^2,
+$$
 
-    \mathrm{MSE} = (\lambda^2 + v)\,V_A + \big((1-\lambda)^2 + v\big)\,V_B
-                   + 2\big(\lambda(1-\lambda) - v\big)\,C
-                 = (\lambda^2+v)(V_A+V_B-2C) + 2\lambda(C-V_B) + V_B .
-
-For iid sign vectors the :math:`n` terms :math:`\operatorname{sgn}(g_l^\top x)\operatorname{sgn}(g_l^\top y)`
-are iid :math:`\pm1` with mean :math:`1-2\lambda`, so :math:`v = \lambda(1-\lambda)/n`. For iid
-Gaussian rows :math:`w_i` (Performer Lemma 2 [Cho21]_),
-
-.. math::
-
-    V_A = \frac{\Lambda^2}{2r}\,(e^{t}-1)^2,\qquad V_B = \frac{1}{2r\Lambda^2}(1-e^{-s})^2,
-    \qquad t = \|z\|^2,\ s = \|\Delta\|^2,
-
-and the covariance of the two estimators, which share the :math:`w_i` (DERIVED):
-:math:`\cosh a\cos b = \tfrac12\mathrm{Re}\,(e^{a+ib} + e^{-a+ib})` and the Gaussian MGF
-:math:`\mathbb E e^{w^\top c} = e^{c^\top c/2}` at the complex points :math:`c = \pm z + i\Delta`,
-:math:`c^\top c = t - s \pm 2i\,z^\top\Delta`, with :math:`t - s = 4x^\top y` and
-:math:`z^\top\Delta = \|x\|^2 - \|y\|^2`, give
-:math:`\mathbb E\cosh(w^\top z)\cos(w^\top\Delta) = e^{2x^\top y}\cos(\|x\|^2-\|y\|^2)`, while
-:math:`\mathbb E\cosh(w^\top z)\,\mathbb E\cos(w^\top \Delta) = e^{(t - s)/2} = e^{2x^\top y}`. Terms of
+and the covariance of the two estimators, which share the $w_i$ (DERIVED):
+$\cosh a\cos b = \tfrac12\mathrm{Re}\,(e^{a+ib} + e^{-a+ib})$ and the Gaussian MGF
+$\mathbb E e^{w^\top c} = e^{c^\top c/2}$ at the complex points $c = \pm z + i\Delta$,
+$c^\top c = t - s \pm 2i\,z^\top\Delta$, with $t - s = 4x^\top y$ and
+$z^\top\Delta = \|x\|^2 - \|y\|^2$, give
+$\mathbb E\cosh(w^\top z)\cos(w^\top\Delta) = e^{2x^\top y}\cos(\|x\|^2-\|y\|^2)$, while
+$\mathbb E\cosh(w^\top z)\,\mathbb E\cos(w^\top \Delta) = e^{(t - s)/2} = e^{2x^\top y}$. Terms of
 different rows are independent, hence
 
-.. math::
+$$
+C = \mathrm{Cov}(A, B) = \frac{\mathrm{SM}^2}{r}\big(\cos(\|x\|^2-\|y\|^2) - 1\big) \le 0 .
+$$
 
-    C = \mathrm{Cov}(A, B) = \frac{\mathrm{SM}^2}{r}\big(\cos(\|x\|^2-\|y\|^2) - 1\big) \le 0 .
+(The same $C$ holds for positive features $A = \frac\Lambda r\sum e^{w_i^\top z}$: only
+the real part of $\mathbb E e^{w^\top(z + i\Delta)}$ enters.) The covariance vanishes for
+equal norms and is most negative at $\|x\|^2-\|y\|^2 = \pi$. Checked by Monte Carlo at 5 %
+resolution in ``tests/test_hybrid.py``; the MSE without $C$ is rejected there.
 
-(The same :math:`C` holds for positive features :math:`A = \frac\Lambda r\sum e^{w_i^\top z}`: only
-the real part of :math:`\mathbb E e^{w^\top(z + i\Delta)}` enters.) The covariance vanishes for
-equal norms and is most negative at :math:`\|x\|^2-\|y\|^2 = \pi`. Checked by Monte Carlo at 5 %
-resolution in ``tests/test_hybrid.py``; the MSE without :math:`C` is rejected there.
+Extremes: at $\theta = 0$ the weight is $\hat\lambda \equiv 0$ (every sign product is
+$+1$) and at $\theta=\pi$ it is $\hat\lambda\equiv 1$, so $v = 0$ and the
+MSE is $V_B$ (0 when also $x = y$) or $V_A$ (0 when $x = -y$). A zero
+input has $\operatorname{sgn}(0) = 0$ in every product: $\hat\lambda \equiv \tfrac12$,
+$v = 0$.
 
-Extremes: at :math:`\theta = 0` the weight is :math:`\hat\lambda \equiv 0` (every sign product is
-:math:`+1`) and at :math:`\theta=\pi` it is :math:`\hat\lambda\equiv 1`, so :math:`v = 0` and the
-MSE is :math:`V_B` (0 when also :math:`x = y`) or :math:`V_A` (0 when :math:`x = -y`). A zero
-input has :math:`\operatorname{sgn}(0) = 0` in every product: :math:`\hat\lambda \equiv \tfrac12`,
-:math:`v = 0`.
-
-Numerics: everything is computed relative to :math:`\mathrm{SM}^2` (``relative`` terms below) and
-rescaled by :math:`e^{2x^\top y}` in the log domain, in float64; :math:`s` and :math:`t` are
-recomputed from the coordinates where they cancel, and :math:`\theta` uses the stable form
-:math:`\theta = 2\operatorname{atan2}(\|\hat x - \hat y\|, \|\hat x + \hat y\|)`.
+Numerics: everything is computed relative to $\mathrm{SM}^2$ (``relative`` terms below) and
+rescaled by $e^{2x^\top y}$ in the log domain, in float64; $s$ and $t$ are
+recomputed from the coordinates where they cancel, and $\theta$ uses the stable form
+$\theta = 2\operatorname{atan2}(\|\hat x - \hat y\|, \|\hat x + \hat y\|)$.
 
 Orthogonal or QMC projections and angular vectors are not covered (iid only).
 
@@ -91,7 +91,7 @@ __all__ = ["HybridTerms", "hybrid_terms", "hybrid_mse"]
 class HybridTerms(NamedTuple):
     r"""Ingredients of the hybrid MSE at every ``(q_i, k_j)`` pair, float64 arrays ``(..., n, m)``.
 
-    Variances and the covariance are *relative*, divided by :math:`\mathrm{SM}^2 = e^{2x^\top y}`
+    Variances and the covariance are *relative*, divided by $\mathrm{SM}^2 = e^{2x^\top y}$
     (``xy``), so that none of them overflows.
     """
 
@@ -132,22 +132,22 @@ def _angle_over_pi(q: np.ndarray, k: np.ndarray, shape: tuple[int, ...]) -> tupl
 
 
 def hybrid_terms(q: Any, k: Any, num_features: int, *, num_angular: int) -> HybridTerms:
-    r"""The ingredients :math:`\lambda, v, V_A, V_B, C` of :func:`hybrid_mse` (module docstring).
+    r"""The ingredients $\lambda, v, V_A, V_B, C$ of :func:`hybrid_mse` (module docstring).
 
     Parameters
     ----------
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
     num_features : int
-        ``r``, the number of projections :math:`w_i` shared by both parts.
+        ``r``, the number of projections $w_i$ shared by both parts.
     num_angular : int
-        ``n``, the number of angular vectors :math:`g_l`.
+        ``n``, the number of angular vectors $g_l$.
 
     Returns
     -------
     HybridTerms
         NumPy float64 arrays of shape ``(..., n, m)``; variances and covariance relative to
-        :math:`\mathrm{SM}^2`.
+        $\mathrm{SM}^2$.
 
     Examples
     --------
@@ -178,14 +178,14 @@ def _terms(qa: np.ndarray, ka: np.ndarray, r: int, n: int) -> tuple[HybridTerms,
 def hybrid_mse(q: Any, k: Any, num_features: int, *, num_angular: int) -> Any:
     r"""MSE of every entry of ``HybridRF(d, r, num_angular=n).kernel(q, k)`` (iid rows and vectors).
 
-    .. math::
+    $$
+    \mathrm{MSE} = (\lambda^2+v)(V_A+V_B-2C) + 2\lambda(C-V_B) + V_B,\quad
+    \lambda = \frac{\theta_{q,k}}\pi,\ v = \frac{\lambda(1-\lambda)}{n},\
+    C = \frac{\mathrm{SM}^2}{r}\big(\cos(\|q\|^2-\|k\|^2)-1\big)
+    $$
 
-        \mathrm{MSE} = (\lambda^2+v)(V_A+V_B-2C) + 2\lambda(C-V_B) + V_B,\quad
-        \lambda = \frac{\theta_{q,k}}\pi,\ v = \frac{\lambda(1-\lambda)}{n},\
-        C = \frac{\mathrm{SM}^2}{r}\big(\cos(\|q\|^2-\|k\|^2)-1\big)
-
-    with :math:`V_A` (hyperbolic) and :math:`V_B` (sin/cos) the Performer variances (module
-    docstring) [DERIVED, MC ✓]. Zero at :math:`q = k` and at :math:`q = -k`.
+    with $V_A$ (hyperbolic) and $V_B$ (sin/cos) the Performer variances (module
+    docstring) [DERIVED, MC ✓]. Zero at $q = k$ and at $q = -k$.
 
     Parameters
     ----------

@@ -1,73 +1,73 @@
-r"""Pointwise bias, variance and MSE of every estimator of :math:`\mathrm{SM}(x, y) = e^{x^\top y}`.
+r"""Pointwise bias, variance and MSE of every estimator of $\mathrm{SM}(x, y) = e^{x^\top y}$.
 
-Each random map estimates :math:`\mathrm{SM}(x, y)` by :math:`\hat K = \varphi(x)^\top\varphi(y)
-= \frac1r\sum_{i=1}^r X_i`, an average of ``r = num_features`` per-projection terms
-:math:`X_i` (one per row :math:`w_i` of the projection). This module gives, in closed form and in
+Each random map estimates $\mathrm{SM}(x, y)$ by $\hat K = \varphi(x)^\top\varphi(y)
+= \frac1r\sum_{i=1}^r X_i$, an average of ``r = num_features`` per-projection terms
+$X_i$ (one per row $w_i$ of the projection). This module gives, in closed form and in
 float64, the mean, variance and MSE of every entry of ``fm.kernel(q, k)``:
 
 ==================== ============================================================= ===================
-estimator            per-projection term :math:`X_i`                                feature coordinates
+estimator            per-projection term $X_i$                                feature coordinates
 ==================== ============================================================= ===================
-trig sin/cos         :math:`C\cos(w_i^\top\Delta)`                                  ``2r``
-trig offset          :math:`2C\cos(w_i^\top x+b_i)\cos(w_i^\top y+b_i)`             ``r``
-positive (FAVOR+)    :math:`\Lambda\, e^{w_i^\top z}`                               ``r``
-hyperbolic           :math:`\Lambda\cosh(w_i^\top z)`                               ``2r``
+trig sin/cos         $C\cos(w_i^\top\Delta)$                                  ``2r``
+trig offset          $2C\cos(w_i^\top x+b_i)\cos(w_i^\top y+b_i)$             ``r``
+positive (FAVOR+)    $\Lambda\, e^{w_i^\top z}$                               ``r``
+hyperbolic           $\Lambda\cosh(w_i^\top z)$                               ``2r``
 ==================== ============================================================= ===================
 
-Notation (``estimators.md`` §0): :math:`z = x+y`, :math:`\Delta = x-y`, :math:`t=\|z\|^2`,
-:math:`s=\|\Delta\|^2`, :math:`\Lambda=e^{-(\|x\|^2+\|y\|^2)/2}`, :math:`C = 1/\Lambda`, so that
-:math:`\mathrm{SM}=\Lambda e^{t/2} = C e^{-s/2}`.
+Notation (``estimators.md`` §0): $z = x+y$, $\Delta = x-y$, $t=\|z\|^2$,
+$s=\|\Delta\|^2$, $\Lambda=e^{-(\|x\|^2+\|y\|^2)/2}$, $C = 1/\Lambda$, so that
+$\mathrm{SM}=\Lambda e^{t/2} = C e^{-s/2}$.
 
-General structure (DERIVED, elementary). With :math:`\mu = E X_i`, :math:`m_2 = E X_i^2` and, for
-two distinct rows of the same orthogonal block, :math:`p_2 = E X_iX_j`,
+General structure (DERIVED, elementary). With $\mu = E X_i$, $m_2 = E X_i^2$ and, for
+two distinct rows of the same orthogonal block, $p_2 = E X_iX_j$,
 
-.. math::
+$$
+\mathrm{bias} = \mu - \mathrm{SM},\qquad
+\mathrm{Var}\,\hat K = \frac{m_2-\mu^2}{r} + \frac{P}{r^2}\,(p_2-\mu^2),\qquad
+\mathrm{MSE} = \mathrm{bias}^2 + \mathrm{Var}\,\hat K,
+$$
 
-    \mathrm{bias} = \mu - \mathrm{SM},\qquad
-    \mathrm{Var}\,\hat K = \frac{m_2-\mu^2}{r} + \frac{P}{r^2}\,(p_2-\mu^2),\qquad
-    \mathrm{MSE} = \mathrm{bias}^2 + \mathrm{Var}\,\hat K,
-
-where :math:`P` is the number of *ordered* pairs :math:`(i\ne j)` of rows in the same block
-(:func:`orf_pair_count`): :math:`P = 0` for iid rows, and for ``r = b d + r'`` block-orthogonal
-rows (``b`` full blocks, one partial block of ``r'`` rows), :math:`P = b\,d(d-1) + r'(r'-1)`.
+where $P$ is the number of *ordered* pairs $(i\ne j)$ of rows in the same block
+(:func:`orf_pair_count`): $P = 0$ for iid rows, and for ``r = b d + r'`` block-orthogonal
+rows (``b`` full blocks, one partial block of ``r'`` rows), $P = b\,d(d-1) + r'(r'-1)$.
 Rows of different blocks are independent. For a single block this is Performer's
-:math:`\frac{m-1}{m}` factor; the partial-block count is DERIVED here and checked by Monte Carlo.
+$\frac{m-1}{m}$ factor; the partial-block count is DERIVED here and checked by Monte Carlo.
 
-The ingredients, for :math:`\omega \sim \mathcal N(0, I_d)` (iid rows and χ-norm ORF rows are
+The ingredients, for $\omega \sim \mathcal N(0, I_d)$ (iid rows and χ-norm ORF rows are
 marginally Gaussian):
 
-* :math:`E e^{\omega^\top a} = e^{\|a\|^2/2}`, :math:`E\cos(\omega^\top a) = e^{-\|a\|^2/2}`
+* $E e^{\omega^\top a} = e^{\|a\|^2/2}$, $E\cos(\omega^\top a) = e^{-\|a\|^2/2}$
   (Gaussian MGF) — this gives Performer Lemma 2 [SOURCE] and the offset variance of
   Sutherland–Schneider [DERIVED, MC ✓].
-* Two distinct rows of one χ-norm ORF block: :math:`w_i \pm w_j = \rho u` with
-  :math:`\rho^2\sim\chi^2_{2d}` independent of :math:`u` uniform on :math:`S^{d-1}`; averaging
-  :math:`E_u e^{\rho u^\top a} = {}_0F_1(;\tfrac d2;\rho^2\|a\|^2/4)` over
-  :math:`E\rho^{2k} = 2^k(d)_k` gives
+* Two distinct rows of one χ-norm ORF block: $w_i \pm w_j = \rho u$ with
+  $\rho^2\sim\chi^2_{2d}$ independent of $u$ uniform on $S^{d-1}$; averaging
+  $E_u e^{\rho u^\top a} = {}_0F_1(;\tfrac d2;\rho^2\|a\|^2/4)$ over
+  $E\rho^{2k} = 2^k(d)_k$ gives
 
-  .. math::
+  $$
+  E\, e^{(w_i\pm w_j)^\top a} = {}_1F_1\!\big(d;\tfrac d2;\tfrac{\|a\|^2}{2}\big),\qquad
+  E\cos\big((w_i\pm w_j)^\top a\big) = {}_1F_1\!\big(d;\tfrac d2;-\tfrac{\|a\|^2}{2}\big)
+  $$
 
-      E\, e^{(w_i\pm w_j)^\top a} = {}_1F_1\!\big(d;\tfrac d2;\tfrac{\|a\|^2}{2}\big),\qquad
-      E\cos\big((w_i\pm w_j)^\top a\big) = {}_1F_1\!\big(d;\tfrac d2;-\tfrac{\|a\|^2}{2}\big)
-
-  [DERIVED; ``estimators.md`` §3d, MC ✓]. Since :math:`w_i` and :math:`-w_j` are also an
-  orthogonal pair, :math:`E\cosh(w_i^\top z)\cosh(w_j^\top z) = {}_1F_1(d;\tfrac d2;\tfrac t2)`
+  [DERIVED; ``estimators.md`` §3d, MC ✓]. Since $w_i$ and $-w_j$ are also an
+  orthogonal pair, $E\cosh(w_i^\top z)\cosh(w_j^\top z) = {}_1F_1(d;\tfrac d2;\tfrac t2)$
   — the hyperbolic pair moment equals the positive one — and the random phases of the offset
-  variant average out of :math:`E X_iX_j`, leaving the sin/cos pair moment.
-* Fixed-norm ORF (rows of norm :math:`\sqrt d`, Yu's ORF′ / Performer's SMREG):
-  :math:`E e^{w^\top a} = {}_0F_1(;\tfrac d2;\tfrac{d\|a\|^2}{4})` and
-  :math:`\|w_i \pm w_j\|^2 = 2d`, so :math:`E e^{(w_i\pm w_j)^\top a} = {}_0F_1(;\tfrac d2;
-  \tfrac{d\|a\|^2}{2})` (:math:`a \to ia` for cosines, a normalised Bessel function) [DERIVED,
+  variant average out of $E X_iX_j$, leaving the sin/cos pair moment.
+* Fixed-norm ORF (rows of norm $\sqrt d$, Yu's ORF′ / Performer's SMREG):
+  $E e^{w^\top a} = {}_0F_1(;\tfrac d2;\tfrac{d\|a\|^2}{4})$ and
+  $\|w_i \pm w_j\|^2 = 2d$, so $E e^{(w_i\pm w_j)^\top a} = {}_0F_1(;\tfrac d2;
+  \tfrac{d\|a\|^2}{2})$ ($a \to ia$ for cosines, a normalised Bessel function) [DERIVED,
   MC ✓]. The estimator is biased: it estimates SMREG (positive/hyperbolic,
   :func:`smreg_kernel`) or a Bessel kernel (trig, :func:`fixed_norm_trig_kernel`).
 
-Numerics. Every quantity is computed in float64 from a log-scale and an :math:`O(1)` bracket, so
-the result is ``inf`` only where the true value overflows float64. :math:`s` and :math:`t` are
-recomputed from the coordinates where :math:`x\approx\pm y` (no cancellation), the ORF pair
-excesses :math:`{}_1F_1(d;\tfrac d2;z) - e^{2z}` are summed as series where they would cancel,
-and :math:`{}_0F_1` uses the Bessel forms (``scipy.special.ive``/``jv``) with a series or an
+Numerics. Every quantity is computed in float64 from a log-scale and an $O(1)$ bracket, so
+the result is ``inf`` only where the true value overflows float64. $s$ and $t$ are
+recomputed from the coordinates where $x\approx\pm y$ (no cancellation), the ORF pair
+excesses ${}_1F_1(d;\tfrac d2;z) - e^{2z}$ are summed as series where they would cancel,
+and ${}_0F_1$ uses the Bessel forms (``scipy.special.ive``/``jv``) with a series or an
 ``mpmath`` fallback where ``scipy.special.hyp0f1`` is inaccurate (large ``d``, negative
 argument). ``scipy.special.hyp1f1(d, d/2, z)`` was checked against mpmath to 1e-11 relative for
-``d`` up to 1024 and :math:`-3000 \le z \le 600` (``tests/test_theory_moments.py``).
+``d`` up to 1024 and $-3000 \le z \le 600$ (``tests/test_theory_moments.py``).
 
 Inputs and outputs. ``q`` of shape ``(..., n, d)`` and ``k`` of shape ``(..., m, d)`` (NumPy
 arrays or torch tensors; leading dimensions broadcast) give ``(..., n, m)`` arrays, like
@@ -240,12 +240,12 @@ def _check_orthogonal(orthogonal: object) -> str | None:
 
 
 def orf_pair_count(num_features: int, dim: int) -> int:
-    r"""Number :math:`P` of ordered pairs :math:`(i \ne j)` of rows in the same orthogonal block.
+    r"""Number $P$ of ordered pairs $(i \ne j)$ of rows in the same orthogonal block.
 
     ``r = num_features`` rows in ``ceil(r/d)`` blocks of ``d`` rows, the last keeping
-    ``r' = r - b d`` rows (``b = r // d``): :math:`P = b\,d(d-1) + r'(r'-1)` [DERIVED]. The
-    covariance term of an ORF estimator carries the factor :math:`P/r^2`, which is
-    :math:`(r-1)/r` for a single block (Performer's :math:`\frac{m-1}{m}`).
+    ``r' = r - b d`` rows (``b = r // d``): $P = b\,d(d-1) + r'(r'-1)$ [DERIVED]. The
+    covariance term of an ORF estimator carries the factor $P/r^2$, which is
+    $(r-1)/r$ for a single block (Performer's $\frac{m-1}{m}$).
 
     Parameters
     ----------
@@ -277,11 +277,11 @@ _SERIES_TERMS = 220
 
 
 def _pair_excess(d: int, z: np.ndarray) -> np.ndarray:
-    r""":math:`{}_1F_1(d;\tfrac d2;z) - e^{2z}` elementwise (float64).
+    r"""${}_1F_1(d;\tfrac d2;z) - e^{2z}$ elementwise (float64).
 
-    This is :math:`E e^{(w_i+w_j)^\top a} - E_{\rm iid}[\cdot]` at :math:`z = \|a\|^2/2` (or the
-    cosine version at :math:`z=-\|a\|^2/2`). Series :math:`\sum_{k\ge2} c_k z^k/k!` with
-    :math:`c_k = (d)_k/(d/2)_k - 2^k \le 0` where it would cancel (``|z| <= 1``) and for
+    This is $E e^{(w_i+w_j)^\top a} - E_{\rm iid}[\cdot]$ at $z = \|a\|^2/2$ (or the
+    cosine version at $z=-\|a\|^2/2$). Series $\sum_{k\ge2} c_k z^k/k!$ with
+    $c_k = (d)_k/(d/2)_k - 2^k \le 0$ where it would cancel (``|z| <= 1``) and for
     ``0 < z <= 35`` (all terms of one sign: stable); ``hyp1f1(d, d/2, z) - exp(2z)`` elsewhere.
     """
     z = np.asarray(z, dtype=np.float64)
@@ -312,10 +312,10 @@ def _pair_excess(d: int, z: np.ndarray) -> np.ndarray:
 
 
 def _log_hyp0f1_pos(b: float, x: np.ndarray) -> np.ndarray:
-    r""":math:`\log {}_0F_1(;b;x)` for ``x >= 0`` without overflow.
+    r"""$\log {}_0F_1(;b;x)$ for ``x >= 0`` without overflow.
 
-    ``log(hyp0f1)`` where finite; else :math:`\log\Gamma(b) + \tfrac{1-b}{2}\log x +
-    \log I_{b-1}^{(e)}(2\sqrt x) + 2\sqrt x` with the exponentially scaled Bessel ``ive``.
+    ``log(hyp0f1)`` where finite; else $\log\Gamma(b) + \tfrac{1-b}{2}\log x +
+    \log I_{b-1}^{(e)}(2\sqrt x) + 2\sqrt x$ with the exponentially scaled Bessel ``ive``.
     """
     x = np.asarray(x, dtype=np.float64)
     out = np.zeros_like(x)
@@ -339,11 +339,11 @@ def _log_hyp0f1_pos(b: float, x: np.ndarray) -> np.ndarray:
 
 
 def _hyp0f1_neg(b: float, x: np.ndarray) -> np.ndarray:
-    r""":math:`{}_0F_1(;b;x)` for ``x <= 0`` (bounded by 1 in absolute value).
+    r"""${}_0F_1(;b;x)$ for ``x <= 0`` (bounded by 1 in absolute value).
 
     ``scipy.special.hyp0f1`` returns nan/inf for large ``b`` here, so: the power series where it is
     free of cancellation (``|x| <= 3.45 b``: at most ~3 digits lost), else
-    :math:`\Gamma(b)\,y^{(1-b)/2} J_{b-1}(2\sqrt y)` (``y=-x``) where ``jv`` does not underflow,
+    $\Gamma(b)\,y^{(1-b)/2} J_{b-1}(2\sqrt y)$ (``y=-x``) where ``jv`` does not underflow,
     else ``mpmath.hyp0f1``.
     """
     x = np.asarray(x, dtype=np.float64)
@@ -420,7 +420,7 @@ def _log_pos(scale_log: np.ndarray, bracket: np.ndarray) -> np.ndarray:
 
 
 def _exp_family(geo: _Geometry, orthogonal: str | None, hyperbolic: bool) -> Components:
-    r"""Positive (:math:`X = \Lambda e^{w^\top z}`) and hyperbolic (:math:`X = \Lambda\cosh w^\top z`)
+    r"""Positive ($X = \Lambda e^{w^\top z}$) and hyperbolic ($X = \Lambda\cosh w^\top z$)
     features: they share the mean, the ORF pair moment and the fixed-norm machinery."""
     d, s, t = geo.d, geo.s, geo.t
     cv = np.zeros_like(s)
@@ -460,8 +460,8 @@ def _exp_family(geo: _Geometry, orthogonal: str | None, hyperbolic: bool) -> Com
 
 
 def _trig_family(geo: _Geometry, orthogonal: str | None, offset: bool) -> Components:
-    r"""Trigonometric features, sin/cos (:math:`X = C\cos w^\top\Delta`) or offset
-    (:math:`X = 2C\cos(w^\top x + b)\cos(w^\top y + b)`: the random phase adds 1/2 to the
+    r"""Trigonometric features, sin/cos ($X = C\cos w^\top\Delta$) or offset
+    ($X = 2C\cos(w^\top x + b)\cos(w^\top y + b)$: the random phase adds 1/2 to the
     per-projection second moment and averages out of the ORF pair moment)."""
     d, s, t = geo.d, geo.s, geo.t
     cv = np.zeros_like(s)
@@ -610,7 +610,7 @@ def estimator_moments(
     orthogonal: str | None = None,
     **params: Any,
 ) -> Moments:
-    r"""Bias, variance and MSE of every entry of a random-feature estimate of :math:`e^{q^\top k}`.
+    r"""Bias, variance and MSE of every entry of a random-feature estimate of $e^{q^\top k}$.
 
     See the module docstring for the formulas; the per-estimator functions
     (:func:`positive_mse`, ...) document each one.
@@ -627,7 +627,7 @@ def estimator_moments(
         ``r``, the number of random projections.
     orthogonal : {None, "chi", "fixed", "simplex"}, default None
         ``None``: iid Gaussian rows; ``"chi"``: block-orthogonal rows with χ norms;
-        ``"fixed"``: block-orthogonal rows of norm :math:`\sqrt d`; ``"simplex"``: simplex blocks
+        ``"fixed"``: block-orthogonal rows of norm $\sqrt d$; ``"simplex"``: simplex blocks
         (SimRF, :mod:`kernelapprox.theory.simplex`).
     **params
         Parameters of a parametric estimator's closed form (e.g. ``A=`` for ``"oprf"``).
@@ -662,22 +662,22 @@ def _mse_of(kind: Any, q: Any, k: Any, num_features: int, orthogonal: str | None
 def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
     r"""MSE of ``TrigRF(variant="sincos")``: ``r`` projections, ``2r`` feature coordinates.
 
-    .. math::
+    $$
+    \mathrm{MSE} = \frac{e^{\|x\|^2+\|y\|^2}}{2r}\big(1-e^{-s}\big)^2
+    + \frac{P}{r^2}\,e^{\|x\|^2+\|y\|^2}\Big[{}_1F_1\big(d;\tfrac d2;-\tfrac s2\big) - e^{-s}\Big]
+    $$
 
-        \mathrm{MSE} = \frac{e^{\|x\|^2+\|y\|^2}}{2r}\big(1-e^{-s}\big)^2
-        + \frac{P}{r^2}\,e^{\|x\|^2+\|y\|^2}\Big[{}_1F_1\big(d;\tfrac d2;-\tfrac s2\big) - e^{-s}\Big]
-
-    with :math:`s = \|x-y\|^2` and :math:`P` = :func:`orf_pair_count` (0 for iid rows).
+    with $s = \|x-y\|^2$ and $P$ = :func:`orf_pair_count` (0 for iid rows).
 
     * iid (``orthogonal=None``): Performer Lemma 2, eq. (8) [SOURCE]; Yu et al. Lemma 1.
     * ``"chi"``: exact χ-norm ORF closed form, several blocks and a partial last block [DERIVED,
-      MC ✓]. For large :math:`s` the ORF term is *positive* (ORF is worse than iid far from
-      :math:`x=y`, since :math:`{}_1F_1(d;\tfrac d2;-\tfrac s2)` decays only like
-      :math:`e^{-s/2}\mathrm{poly}(s)` or :math:`s^{-d}`).
-    * ``"fixed"``: rows of norm :math:`\sqrt d`; biased (mean
-      :math:`C\,{}_0F_1(;\tfrac d2;-\tfrac{ds}4)`, :func:`fixed_norm_trig_kernel`); MSE =
-      bias² + :math:`\frac{C^2}{r}\big[\tfrac{1+F(-ds)}2-F(-\tfrac{ds}4)^2\big]
-      +\frac{P}{r^2}C^2\big[F(-\tfrac{ds}2)-F(-\tfrac{ds}4)^2\big]`, :math:`F={}_0F_1(;\tfrac d2;\cdot)`
+      MC ✓]. For large $s$ the ORF term is *positive* (ORF is worse than iid far from
+      $x=y$, since ${}_1F_1(d;\tfrac d2;-\tfrac s2)$ decays only like
+      $e^{-s/2}\mathrm{poly}(s)$ or $s^{-d}$).
+    * ``"fixed"``: rows of norm $\sqrt d$; biased (mean
+      $C\,{}_0F_1(;\tfrac d2;-\tfrac{ds}4)$, :func:`fixed_norm_trig_kernel`); MSE =
+      bias² + $\frac{C^2}{r}\big[\tfrac{1+F(-ds)}2-F(-\tfrac{ds}4)^2\big]
+      +\frac{P}{r^2}C^2\big[F(-\tfrac{ds}2)-F(-\tfrac{ds}4)^2\big]$, $F={}_0F_1(;\tfrac d2;\cdot)$
       [DERIVED, MC ✓].
 
     Parameters
@@ -685,7 +685,7 @@ def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
     num_features : int
-        ``r``, the number of projections :math:`w_1..w_r`.
+        ``r``, the number of projections $w_1..w_r$.
     orthogonal : {None, "chi", "fixed", "simplex"}, default None
 
     Returns
@@ -708,18 +708,18 @@ def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
 def trig_offset_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
     r"""MSE of ``TrigRF(variant="offset")``: ``r`` projections, ``r`` feature coordinates.
 
-    .. math::
+    $$
+    \mathrm{MSE} = \frac{e^{\|x\|^2+\|y\|^2}}{r}\Big[1+\tfrac12e^{-2s}-e^{-s}\Big]
+    + \frac{P}{r^2}\,e^{\|x\|^2+\|y\|^2}\Big[{}_1F_1\big(d;\tfrac d2;-\tfrac s2\big) - e^{-s}\Big]
+    $$
 
-        \mathrm{MSE} = \frac{e^{\|x\|^2+\|y\|^2}}{r}\Big[1+\tfrac12e^{-2s}-e^{-s}\Big]
-        + \frac{P}{r^2}\,e^{\|x\|^2+\|y\|^2}\Big[{}_1F_1\big(d;\tfrac d2;-\tfrac s2\big) - e^{-s}\Big]
-
-    * iid: the Sutherland–Schneider variance of the :math:`\breve z` features transported to SM
+    * iid: the Sutherland–Schneider variance of the $\breve z$ features transported to SM
       (``estimators.md`` §1b) [DERIVED, MC ✓]. It exceeds the sin/cos MSE at equal ``r`` by
-      :math:`\frac{C^2}{2r}` — never zero, even at ``x = y``.
-    * ``"chi"``: the phases :math:`b_i` are independent, so
-      :math:`E X_iX_j = C^2 E\cos(w_i^\top\Delta)\cos(w_j^\top\Delta)`: the same pair term as
+      $\frac{C^2}{2r}$ — never zero, even at ``x = y``.
+    * ``"chi"``: the phases $b_i$ are independent, so
+      $E X_iX_j = C^2 E\cos(w_i^\top\Delta)\cos(w_j^\top\Delta)$: the same pair term as
       sin/cos [DERIVED, MC ✓].
-    * ``"fixed"``: as for sin/cos with :math:`m_2 = C^2[1+\tfrac12 F(-ds)]` [DERIVED, MC ✓].
+    * ``"fixed"``: as for sin/cos with $m_2 = C^2[1+\tfrac12 F(-ds)]$ [DERIVED, MC ✓].
 
     Parameters
     ----------
@@ -748,23 +748,23 @@ def trig_offset_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
 def positive_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
     r"""MSE of ``PositiveRF`` (FAVOR+): ``r`` projections, ``r`` feature coordinates.
 
-    .. math::
+    $$
+    \mathrm{MSE} = \frac{\Lambda^2}{r}\big(e^{2t}-e^{t}\big)
+    + \frac{P}{r^2}\,\Lambda^2\Big[{}_1F_1\big(d;\tfrac d2;\tfrac t2\big) - e^{t}\Big],
+    \qquad \Lambda = e^{-(\|x\|^2+\|y\|^2)/2},\ t = \|x+y\|^2 .
+    $$
 
-        \mathrm{MSE} = \frac{\Lambda^2}{r}\big(e^{2t}-e^{t}\big)
-        + \frac{P}{r^2}\,\Lambda^2\Big[{}_1F_1\big(d;\tfrac d2;\tfrac t2\big) - e^{t}\Big],
-        \qquad \Lambda = e^{-(\|x\|^2+\|y\|^2)/2},\ t = \|x+y\|^2 .
-
-    * iid: Performer Lemma 2, eq. (8): :math:`\frac1r e^{\|x+y\|^2}\mathrm{SM}^2(1-e^{-\|x+y\|^2})`
-      [SOURCE]. Relative MSE :math:`(e^t-1)/r`.
-    * ``"chi"``: exact χ-norm ORF [DERIVED, MC ✓]; the pair term is :math:`\le 0` (ORF always
+    * iid: Performer Lemma 2, eq. (8): $\frac1r e^{\|x+y\|^2}\mathrm{SM}^2(1-e^{-\|x+y\|^2})$
+      [SOURCE]. Relative MSE $(e^t-1)/r$.
+    * ``"chi"``: exact χ-norm ORF [DERIVED, MC ✓]; the pair term is $\le 0$ (ORF always
       helps), consistent with Performer Theorem 2 (:func:`performer_theorem2_bound`).
     * ``"fixed"``: estimates SMREG (:func:`smreg_kernel`); bias
-      :math:`\Lambda\,{}_0F_1(;\tfrac d2;\tfrac{dt}4) - \mathrm{SM}`, variance
-      :math:`\frac{\Lambda^2}{r}[F(dt) - F(\tfrac{dt}4)^2] + \frac{P}{r^2}\Lambda^2[F(\tfrac{dt}2) -
-      F(\tfrac{dt}4)^2]` [DERIVED, MC ✓].
+      $\Lambda\,{}_0F_1(;\tfrac d2;\tfrac{dt}4) - \mathrm{SM}$, variance
+      $\frac{\Lambda^2}{r}[F(dt) - F(\tfrac{dt}4)^2] + \frac{P}{r^2}\Lambda^2[F(\tfrac{dt}2) -
+      F(\tfrac{dt}4)^2]$ [DERIVED, MC ✓].
 
-    The per-projection term :math:`\Lambda e^{w^\top z}` is log-normal: heavy right tail, so
-    Monte Carlo estimates of this MSE converge slowly at large :math:`t`.
+    The per-projection term $\Lambda e^{w^\top z}$ is log-normal: heavy right tail, so
+    Monte Carlo estimates of this MSE converge slowly at large $t$.
 
     Parameters
     ----------
@@ -794,17 +794,17 @@ def positive_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = 
 def hyperbolic_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
     r"""MSE of ``HyperbolicRF``: ``r`` projections, ``2r`` feature coordinates.
 
-    .. math::
+    $$
+    \mathrm{MSE} = \frac{\Lambda^2}{2r}\big(e^{t}-1\big)^2
+    + \frac{P}{r^2}\,\Lambda^2\Big[{}_1F_1\big(d;\tfrac d2;\tfrac t2\big) - e^{t}\Big]
+    $$
 
-        \mathrm{MSE} = \frac{\Lambda^2}{2r}\big(e^{t}-1\big)^2
-        + \frac{P}{r^2}\,\Lambda^2\Big[{}_1F_1\big(d;\tfrac d2;\tfrac t2\big) - e^{t}\Big]
-
-    * iid: Performer Lemma 2: :math:`\tfrac12(1-e^{-t})` times the positive MSE [SOURCE].
-    * ``"chi"``: :math:`\cosh a\cosh b = \tfrac12[\cosh(a+b)+\cosh(a-b)]` and
-      :math:`w_i - w_j \stackrel d= w_i + w_j` for an orthogonal pair, so the pair moment is the
-      positive one, :math:`\Lambda^2{}_1F_1(d;\tfrac d2;\tfrac t2)` [DERIVED, MC ✓].
-    * ``"fixed"``: mean SMREG, :math:`m_2 = \Lambda^2\,\tfrac{1+F(dt)}2`, pair moment
-      :math:`\Lambda^2F(\tfrac{dt}2)` [DERIVED, MC ✓].
+    * iid: Performer Lemma 2: $\tfrac12(1-e^{-t})$ times the positive MSE [SOURCE].
+    * ``"chi"``: $\cosh a\cosh b = \tfrac12[\cosh(a+b)+\cosh(a-b)]$ and
+      $w_i - w_j \stackrel d= w_i + w_j$ for an orthogonal pair, so the pair moment is the
+      positive one, $\Lambda^2{}_1F_1(d;\tfrac d2;\tfrac t2)$ [DERIVED, MC ✓].
+    * ``"fixed"``: mean SMREG, $m_2 = \Lambda^2\,\tfrac{1+F(dt)}2$, pair moment
+      $\Lambda^2F(\tfrac{dt}2)$ [DERIVED, MC ✓].
 
     Parameters
     ----------
@@ -838,10 +838,10 @@ def _bias_of(kind: Any, q: Any, k: Any, orthogonal: str | None) -> Any:
 
 
 def trig_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
-    r"""Bias :math:`E\hat K - e^{q^\top k}` of ``TrigRF`` (both variants); independent of ``r``.
+    r"""Bias $E\hat K - e^{q^\top k}$ of ``TrigRF`` (both variants); independent of ``r``.
 
     Zero for iid and χ-norm ORF rows; for fixed-norm ORF
-    :math:`C\big({}_0F_1(;\tfrac d2;-\tfrac{ds}4) - e^{-s/2}\big)` [DERIVED, MC ✓]
+    $C\big({}_0F_1(;\tfrac d2;-\tfrac{ds}4) - e^{-s/2}\big)$ [DERIVED, MC ✓]
     (:func:`fixed_norm_trig_kernel` minus SM).
 
     Parameters
@@ -867,8 +867,8 @@ def trig_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
 def positive_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
     r"""Bias of ``PositiveRF``; independent of ``r``: zero unless ``orthogonal="fixed"``.
 
-    Fixed-norm ORF estimates SMREG: bias :math:`\Lambda\,{}_0F_1(;\tfrac d2;\tfrac{dt}4) -
-    e^{x^\top y} \le 0` (Performer Theorem 1: SMREG ≤ SM for :math:`d\ge2`) [DERIVED, MC ✓].
+    Fixed-norm ORF estimates SMREG: bias $\Lambda\,{}_0F_1(;\tfrac d2;\tfrac{dt}4) -
+    e^{x^\top y} \le 0$ (Performer Theorem 1: SMREG ≤ SM for $d\ge2$) [DERIVED, MC ✓].
 
     Parameters
     ----------
@@ -891,7 +891,7 @@ def positive_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
 
 
 def hyperbolic_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
-    r"""Bias of ``HyperbolicRF``: the same as :func:`positive_bias` (:math:`\cosh` is even).
+    r"""Bias of ``HyperbolicRF``: the same as :func:`positive_bias` ($\cosh$ is even).
 
     Parameters
     ----------
@@ -914,15 +914,15 @@ def hyperbolic_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
 
 
 def smreg_kernel(q: Any, k: Any) -> Any:
-    r"""The regularised softmax kernel SMREG estimated by fixed-norm (:math:`\sqrt d`) ORF positive features.
+    r"""The regularised softmax kernel SMREG estimated by fixed-norm ($\sqrt d$) ORF positive features.
 
-    .. math::
+    $$
+    \mathrm{SMREG}(x,y) = \Lambda\sum_k\frac{(t/2)^k}{k!}\frac{d^k}{d(d+2)\cdots(d+2k-2)}
+    = e^{-(\|x\|^2+\|y\|^2)/2}\;{}_0F_1\!\big(;\tfrac d2;\tfrac{d\,\|x+y\|^2}{4}\big)
+    $$
 
-        \mathrm{SMREG}(x,y) = \Lambda\sum_k\frac{(t/2)^k}{k!}\frac{d^k}{d(d+2)\cdots(d+2k-2)}
-        = e^{-(\|x\|^2+\|y\|^2)/2}\;{}_0F_1\!\big(;\tfrac d2;\tfrac{d\,\|x+y\|^2}{4}\big)
-
-    The series is Performer §2.3 / eqs. (21)–(29) [SOURCE]; the :math:`{}_0F_1` closed form is
-    [DERIVED, MC ✓] (it is :math:`E e^{\sqrt d\,u^\top z}` for :math:`u` uniform on the sphere).
+    The series is Performer §2.3 / eqs. (21)–(29) [SOURCE]; the ${}_0F_1$ closed form is
+    [DERIVED, MC ✓] (it is $E e^{\sqrt d\,u^\top z}$ for $u$ uniform on the sphere).
 
     Parameters
     ----------
@@ -951,15 +951,15 @@ def smreg_kernel(q: Any, k: Any) -> Any:
 
 
 def fixed_norm_trig_kernel(q: Any, k: Any) -> Any:
-    r"""The kernel estimated by trig features with fixed-norm (:math:`\sqrt d`) ORF rows.
+    r"""The kernel estimated by trig features with fixed-norm ($\sqrt d$) ORF rows.
 
-    .. math::
+    $$
+    E\hat K = e^{(\|x\|^2+\|y\|^2)/2}\;{}_0F_1\!\big(;\tfrac d2;-\tfrac{d\,\|x-y\|^2}{4}\big)
+    = e^{(\|x\|^2+\|y\|^2)/2}\;\Gamma(\tfrac d2)\Big(\tfrac{\sqrt d\,\|x-y\|}{2}\Big)^{1-d/2}
+    J_{d/2-1}(\sqrt d\,\|x-y\|)
+    $$
 
-        E\hat K = e^{(\|x\|^2+\|y\|^2)/2}\;{}_0F_1\!\big(;\tfrac d2;-\tfrac{d\,\|x-y\|^2}{4}\big)
-        = e^{(\|x\|^2+\|y\|^2)/2}\;\Gamma(\tfrac d2)\Big(\tfrac{\sqrt d\,\|x-y\|}{2}\Big)^{1-d/2}
-        J_{d/2-1}(\sqrt d\,\|x-y\|)
-
-    a Bessel kernel instead of :math:`e^{(\|x\|^2+\|y\|^2)/2}e^{-\|x-y\|^2/2}` [DERIVED, MC ✓;
+    a Bessel kernel instead of $e^{(\|x\|^2+\|y\|^2)/2}e^{-\|x-y\|^2/2}$ [DERIVED, MC ✓;
     consistent with the abstract of Demni & Kadri, arXiv:2310.07370].
 
     Parameters
@@ -988,12 +988,12 @@ def fixed_norm_trig_kernel(q: Any, k: Any) -> Any:
 def performer_theorem2_bound(q: Any, k: Any, num_features: int) -> Any:
     r"""Performer Theorem 2 upper bound on the MSE of positive features with (χ-norm) ORF.
 
-    .. math::
+    $$
+    \mathrm{MSE}(\widehat{\mathrm{SM}}^{\rm ort+}_m) \le \mathrm{MSE}(\widehat{\mathrm{SM}}^{+}_m)
+    - \frac{2(m-1)}{m(d+2)}\Big(\mathrm{SM}(x,y) - e^{-\frac{\|x\|^2+\|y\|^2}{2}}\Big)^2
+    $$
 
-        \mathrm{MSE}(\widehat{\mathrm{SM}}^{\rm ort+}_m) \le \mathrm{MSE}(\widehat{\mathrm{SM}}^{+}_m)
-        - \frac{2(m-1)}{m(d+2)}\Big(\mathrm{SM}(x,y) - e^{-\frac{\|x\|^2+\|y\|^2}{2}}\Big)^2
-
-    stated for :math:`m \le d` [SOURCE: arXiv:2009.14794, Theorem 2, eq. (10)]. Compare with the
+    stated for $m \le d$ [SOURCE: arXiv:2009.14794, Theorem 2, eq. (10)]. Compare with the
     exact value ``positive_mse(q, k, m, orthogonal="chi")``.
 
     Parameters
@@ -1078,7 +1078,7 @@ def feature_map_kind(fm: Any) -> tuple[str, str | None]:
 
 
 def deterministic_error(fm: Any, q: Any, k: Any) -> Any:
-    r"""Error :math:`\varphi(q)^\top\varphi(k) - e^{q^\top k}` of a deterministic map (elu+1, ReLU, ...).
+    r"""Error $\varphi(q)^\top\varphi(k) - e^{q^\top k}$ of a deterministic map (elu+1, ReLU, ...).
 
     These maps are not random: the error is a pure bias (variance 0), computed in float64 from
     ``fm.kernel`` (log domain) and the exact kernel.
@@ -1139,7 +1139,7 @@ def _dispatch(fm: Any, q: Any, k: Any, what: str) -> Any:
 
 
 def bias(fm: Any, q: Any, k: Any) -> Any:
-    r"""Bias :math:`E\hat K - e^{q^\top k}` of every entry of ``fm.kernel(q, k)``.
+    r"""Bias $E\hat K - e^{q^\top k}$ of every entry of ``fm.kernel(q, k)``.
 
     Zero for iid and χ-norm ORF random maps; :func:`positive_bias` / :func:`trig_bias` for
     fixed-norm ORF; :func:`deterministic_error` for elu/relu.
@@ -1206,7 +1206,7 @@ def variance(fm: Any, q: Any, k: Any) -> Any:
 
 
 def mse(fm: Any, q: Any, k: Any) -> Any:
-    r"""Mean squared error :math:`E(\hat K - e^{q^\top k})^2 = \mathrm{bias}^2 + \mathrm{Var}` of every entry.
+    r"""Mean squared error $E(\hat K - e^{q^\top k})^2 = \mathrm{bias}^2 + \mathrm{Var}$ of every entry.
 
     Parameters
     ----------
@@ -1235,9 +1235,9 @@ def mse(fm: Any, q: Any, k: Any) -> Any:
 
 
 def relative_mse(fm: Any, q: Any, k: Any) -> Any:
-    r"""Relative MSE :math:`\mathrm{MSE}/e^{2q^\top k}` of every entry (computed in the log domain).
+    r"""Relative MSE $\mathrm{MSE}/e^{2q^\top k}$ of every entry (computed in the log domain).
 
-    For iid positive features this is :math:`(e^{\|q+k\|^2}-1)/r` (Performer Lemma 2).
+    For iid positive features this is $(e^{\|q+k\|^2}-1)/r$ (Performer Lemma 2).
 
     Parameters
     ----------

@@ -1,62 +1,62 @@
 r"""Exact pair moments and MSE of simplex random features (SimRF).
 
 A SimRF block (:class:`kernelapprox.samplers.SimplexSampler`) has rows
-:math:`w_i = \rho_i R^\top s_i`, :math:`i = 1..d`, with :math:`s_i` the unit vertices of a regular
-simplex (:math:`s_i^\top s_j = c = -\tfrac1{d-1}` for :math:`i \ne j`), :math:`R` Haar-orthogonal and
-:math:`\rho_i` iid :math:`\chi_d`. Each row is :math:`\mathcal N(0, I_d)`, so the per-projection mean
+$w_i = \rho_i R^\top s_i$, $i = 1..d$, with $s_i$ the unit vertices of a regular
+simplex ($s_i^\top s_j = c = -\tfrac1{d-1}$ for $i \ne j$), $R$ Haar-orthogonal and
+$\rho_i$ iid $\chi_d$. Each row is $\mathcal N(0, I_d)$, so the per-projection mean
 and second moment are the iid ones (:mod:`kernelapprox.theory.moments`); only the covariance of two
 rows of one block changes, and every such pair has the same law.
 
-The pair moment [DERIVED, MC ✓]. For :math:`a = \rho_i`, :math:`b = \rho_j` and
-:math:`\sigma = \pm 1`, :math:`w_i + \sigma w_j = R^\top(a s_i + \sigma b s_j)` is a vector of
-squared norm :math:`\rho_\sigma^2 = a^2 + b^2 + 2\sigma c\,ab` in a uniform direction independent
-of :math:`(a, b)`, and :math:`E_u e^{\rho u^\top z} = {}_0F_1(;\tfrac d2;\rho^2\|z\|^2/4)` for
-:math:`u` uniform on :math:`S^{d-1}`, so
+The pair moment [DERIVED, MC ✓]. For $a = \rho_i$, $b = \rho_j$ and
+$\sigma = \pm 1$, $w_i + \sigma w_j = R^\top(a s_i + \sigma b s_j)$ is a vector of
+squared norm $\rho_\sigma^2 = a^2 + b^2 + 2\sigma c\,ab$ in a uniform direction independent
+of $(a, b)$, and $E_u e^{\rho u^\top z} = {}_0F_1(;\tfrac d2;\rho^2\|z\|^2/4)$ for
+$u$ uniform on $S^{d-1}$, so
 
-.. math::
+$$
+E\,e^{(w_i + \sigma w_j)^\top z} = E_{a,b}\,{}_0F_1\!\big(;\tfrac d2;\tfrac t4\rho_\sigma^2\big),
+\qquad t = \|z\|^2 .
+$$
 
-    E\,e^{(w_i + \sigma w_j)^\top z} = E_{a,b}\,{}_0F_1\!\big(;\tfrac d2;\tfrac t4\rho_\sigma^2\big),
-    \qquad t = \|z\|^2 .
+Write $a = \varrho\cos\theta$, $b = \varrho\sin\theta$: the joint density
+$\propto (ab)^{d-1}e^{-(a^2+b^2)/2}$ factorises, $\varrho^2 \sim \chi^2_{2d}$ is
+independent of $\theta$, and $\rho_\sigma^2 = \varrho^2(1 + \sigma c\,v)$ with
+$v = \sin 2\theta$, $v^2 \sim \mathrm{Beta}(\tfrac d2, \tfrac12)$ (density of
+$\phi = 2\theta$ on $[0, \pi]$ proportional to $\sin^{d-1}\phi$). Averaging
+${}_0F_1$ over $\varrho^2$ term by term ($E\varrho^{2k} = 2^k(d)_k$) gives
 
-Write :math:`a = \varrho\cos\theta`, :math:`b = \varrho\sin\theta`: the joint density
-:math:`\propto (ab)^{d-1}e^{-(a^2+b^2)/2}` factorises, :math:`\varrho^2 \sim \chi^2_{2d}` is
-independent of :math:`\theta`, and :math:`\rho_\sigma^2 = \varrho^2(1 + \sigma c\,v)` with
-:math:`v = \sin 2\theta`, :math:`v^2 \sim \mathrm{Beta}(\tfrac d2, \tfrac12)` (density of
-:math:`\phi = 2\theta` on :math:`[0, \pi]` proportional to :math:`\sin^{d-1}\phi`). Averaging
-:math:`{}_0F_1` over :math:`\varrho^2` term by term (:math:`E\varrho^{2k} = 2^k(d)_k`) gives
+$$
+E\,e^{(w_i + \sigma w_j)^\top z} = E_v\,{}_1F_1\!\big(d;\tfrac d2;\tfrac t2(1 + \sigma c\,v)\big),
+$$
 
-.. math::
+a one-dimensional average (ORF is $c = 0$: ${}_1F_1(d;\tfrac d2;\tfrac t2)$). The
+cosine moments are the same with $t \to -s$, $s = \|\Delta\|^2$:
+$E\cos((w_i + \sigma w_j)^\top\Delta) = E_v\,{}_1F_1(d;\tfrac d2;-\tfrac s2(1+\sigma c v))$.
+Unlike ORF, $w_i - w_j$ and $w_i + w_j$ do *not* have the same law (angles
+$\mp c$), which matters for hyperbolic and trigonometric features:
+$\cosh\alpha\cosh\beta = \tfrac12[\cosh(\alpha+\beta) + \cosh(\alpha-\beta)]$ and
+$\cos\alpha\cos\beta = \tfrac12[\cos(\alpha+\beta)+\cos(\alpha-\beta)]$ bring in both signs.
 
-    E\,e^{(w_i + \sigma w_j)^\top z} = E_v\,{}_1F_1\!\big(d;\tfrac d2;\tfrac t2(1 + \sigma c\,v)\big),
-
-a one-dimensional average (ORF is :math:`c = 0`: :math:`{}_1F_1(d;\tfrac d2;\tfrac t2)`). The
-cosine moments are the same with :math:`t \to -s`, :math:`s = \|\Delta\|^2`:
-:math:`E\cos((w_i + \sigma w_j)^\top\Delta) = E_v\,{}_1F_1(d;\tfrac d2;-\tfrac s2(1+\sigma c v))`.
-Unlike ORF, :math:`w_i - w_j` and :math:`w_i + w_j` do *not* have the same law (angles
-:math:`\mp c`), which matters for hyperbolic and trigonometric features:
-:math:`\cosh\alpha\cosh\beta = \tfrac12[\cosh(\alpha+\beta) + \cosh(\alpha-\beta)]` and
-:math:`\cos\alpha\cos\beta = \tfrac12[\cos(\alpha+\beta)+\cos(\alpha-\beta)]` bring in both signs.
-
-Small :math:`t` [DERIVED]. Since :math:`E v = (E\chi_d)^2/d` (from :math:`E[2ab] = E\varrho^2\,E v`),
-the excess :math:`E e^{(w_i+w_j)^\top z} - e^t = c\,t\,(E\chi_d)^2/d + O(t^2)` is *first* order in
-:math:`t` (ORF: second order). With one full block (:math:`r = d`, :math:`P/r^2 = (d-1)/d`) the
-positive-feature MSE is :math:`\Lambda^2 t\,\mathrm{Var}(\chi_d)/d^2 + O(t^2)` against
-:math:`\Lambda^2 t/d + O(t^2)` for ORF and iid rows: :math:`\mathrm{MSE_{SimRF}}/\mathrm{MSE_{ORF}}
-\to \mathrm{Var}(\chi_d)/d`. The ratio of the covariance terms alone diverges like :math:`1/t`. For
+Small $t$ [DERIVED]. Since $E v = (E\chi_d)^2/d$ (from $E[2ab] = E\varrho^2\,E v$),
+the excess $E e^{(w_i+w_j)^\top z} - e^t = c\,t\,(E\chi_d)^2/d + O(t^2)$ is *first* order in
+$t$ (ORF: second order). With one full block ($r = d$, $P/r^2 = (d-1)/d$) the
+positive-feature MSE is $\Lambda^2 t\,\mathrm{Var}(\chi_d)/d^2 + O(t^2)$ against
+$\Lambda^2 t/d + O(t^2)$ for ORF and iid rows: $\mathrm{MSE_{SimRF}}/\mathrm{MSE_{ORF}}
+\to \mathrm{Var}(\chi_d)/d$. The ratio of the covariance terms alone diverges like $1/t$. For
 hyperbolic and trigonometric features the first-order terms of the two signs cancel, and the
 second-order term is *larger* than ORF's: SimRF is worse than ORF there.
 
-Numerics. :math:`E_v` is a 96-node Gauss–Legendre rule in :math:`\phi \in [\phi_0, \pi/2]` with the
-weight :math:`\sin^{d-1}\phi` taken in the log domain and normalised to sum to 1
-(:math:`\phi_0 = \max(0, \pi/2 - \sqrt{100/(d-1)})` drops a mass below :math:`e^{-50}`); the
-integrand is entire in :math:`\phi`. The excess is summed as
-:math:`E_v[{}_1F_1(d;\tfrac d2;\tfrac x2 g) - e^{xg}] + e^{x}E_v[\operatorname{expm1}(\sigma c x v)]`
-(:math:`g = 1+\sigma c v`), each part free of cancellation (the first through the ORF series of
-:func:`kernelapprox.theory.moments._pair_excess`), where :math:`x|c| \le 5`; beyond, where
-:math:`e^{xg}` would dwarf the result, as :math:`E_v{}_1F_1 - e^x` directly (the two then differ
-by a factor :math:`\gtrsim e^{\pm x|c|v}`). Checked against a brute-force two-dimensional
-quadrature over the :math:`\chi_d` densities and against ``mpmath`` (``tests/test_simplex.py``):
-relative error below 1e-12 for :math:`2 \le d \le 1024`, :math:`-10 \le x \le 40`.
+Numerics. $E_v$ is a 96-node Gauss–Legendre rule in $\phi \in [\phi_0, \pi/2]$ with the
+weight $\sin^{d-1}\phi$ taken in the log domain and normalised to sum to 1
+($\phi_0 = \max(0, \pi/2 - \sqrt{100/(d-1)})$ drops a mass below $e^{-50}$); the
+integrand is entire in $\phi$. The excess is summed as
+$E_v[{}_1F_1(d;\tfrac d2;\tfrac x2 g) - e^{xg}] + e^{x}E_v[\operatorname{expm1}(\sigma c x v)]$
+($g = 1+\sigma c v$), each part free of cancellation (the first through the ORF series of
+:func:`kernelapprox.theory.moments._pair_excess`), where $x|c| \le 5$; beyond, where
+$e^{xg}$ would dwarf the result, as $E_v{}_1F_1 - e^x$ directly (the two then differ
+by a factor $\gtrsim e^{\pm x|c|v}$). Checked against a brute-force two-dimensional
+quadrature over the $\chi_d$ densities and against ``mpmath`` (``tests/test_simplex.py``):
+relative error below 1e-12 for $2 \le d \le 1024$, $-10 \le x \le 40$.
 
 Inputs and outputs follow :mod:`kernelapprox.theory.moments`: ``q`` (..., n, d) and ``k``
 (..., m, d), NumPy or torch, give (..., n, m) float64 (a tensor on the input's device for tensor
@@ -126,7 +126,7 @@ def _check_real(name: str, x: object) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _angle_rule(d: int) -> tuple[np.ndarray, np.ndarray]:
-    r"""Nodes :math:`v_k = \sin\phi_k` and weights (sum 1) of :math:`E_v`, :math:`v^2 \sim \mathrm{Beta}(d/2, 1/2)`."""
+    r"""Nodes $v_k = \sin\phi_k$ and weights (sum 1) of $E_v$, $v^2 \sim \mathrm{Beta}(d/2, 1/2)$."""
     x, w = roots_legendre(_NODES)
     lo = max(0.0, 0.5 * np.pi - np.sqrt(100.0 / (d - 1)))
     phi = lo + (0.5 * np.pi - lo) * 0.5 * (x + 1.0)
@@ -140,14 +140,14 @@ def _angle_rule(d: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _excess(d: int, x: np.ndarray, sign: int) -> np.ndarray:
-    r""":math:`E_v\,{}_1F_1(d;\tfrac d2;\tfrac x2(1+\sigma c v)) - e^x` elementwise, ``x`` real (float64).
+    r"""$E_v\,{}_1F_1(d;\tfrac d2;\tfrac x2(1+\sigma c v)) - e^x$ elementwise, ``x`` real (float64).
 
-    Where :math:`x|c| \le 5` or :math:`x \le 0`: :math:`E_v[{}_1F_1(d;\tfrac d2;\tfrac x2 g) - e^{xg}]
-    + E_v[e^{xg} - e^x]`, both parts free of cancellation (the first is the ORF excess series of
-    ``moments._pair_excess``, :math:`O(x^2)`; the second is :math:`e^x\operatorname{expm1}(\sigma c x v)`,
-    :math:`O(x)`). For :math:`x|c| > 5` the terms :math:`e^{xg}` would dwarf the result (up to
-    :math:`e^{x|c|}` times), while :math:`E_v{}_1F_1` and :math:`e^x` differ by a factor
-    :math:`\gtrsim e^{\pm x|c| v}` there: the difference is taken directly.
+    Where $x|c| \le 5$ or $x \le 0$: $E_v[{}_1F_1(d;\tfrac d2;\tfrac x2 g) - e^{xg}]
+    + E_v[e^{xg} - e^x]$, both parts free of cancellation (the first is the ORF excess series of
+    ``moments._pair_excess``, $O(x^2)$; the second is $e^x\operatorname{expm1}(\sigma c x v)$,
+    $O(x)$). For $x|c| > 5$ the terms $e^{xg}$ would dwarf the result (up to
+    $e^{x|c|}$ times), while $E_v{}_1F_1$ and $e^x$ differ by a factor
+    $\gtrsim e^{\pm x|c| v}$ there: the difference is taken directly.
     """
     from .moments import _pair_excess
 
@@ -174,18 +174,18 @@ def _excess(d: int, x: np.ndarray, sign: int) -> np.ndarray:
 
 
 def simplex_pair_excess(d: int, t: Any, sign: int = 1) -> np.ndarray:
-    r"""Excess of the SimRF pair moment over iid rows, :math:`E\,e^{(w_i \pm w_j)^\top z} - e^{t}`.
+    r"""Excess of the SimRF pair moment over iid rows, $E\,e^{(w_i \pm w_j)^\top z} - e^{t}$.
 
-    .. math::
+    $$
+    E_{a,b}\Big[{}_0F_1\big(;\tfrac d2;\tfrac t4\rho_\pm^2\big)\Big] - e^t
+    = E_v\Big[{}_1F_1\big(d;\tfrac d2;\tfrac t2(1 \pm c\,v)\big)\Big] - e^t,
+    $$
 
-        E_{a,b}\Big[{}_0F_1\big(;\tfrac d2;\tfrac t4\rho_\pm^2\big)\Big] - e^t
-        = E_v\Big[{}_1F_1\big(d;\tfrac d2;\tfrac t2(1 \pm c\,v)\big)\Big] - e^t,
-
-    :math:`\rho_\pm^2 = a^2 + b^2 \pm 2abc`, :math:`a, b` iid :math:`\chi_d`, :math:`c = -\tfrac1{d-1}`,
-    :math:`v^2 \sim \mathrm{Beta}(\tfrac d2, \tfrac12)` (module docstring) [DERIVED, MC ✓].
-    ``sign=+1`` is :math:`w_i + w_j` (angle :math:`c`), ``sign=-1`` is :math:`w_i - w_j`
-    (angle :math:`-c`). A negative ``t`` gives the cosine moment:
-    ``simplex_pair_excess(d, -s, sign)`` :math:`= E\cos((w_i \pm w_j)^\top\Delta) - e^{-s}`
+    $\rho_\pm^2 = a^2 + b^2 \pm 2abc$, $a, b$ iid $\chi_d$, $c = -\tfrac1{d-1}$,
+    $v^2 \sim \mathrm{Beta}(\tfrac d2, \tfrac12)$ (module docstring) [DERIVED, MC ✓].
+    ``sign=+1`` is $w_i + w_j$ (angle $c$), ``sign=-1`` is $w_i - w_j$
+    (angle $-c$). A negative ``t`` gives the cosine moment:
+    ``simplex_pair_excess(d, -s, sign)`` $= E\cos((w_i \pm w_j)^\top\Delta) - e^{-s}$
     (:func:`simplex_trig_pair_excess`).
 
     Parameters
@@ -193,8 +193,8 @@ def simplex_pair_excess(d: int, t: Any, sign: int = 1) -> np.ndarray:
     d : int
         Dimension, ``>= 2``.
     t : float or array
-        :math:`\|z\|^2` (any shape); finite, and ``<= 350`` for a finite result (the moment itself
-        exceeds :math:`e^t`, which overflows beyond :math:`t \approx 709`).
+        $\|z\|^2$ (any shape); finite, and ``<= 350`` for a finite result (the moment itself
+        exceeds $e^t$, which overflows beyond $t \approx 709$).
     sign : {+1, -1}, default +1
 
     Returns
@@ -219,14 +219,14 @@ def simplex_pair_excess(d: int, t: Any, sign: int = 1) -> np.ndarray:
 
 
 def simplex_trig_pair_excess(d: int, s: Any, sign: int = 1) -> np.ndarray:
-    r"""Cosine analogue: :math:`E\cos\big((w_i \pm w_j)^\top\Delta\big) - e^{-s}`, :math:`s = \|\Delta\|^2`.
+    r"""Cosine analogue: $E\cos\big((w_i \pm w_j)^\top\Delta\big) - e^{-s}$, $s = \|\Delta\|^2$.
 
-    .. math::
+    $$
+    E_{a,b}\Big[{}_0F_1\big(;\tfrac d2;-\tfrac s4\rho_\pm^2\big)\Big] - e^{-s}
+    = E_v\Big[{}_1F_1\big(d;\tfrac d2;-\tfrac s2(1 \pm c\,v)\big)\Big] - e^{-s}
+    $$
 
-        E_{a,b}\Big[{}_0F_1\big(;\tfrac d2;-\tfrac s4\rho_\pm^2\big)\Big] - e^{-s}
-        = E_v\Big[{}_1F_1\big(d;\tfrac d2;-\tfrac s2(1 \pm c\,v)\big)\Big] - e^{-s}
-
-    (:math:`{}_0F_1` of a negative argument is a normalised Bessel function :math:`J_{d/2-1}`)
+    (${}_0F_1$ of a negative argument is a normalised Bessel function $J_{d/2-1}$)
     [DERIVED, MC ✓].
 
     Parameters
@@ -234,7 +234,7 @@ def simplex_trig_pair_excess(d: int, s: Any, sign: int = 1) -> np.ndarray:
     d : int
         Dimension, ``>= 2``.
     s : float or array
-        :math:`\|\Delta\|^2 \ge 0`.
+        $\|\Delta\|^2 \ge 0$.
     sign : {+1, -1}, default +1
 
     Returns
@@ -268,7 +268,7 @@ def _check_kind(kind: object) -> str:
 
 def _exp_cv(d: int, t: np.ndarray, both: bool) -> np.ndarray:
     r"""Positive (``both=False``) / hyperbolic (``both=True``) same-block covariance over
-    :math:`\Lambda^2 e^{2t}`."""
+    $\Lambda^2 e^{2t}$."""
     t = np.asarray(t, dtype=np.float64)
     out = np.empty_like(t)
     signs = (1, -1) if both else (1,)
@@ -300,13 +300,13 @@ def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
     ``Var(K^) = exp(scale) * (v1 / r + P / r^2 * cv)`` with ``P`` = :func:`orf_pair_count`
     (the same block structure as ORF) and ``scale``, ``v1`` the iid ones:
 
-    * ``"positive"``: :math:`\mathrm{cv} = e^{-2t}\big[E e^{(w_i+w_j)^\top z} - e^t\big]`
-      (scale :math:`\Lambda^2 e^{2t}`);
-    * ``"hyperbolic"``: :math:`\mathrm{cv} = e^{-2t}\big[\tfrac12(E e^{(w_i+w_j)^\top z} +
-      E e^{(w_i-w_j)^\top z}) - e^t\big]`;
+    * ``"positive"``: $\mathrm{cv} = e^{-2t}\big[E e^{(w_i+w_j)^\top z} - e^t\big]$
+      (scale $\Lambda^2 e^{2t}$);
+    * ``"hyperbolic"``: $\mathrm{cv} = e^{-2t}\big[\tfrac12(E e^{(w_i+w_j)^\top z} +
+      E e^{(w_i-w_j)^\top z}) - e^t\big]$;
     * ``"trig-sincos"``, ``"trig-offset"`` (the phases average out of the pair moment):
-      :math:`\mathrm{cv} = \tfrac12\big(E\cos(w_i+w_j)^\top\Delta + E\cos(w_i-w_j)^\top\Delta\big)
-      - e^{-s}` (scale :math:`C^2 = e^{\|x\|^2+\|y\|^2}`),
+      $\mathrm{cv} = \tfrac12\big(E\cos(w_i+w_j)^\top\Delta + E\cos(w_i-w_j)^\top\Delta\big)
+      - e^{-s}$ (scale $C^2 = e^{\|x\|^2+\|y\|^2}$),
 
     each pair moment from :func:`simplex_pair_excess` [DERIVED, MC ✓].
 
@@ -314,8 +314,8 @@ def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
     ----------
     kind : {"positive", "hyperbolic", "trig-sincos", "trig-offset"}
     geo : moments._Geometry
-        Pairwise geometry (reads ``geo.d``, ``geo.t`` = :math:`\|x+y\|^2`, ``geo.s`` =
-        :math:`\|x-y\|^2`; arrays of shape (..., n, m)).
+        Pairwise geometry (reads ``geo.d``, ``geo.t`` = $\|x+y\|^2$, ``geo.s`` =
+        $\|x-y\|^2$; arrays of shape (..., n, m)).
 
     Returns
     -------
@@ -345,10 +345,10 @@ def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
 def simplex_mse(kind: str, q: Any, k: Any, num_features: int) -> Any:
     r"""MSE (= variance: SimRF is unbiased) of every entry of a SimRF kernel estimate.
 
-    .. math::
-
-        \mathrm{MSE} = e^{\text{scale}}\Big(\frac{v_1}{r} + \frac{P}{r^2}\,\mathrm{cv}\Big),
-        \qquad P = b\,d(d-1) + r'(r'-1)\ \ (r = bd + r'),
+    $$
+    \mathrm{MSE} = e^{\text{scale}}\Big(\frac{v_1}{r} + \frac{P}{r^2}\,\mathrm{cv}\Big),
+    \qquad P = b\,d(d-1) + r'(r'-1)\ \ (r = bd + r'),
+    $$
 
     with ``scale``, ``v1`` the iid per-projection variance of
     :mod:`kernelapprox.theory.moments` and ``cv`` from :func:`simplex_components_cv` [DERIVED, MC ✓].
@@ -402,17 +402,17 @@ def simplex_mse(kind: str, q: Any, k: Any, num_features: int) -> Any:
 def simplex_positive_mse(q: Any, k: Any, num_features: int) -> Any:
     r"""MSE of ``PositiveRF(d, r, sampler="simplex")`` (FAVOR+ on SimRF rows), every (q, k) entry.
 
-    .. math::
+    $$
+    \mathrm{MSE} = \frac{\Lambda^2}{r}\big(e^{2t} - e^t\big)
+    + \frac{P}{r^2}\Lambda^2\Big[E_v\,{}_1F_1\big(d;\tfrac d2;\tfrac t2(1 + c\,v)\big) - e^t\Big],
+    $$
 
-        \mathrm{MSE} = \frac{\Lambda^2}{r}\big(e^{2t} - e^t\big)
-        + \frac{P}{r^2}\Lambda^2\Big[E_v\,{}_1F_1\big(d;\tfrac d2;\tfrac t2(1 + c\,v)\big) - e^t\Big],
-
-    :math:`\Lambda = e^{-(\|x\|^2+\|y\|^2)/2}`, :math:`t = \|x + y\|^2`, :math:`c = -\tfrac1{d-1}`,
-    :math:`v^2 \sim \mathrm{Beta}(\tfrac d2,\tfrac12)`, :math:`P` as for ORF
+    $\Lambda = e^{-(\|x\|^2+\|y\|^2)/2}$, $t = \|x + y\|^2$, $c = -\tfrac1{d-1}$,
+    $v^2 \sim \mathrm{Beta}(\tfrac d2,\tfrac12)$, $P$ as for ORF
     (:func:`kernelapprox.theory.moments.orf_pair_count`) [DERIVED, MC ✓]. The bracket is below the
-    ORF one (:math:`{}_1F_1` increases and :math:`1 + cv \le 1`), so SimRF :math:`\le` ORF
-    :math:`\le` iid for positive features at every :math:`(x, y)`; for one block and
-    :math:`t \to 0` the ratio to ORF tends to :math:`\mathrm{Var}(\chi_d)/d` (:func:`chi_variance`).
+    ORF one (${}_1F_1$ increases and $1 + cv \le 1$), so SimRF $\le$ ORF
+    $\le$ iid for positive features at every $(x, y)$; for one block and
+    $t \to 0$ the ratio to ORF tends to $\mathrm{Var}(\chi_d)/d$ (:func:`chi_variance`).
 
     Parameters
     ----------
@@ -441,10 +441,10 @@ def simplex_positive_mse(q: Any, k: Any, num_features: int) -> Any:
 
 
 def chi_variance(d: int) -> float:
-    r""":math:`\mathrm{Var}(\chi_d) = d - 2\,\Gamma(\tfrac{d+1}2)^2/\Gamma(\tfrac d2)^2`.
+    r"""$\mathrm{Var}(\chi_d) = d - 2\,\Gamma(\tfrac{d+1}2)^2/\Gamma(\tfrac d2)^2$.
 
-    ``chi_variance(d) / d`` is the :math:`t \to 0` limit of
-    :math:`\mathrm{MSE_{SimRF}}/\mathrm{MSE_{ORF}}` for positive features with one full block.
+    ``chi_variance(d) / d`` is the $t \to 0$ limit of
+    $\mathrm{MSE_{SimRF}}/\mathrm{MSE_{ORF}}$ for positive features with one full block.
 
     Parameters
     ----------

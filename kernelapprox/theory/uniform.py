@@ -1,38 +1,38 @@
-r"""Uniform convergence over a ball: how many trig projections make :math:`\sup|\hat K - K| \le \varepsilon`.
+r"""Uniform convergence over a ball: how many trig projections make $\sup|\hat K - K| \le \varepsilon$.
 
 Every function returns the number ``r`` of random projections such that, with probability at
-least :math:`1-\delta` over the draw,
+least $1-\delta$ over the draw,
 
-.. math::
+$$
+\sup_{\|x\|,\|y\|\le R}\big|\hat K(x,y) - e^{x^\top y}\big| \le \varepsilon
+$$
 
-    \sup_{\|x\|,\|y\|\le R}\big|\hat K(x,y) - e^{x^\top y}\big| \le \varepsilon
-
-(an *absolute* error) for trigonometric features on the ball :math:`B(R)\subset\mathbb R^d`.
-``radius`` bounds the inputs of :math:`\exp(q^\top k)` as the library receives them, i.e. *after*
-the attention scaling :math:`q/d^{1/4}`.
+(an *absolute* error) for trigonometric features on the ball $B(R)\subset\mathbb R^d$.
+``radius`` bounds the inputs of $\exp(q^\top k)$ as the library receives them, i.e. *after*
+the attention scaling $q/d^{1/4}$.
 
 From the Gaussian to the softmax kernel [DERIVED, ``estimators.md`` §6]: trig features estimate
-:math:`e^{x^\top y} = e^{\|x\|^2/2}K_G(x,y)e^{\|y\|^2/2}` by :math:`e^{\|x\|^2/2}\hat K_G(x,y)
-e^{\|y\|^2/2}`, so on :math:`B(R)`
+$e^{x^\top y} = e^{\|x\|^2/2}K_G(x,y)e^{\|y\|^2/2}$ by $e^{\|x\|^2/2}\hat K_G(x,y)
+e^{\|y\|^2/2}$, so on $B(R)$
 
-.. math::
+$$
+|\hat K - K| \le e^{R^2}\,|\hat K_G - K_G|,
+$$
 
-    |\hat K - K| \le e^{R^2}\,|\hat K_G - K_G|,
-
-and every Gaussian-kernel bound is run at :math:`\varepsilon_G = \varepsilon e^{-R^2}` on a set of
-diameter :math:`\ell = 2R`, with spectral second moment :math:`\sigma_p^2 = E\|\omega\|^2 = d`.
-The factor :math:`e^{2R^2}` in every ``r`` comes from this step.
+and every Gaussian-kernel bound is run at $\varepsilon_G = \varepsilon e^{-R^2}$ on a set of
+diameter $\ell = 2R$, with spectral second moment $\sigma_p^2 = E\|\omega\|^2 = d$.
+The factor $e^{2R^2}$ in every ``r`` comes from this step.
 
 Sources and how sure we are (read the tags):
 
 * Rahimi–Recht 2007, Claim 1 [SOURCE-2nd]:
-  :math:`r = \frac{4(d+2)}{\varepsilon_G^2}\log\frac{2^8\sigma_p^2\ell^2}{\delta\varepsilon_G^2}`.
+  $r = \frac{4(d+2)}{\varepsilon_G^2}\log\frac{2^8\sigma_p^2\ell^2}{\delta\varepsilon_G^2}$.
 * Sutherland–Schneider 2015 [RECALLED constants], sin/cos:
-  :math:`r = \frac{8(d+2)}{2\varepsilon_G^2}\log\frac{66\sigma_p^2\ell^2}{\delta\varepsilon_G^2}`.
+  $r = \frac{8(d+2)}{2\varepsilon_G^2}\log\frac{66\sigma_p^2\ell^2}{\delta\varepsilon_G^2}$.
 * Sriperumbudur–Szabó 2015, Thm 1 [RECALLED constants]:
-  :math:`r = \big((h + \sqrt{2\log(1/\delta)})/\varepsilon_G\big)^2`.
+  $r = \big((h + \sqrt{2\log(1/\delta)})/\varepsilon_G\big)^2$.
 * Performer 2021, Thm 4 / Thm 7 [SOURCE, up to an unknown Θ constant]:
-  :math:`r = c\,\frac{d}{\delta_P^2}\log\frac{4d^{3/4}R_P}{\delta_P}`.
+  $r = c\,\frac{d}{\delta_P^2}\log\frac{4d^{3/4}R_P}{\delta_P}$.
 
 These bounds are very conservative: ``tests/test_theory_bounds.py`` measures the sup error at
 the returned ``r`` and records by how much.
@@ -102,27 +102,27 @@ def _ceil(x: float) -> int:
 
 
 def gaussian_level(eps: float, radius: float) -> float:
-    r""":math:`\varepsilon_G = \varepsilon e^{-R^2}`: the Gaussian-kernel error level for softmax error ``eps`` on :math:`B(R)`."""
+    r"""$\varepsilon_G = \varepsilon e^{-R^2}$: the Gaussian-kernel error level for softmax error ``eps`` on $B(R)$."""
     return eps * math.exp(-radius * radius)
 
 
 def rahimi_recht_features(eps: float, delta: float, dim: int, radius: float) -> int:
-    r"""Rahimi–Recht Claim 1, transported to the softmax kernel on :math:`B(R)`.
+    r"""Rahimi–Recht Claim 1, transported to the softmax kernel on $B(R)$.
 
-    Claim 1 (for :math:`z(x)=\sqrt{2/D}\cos(\omega^\top x+b)`, :math:`D` features, a compact set
-    :math:`\mathcal M` of diameter :math:`\ell`):
+    Claim 1 (for $z(x)=\sqrt{2/D}\cos(\omega^\top x+b)$, $D$ features, a compact set
+    $\mathcal M$ of diameter $\ell$):
 
-    .. math::
+    $$
+    P\Big[\sup_{x,y\in\mathcal M}|z(x)^\top z(y)-k(x,y)|\ge\varepsilon\Big]
+    \le 2^8\Big(\frac{\sigma_p\ell}{\varepsilon}\Big)^2\exp\Big(-\frac{D\varepsilon^2}{4(d+2)}\Big),
+    $$
 
-        P\Big[\sup_{x,y\in\mathcal M}|z(x)^\top z(y)-k(x,y)|\ge\varepsilon\Big]
-        \le 2^8\Big(\frac{\sigma_p\ell}{\varepsilon}\Big)^2\exp\Big(-\frac{D\varepsilon^2}{4(d+2)}\Big),
+    solved for failure probability $\delta$ at $\varepsilon_G=\varepsilon e^{-R^2}$,
+    $\ell = 2R$, $\sigma_p^2 = d$:
 
-    solved for failure probability :math:`\delta` at :math:`\varepsilon_G=\varepsilon e^{-R^2}`,
-    :math:`\ell = 2R`, :math:`\sigma_p^2 = d`:
-
-    .. math::
-
-        r = \Big\lceil\frac{4(d+2)}{\varepsilon_G^2}\log\frac{2^8\,d\,(2R)^2}{\delta\,\varepsilon_G^2}\Big\rceil .
+    $$
+    r = \Big\lceil\frac{4(d+2)}{\varepsilon_G^2}\log\frac{2^8\,d\,(2R)^2}{\delta\,\varepsilon_G^2}\Big\rceil .
+    $$
 
     ``r`` counts cosine features with random phase (``TrigRF(variant="offset")``, ``r`` projections).
     The same argument (Hoeffding plus a Lipschitz net) goes through for the sin/cos pairs, whose
@@ -130,18 +130,18 @@ def rahimi_recht_features(eps: float, delta: float, dim: int, radius: float) -> 
     for ``variant="sincos"`` [DERIVED].
 
     Status: SOURCE-2nd — the constants were read in two secondary transcriptions (a third one gives
-    :math:`8(d+2)`), not in the paper.
+    $8(d+2)$), not in the paper.
 
     Parameters
     ----------
     eps : float
-        Absolute sup error on :math:`e^{x^\top y}`, > 0.
+        Absolute sup error on $e^{x^\top y}$, > 0.
     delta : float
         Failure probability, in (0, 1).
     dim : int
         ``d``.
     radius : float
-        ``R`` > 0, the bound on :math:`\|x\|,\|y\|` (inputs after attention scaling).
+        ``R`` > 0, the bound on $\|x\|,\|y\|$ (inputs after attention scaling).
 
     Returns
     -------
@@ -166,19 +166,19 @@ def rahimi_recht_features(eps: float, delta: float, dim: int, radius: float) -> 
 def sutherland_schneider_features(
     eps: float, delta: float, dim: int, radius: float, *, variant: str = "sincos"
 ) -> int:
-    r"""Sutherland–Schneider's improved uniform bound, transported to the softmax kernel on :math:`B(R)`.
+    r"""Sutherland–Schneider's improved uniform bound, transported to the softmax kernel on $B(R)$.
 
     RECALLED, unverified — the constants 66/98 and the exponents below are from memory of the
     paper (``estimators.md`` §6b); check them in the paper before relying on them.
 
-    * ``variant="sincos"`` (:math:`\tilde z`, ``D = 2r`` coordinates):
-      :math:`P[\|f\|_\infty\ge\varepsilon]\le66\big(\frac{\sigma_p\ell}{\varepsilon}\big)^2
-      \exp\big(-\frac{D\varepsilon^2}{8(d+2)}\big)`, so
-      :math:`r = \big\lceil\frac{4(d+2)}{\varepsilon_G^2}\log\frac{66\,d\,\ell^2}{\delta\varepsilon_G^2}\big\rceil`.
-    * ``variant="offset"`` (:math:`\breve z`, ``D = r``): constant 98 and :math:`32(d+2)`:
-      :math:`r = \big\lceil\frac{32(d+2)}{\varepsilon_G^2}\log\frac{98\,d\,\ell^2}{\delta\varepsilon_G^2}\big\rceil`.
+    * ``variant="sincos"`` ($\tilde z$, ``D = 2r`` coordinates):
+      $P[\|f\|_\infty\ge\varepsilon]\le66\big(\frac{\sigma_p\ell}{\varepsilon}\big)^2
+      \exp\big(-\frac{D\varepsilon^2}{8(d+2)}\big)$, so
+      $r = \big\lceil\frac{4(d+2)}{\varepsilon_G^2}\log\frac{66\,d\,\ell^2}{\delta\varepsilon_G^2}\big\rceil$.
+    * ``variant="offset"`` ($\breve z$, ``D = r``): constant 98 and $32(d+2)$:
+      $r = \big\lceil\frac{32(d+2)}{\varepsilon_G^2}\log\frac{98\,d\,\ell^2}{\delta\varepsilon_G^2}\big\rceil$.
 
-    with :math:`\varepsilon_G = \varepsilon e^{-R^2}`, :math:`\ell = 2R`, :math:`\sigma_p^2 = d`.
+    with $\varepsilon_G = \varepsilon e^{-R^2}$, $\ell = 2R$, $\sigma_p^2 = d$.
 
     Parameters
     ----------
@@ -212,19 +212,19 @@ def sutherland_schneider_features(
 
 
 def sriperumbudur_szabo_features(eps: float, delta: float, dim: int, radius: float) -> int:
-    r"""Sriperumbudur–Szabó Theorem 1 (optimal :math:`\sqrt{\log|S|/m}` rate), transported to :math:`B(R)`.
+    r"""Sriperumbudur–Szabó Theorem 1 (optimal $\sqrt{\log|S|/m}$ rate), transported to $B(R)$.
 
-    RECALLED, unverified constants (``estimators.md`` §6c): with probability :math:`\ge1-e^{-\tau}`,
+    RECALLED, unverified constants (``estimators.md`` §6c): with probability $\ge1-e^{-\tau}$,
 
-    .. math::
+    $$
+    \sup_{x,y\in S}|\hat k_m-k|\le\frac{h(d,|S|,\sigma_p)+\sqrt{2\tau}}{\sqrt m},\quad
+    h=32\sqrt{2d\log(2|S|+1)}+32\sqrt{2d\log(\sigma_p+1)}+16\sqrt{\frac{2d}{\log(2|S|+1)}},
+    $$
 
-        \sup_{x,y\in S}|\hat k_m-k|\le\frac{h(d,|S|,\sigma_p)+\sqrt{2\tau}}{\sqrt m},\quad
-        h=32\sqrt{2d\log(2|S|+1)}+32\sqrt{2d\log(\sigma_p+1)}+16\sqrt{\frac{2d}{\log(2|S|+1)}},
-
-    for :math:`\hat k_m = \frac1m\sum\cos(\omega_i^\top(x-y))` (sin/cos, ``m`` projections). With
-    :math:`\tau = \log(1/\delta)`, :math:`|S| = 2R`, :math:`\sigma_p=\sqrt d` and
-    :math:`\varepsilon_G = \varepsilon e^{-R^2}`:
-    :math:`r = \big\lceil\big((h+\sqrt{2\log(1/\delta)})/\varepsilon_G\big)^2\big\rceil`.
+    for $\hat k_m = \frac1m\sum\cos(\omega_i^\top(x-y))$ (sin/cos, ``m`` projections). With
+    $\tau = \log(1/\delta)$, $|S| = 2R$, $\sigma_p=\sqrt d$ and
+    $\varepsilon_G = \varepsilon e^{-R^2}$:
+    $r = \big\lceil\big((h+\sqrt{2\log(1/\delta)})/\varepsilon_G\big)^2\big\rceil$.
 
     Parameters
     ----------
@@ -262,24 +262,24 @@ def performer_theorem4_features(
     r"""Performer Theorem 4 (trig features with orthogonal rows): ``r`` up to its unknown Θ constant.
 
     SOURCE (arXiv:2009.14794, Thm 4; general form Thm 7, App. F.5). For raw queries/keys with
-    :math:`\|q_i\|,\|k_j\|\le R_P` and :math:`\mathbf A = \exp(QK^\top/\sqrt d)`, let
-    :math:`l = R_Pd^{-1/4}`, :math:`h^*=e^{l^2/2}`, :math:`\delta_P = \varepsilon/(h^*)^2`; then
+    $\|q_i\|,\|k_j\|\le R_P$ and $\mathbf A = \exp(QK^\top/\sqrt d)$, let
+    $l = R_Pd^{-1/4}$, $h^*=e^{l^2/2}$, $\delta_P = \varepsilon/(h^*)^2$; then
 
-    .. math::
+    $$
+    m = \Theta\Big(\frac{d}{\delta_P^2}\log\frac{4d^{3/4}R_P}{\delta_P}\Big)
+    \ \Rightarrow\ \|\hat{\mathbf A}-\mathbf A\|_\infty\le\varepsilon
+    $$
 
-        m = \Theta\Big(\frac{d}{\delta_P^2}\log\frac{4d^{3/4}R_P}{\delta_P}\Big)
-        \ \Rightarrow\ \|\hat{\mathbf A}-\mathbf A\|_\infty\le\varepsilon
-
-    "with any constant probability". Here ``radius`` = :math:`R` bounds the *scaled* inputs, so
-    :math:`R_P = R d^{1/4}`, :math:`l = R` and :math:`\delta_P = \varepsilon e^{-R^2}` (the same
-    :math:`\varepsilon_G`); the returned value is
-    :math:`\lceil c\,\frac{d}{\delta_P^2}\log\frac{4 d R}{\delta_P}\rceil` (at least 1).
+    "with any constant probability". Here ``radius`` = $R$ bounds the *scaled* inputs, so
+    $R_P = R d^{1/4}$, $l = R$ and $\delta_P = \varepsilon e^{-R^2}$ (the same
+    $\varepsilon_G$); the returned value is
+    $\lceil c\,\frac{d}{\delta_P^2}\log\frac{4 d R}{\delta_P}\rceil$ (at least 1).
 
     The Θ constant ``c`` is not given in the paper: ``constant=1.0`` is a placeholder, so this is
     the *shape* of the requirement (for plotting against measurements), not a guarantee. The
     failure probability ``delta`` does not appear in the theorem (it is absorbed in the constant):
-    it is validated and otherwise ignored. The OpenReview version states :math:`\|\cdot\|_1`
-    where arXiv v4 states :math:`\|\cdot\|_\infty`.
+    it is validated and otherwise ignored. The OpenReview version states $\|\cdot\|_1$
+    where arXiv v4 states $\|\cdot\|_\infty$.
 
     Parameters
     ----------
@@ -327,12 +327,12 @@ def required_features_uniform(
     bound: str = "rahimi-recht",
     constant: float = 1.0,
 ) -> int:
-    r"""Number of trig projections for :math:`\sup_{B(R)}|\hat K - e^{x^\top y}|\le\varepsilon` w.p. :math:`1-\delta`.
+    r"""Number of trig projections for $\sup_{B(R)}|\hat K - e^{x^\top y}|\le\varepsilon$ w.p. $1-\delta$.
 
     Dispatches to :func:`rahimi_recht_features`, :func:`sutherland_schneider_features`,
     :func:`sriperumbudur_szabo_features` or :func:`performer_theorem4_features` (see each for
-    its formula and source tag); all use :math:`\varepsilon_G = \varepsilon e^{-R^2}` on a set of
-    diameter :math:`2R`.
+    its formula and source tag); all use $\varepsilon_G = \varepsilon e^{-R^2}$ on a set of
+    diameter $2R$.
 
     Parameters
     ----------
