@@ -60,21 +60,21 @@ class HedgehogFeatures(FeatureMap):
     one pair per entry of ``batch_shape``):
 
     * ``variant="fla"`` (flash-linear-attention's ``HedgehogFeatureMap``; estimator
-      ``"hedgehog"``): one softmax over the $2f$ entries,
+        ``"hedgehog"``): one softmax over the $2f$ entries,
 
-      $$
-      \varphi(x) = \mathrm{softmax}\big([2z, -2z]\big),\qquad
-      \varphi(x)_j = \frac{e^{\pm 2 z_j}}{\sum_{l=1}^f 2\cosh(2 z_l)},\qquad
-      \textstyle\sum_j \varphi(x)_j = 1;
-      $$
+        $$
+        \varphi(x) = \mathrm{softmax}\big([2z, -2z]\big),\qquad
+        \varphi(x)_j = \frac{e^{\pm 2 z_j}}{\sum_{l=1}^f 2\cosh(2 z_l)},\qquad
+        \textstyle\sum_j \varphi(x)_j = 1;
+        $$
 
     * ``variant="lolcats"`` (LoLCATs' ``SoftmaxDim`` [Zha25]_; estimator ``"hedgehog-lolcats"``):
-      two separate softmaxes,
+        two separate softmaxes,
 
-      $$
-      \varphi(x) = \big[\mathrm{softmax}(z), \mathrm{softmax}(-z)\big],
-      \qquad \text{each half sums to 1.}
-      $$
+        $$
+        \varphi(x) = \big[\mathrm{softmax}(z), \mathrm{softmax}(-z)\big],
+        \qquad \text{each half sums to 1.}
+        $$
 
     ``feature_dim = 2f``. The two are different kernels: in linear attention the per-query factor
     cancels, the per-key one does not, and the key normalisers differ
