@@ -1,11 +1,15 @@
 """Root conftest: doctests of modules whose optional extra is missing are not collected.
 
-``kernelapprox/hf.py``'s examples build tiny transformers models; without the ``[real]`` extra
-(``transformers``) they are skipped instead of failing at import.
+``kernelapprox/hf.py``'s examples build tiny transformers models (extra ``[real]``) and
+``kernelapprox/sklearn.py`` is the scikit-learn front end (extra ``[sklearn]``); without their
+extra they are skipped instead of failing at import.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-collect_ignore = [] if importlib.util.find_spec("transformers") else ["kernelapprox/hf.py"]
+collect_ignore = [
+    path for path, module in (("kernelapprox/hf.py", "transformers"), ("kernelapprox/sklearn.py", "sklearn"))
+    if importlib.util.find_spec(module) is None
+]

@@ -10,7 +10,7 @@ The $\varphi$ inside linear attention, its theory, and the evidence.
 
 from __future__ import annotations
 
-from . import dense_exponential, deterministic, hf, hybrid, learned, samplers  # noqa: F401  (registration; hf imports transformers lazily)
+from . import dense_exponential, deterministic, hf, hybrid, learned, nn, samplers  # noqa: F401  (registration; hf imports transformers lazily; kernelapprox.sklearn needs the [sklearn] extra and is imported explicitly)
 from .attention import (
     LinearAttentionState,
     RecurrentLinearAttention,

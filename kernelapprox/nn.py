@@ -1,0 +1,648 @@
+r"""Drop-in linear-attention layers: multi-head attention with any feature map $\varphi$.
+
+Two modules, one computation (:func:`kernelapprox.linear_attention`):
+
+* :class:`LinearAttention`: a complete attention layer, input ``(batch, n, dim)``: query, key and
+  value projections, ``heads`` heads, the output projection; its :meth:`LinearAttention.forward_heads`
+  takes per-head tensors instead.
+* :class:`LinearAttentionHeads`: the attention of per-head tensors ``(batch, heads, n, dim_head)``
+  alone, without projections: the counterpart of performer-pytorch's ``FastAttention``.
+
+Each head computes
+
+$$
+o_i = \frac{\varphi(s^{1/2} q_i)^\top \sum_{j} \varphi(s^{1/2} k_j)\, v_j^\top}
+           {\varphi(s^{1/2} q_i)^\top \sum_{j} \varphi(s^{1/2} k_j)}
+\qquad (j \le i \text{ if causal}),
+$$
+
+so that $\varphi(s^{1/2}q)^\top\varphi(s^{1/2}k)$ estimates the kernel $e^{s\,q^\top k}$ of
+softmax attention with temperature $s$ (default $s = d_h^{-1/2}$, i.e. inputs scaled by
+$d_h^{-1/4}$ as in the Performer code). Random maps draw one projection per head
+(``batch_shape=(heads,)``) and can be redrawn on a schedule (``redraw_every``). Migration from
+performer-pytorch and the exact redraw semantics: ``docs/attention-layer.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._validation import check_positive_int
+from .attention import LinearAttentionState, linear_attention
+from .features import FeatureMap
+from .registry import get_estimator
+from .samplers import GivenSampler, Sampler
+
+__all__ = ["LinearAttention", "LinearAttentionHeads", "default_num_features"]
+
+FeatureMapSpec = str | FeatureMap | Callable[[int, int], FeatureMap]
+
+
+def default_num_features(dim_head: int) -> int:
+    r"""Default number of random projections per head: $r = \lfloor d_h \ln d_h \rfloor$ (at least 1).
+
+    The default of performer-pytorch's ``FastAttention`` (``nb_features``), kept so that a
+    migrated model has the same cost.
+
+    Parameters
+    ----------
+    dim_head : int
+        $d_h$, the dimension of one head.
+
+    Returns
+    -------
+    int
+
+    Examples
+    --------
+    >>> default_num_features(64)
+    266
+    """
+    d = check_positive_int("dim_head", dim_head)
+    return max(1, int(d * math.log(d)))
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _check_optional_int(name: str, value: object) -> int | None:
+    return None if value is None else check_positive_int(name, value)
+
+
+def _check_scale(scale: object, dim_head: int) -> float:
+    if scale is None:
+        return dim_head**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a positive float or None, got {scale!r} ({type(scale).__name__})")
+    s = float(scale)
+    if not (math.isfinite(s) and s > 0):
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    return s
+
+
+def _derived_seed(seed: int, index: int) -> int:
+    """Seed of redraw number ``index`` of a layer seeded with ``seed``: a hash, so that the redraw
+    streams of two layers (``seed=0`` and ``seed=1``) never coincide."""
+    digest = hashlib.blake2b(f"kernelapprox.nn:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**62)
+
+
+def _build_feature_map(
+    feature_map: object,
+    *,
+    dim_head: int,
+    heads: int,
+    num_features: int | None,
+    sampler: str | Sampler | None,
+    feature_map_kwargs: Mapping[str, Any] | None,
+    seed: int | None,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+) -> FeatureMap:
+    """The layer's map: built by name, taken as given, or from a factory; then validated."""
+    if isinstance(feature_map, FeatureMap):
+        extra = {
+            "num_features": num_features, "sampler": sampler, "feature_map_kwargs": feature_map_kwargs,
+        }
+        given = [k for k, v in extra.items() if v is not None]
+        if given:
+            raise TypeError(
+                f"{', '.join(given)} only apply to a feature map built by name; got a "
+                f"{type(feature_map).__name__} instance (configure it when building it)"
+            )
+        fm = feature_map
+        if device is not None or dtype is not None:
+            fm = fm.to(device=device, dtype=dtype)
+    elif isinstance(feature_map, str):
+        if feature_map_kwargs is not None and not isinstance(feature_map_kwargs, Mapping):
+            raise TypeError(
+                f"feature_map_kwargs must be a mapping or None, got {type(feature_map_kwargs).__name__}"
+            )
+        est = get_estimator(feature_map)
+        r = num_features
+        if r is None and est.is_random:
+            r = default_num_features(dim_head)
+        kwargs: dict[str, Any] = {
+            "sampler": "orthogonal" if sampler is None else sampler,
+            "seed": seed,
+            "batch_shape": (heads,),  # one draw (or one learned weight) per head; ignored if deterministic
+            "device": device,
+            "dtype": dtype,
+        }
+        kwargs.update(feature_map_kwargs or {})
+        fm = est.build(dim_head, r, **kwargs)
+    elif callable(feature_map):
+        if num_features is not None or sampler is not None or feature_map_kwargs is not None:
+            raise TypeError(
+                "num_features, sampler and feature_map_kwargs only apply to a feature map built by "
+                "name; a factory feature_map(dim_head, heads) configures the map itself"
+            )
+        fm = feature_map(dim_head, heads)
+        if not isinstance(fm, FeatureMap):
+            raise TypeError(
+                f"feature_map factory must return a kernelapprox FeatureMap, got {type(fm).__name__}"
+            )
+        if device is not None or dtype is not None:
+            fm = fm.to(device=device, dtype=dtype)
+    else:
+        raise TypeError(
+            "feature_map must be an estimator name (e.g. 'positive'), a kernelapprox FeatureMap or a "
+            f"factory feature_map(dim_head, heads) -> FeatureMap, got {type(feature_map).__name__}"
+        )
+    if fm.dim != dim_head:
+        raise ValueError(f"feature_map has dim={fm.dim}, but the heads have dim_head={dim_head}")
+    bs = tuple(fm.batch_shape)
+    if bs not in ((), (1,), (heads,)):
+        raise ValueError(
+            f"feature_map has batch_shape={bs}; a layer with heads={heads} needs () (one map shared "
+            f"by all heads) or ({heads},) (one per head)"
+        )
+    return fm
+
+
+class LinearAttentionHeads(nn.Module):
+    r"""Linear attention on per-head tensors ``(batch, heads, n, dim_head)``, with a redraw schedule.
+
+    The counterpart of performer-pytorch's ``FastAttention``: no projections, only the attention
+    of given queries, keys and values, computed by :func:`kernelapprox.linear_attention` with the
+    queries and keys scaled by $s^{1/2}$, so that the kernel estimated is $e^{s\,q^\top k}$:
+
+    $$
+    o_i = \frac{\sum_{j} \hat K_{ij}\, v_j}{\sum_{j} \hat K_{ij}},\qquad
+    \hat K_{ij} = \varphi(s^{1/2} q_i)^\top \varphi(s^{1/2} k_j) \approx e^{s\, q_i^\top k_j}
+    \qquad (j \le i \text{ if causal}).
+    $$
+
+    Parameters
+    ----------
+    dim_head : int
+        $d_h$, the last dimension of ``q`` and ``k``.
+    heads : int, default 1
+        Number of heads $H$. Maps built by name or by a factory get one independent draw per head
+        (``batch_shape=(heads,)``).
+    causal : bool, default False
+        Token ``i`` attends to keys ``j <= i`` only.
+    feature_map : str, FeatureMap or callable, default "positive"
+        An estimator name (``ka.estimators()``; built with ``ka.get_estimator(name).build(dim_head,
+        num_features, sampler=..., seed=seed, batch_shape=(heads,), **feature_map_kwargs)``), a
+        :class:`~kernelapprox.FeatureMap` with ``dim == dim_head`` and ``batch_shape`` ``()``
+        (shared by all heads) or ``(heads,)``, used as is (not copied), or a factory
+        ``feature_map(dim_head, heads) -> FeatureMap``.
+    num_features : int, optional
+        $r$ for a map built by name. Default for random maps: :func:`default_num_features`,
+        $\lfloor d_h \ln d_h\rfloor$ (performer-pytorch's default).
+    sampler : str or Sampler, optional
+        Sampler of a random map built by name. Default ``"orthogonal"`` (FAVOR+'s orthogonal rows,
+        with the QR sign correction and chi norms: unbiased).
+    feature_map_kwargs : mapping, optional
+        Further constructor arguments of a map built by name (``{"variant": "offset"}``, ...).
+    scale : float, optional
+        The temperature $s$ of the kernel $e^{s\,q^\top k}$. Default $d_h^{-1/2}$.
+    redraw_every : int, optional
+        Redraw a random map's projection, in place, every ``redraw_every`` *training-mode forward
+        calls*: training-mode call number $t = 1, 2, \dots$ uses draw number
+        $\lfloor (t - 1)/N \rfloor$ (draw 0 is the initial one), i.e. the map is redrawn at the
+        start of calls $N + 1, 2N + 1, \dots$, before it is used. Calls in eval mode
+        (``module.eval()``) neither count nor redraw. A call counts once whatever it does after
+        (no backward, ``torch.no_grad()``, gradient accumulation): with $m$ forward calls per
+        optimiser step, pass ``m * steps``. ``None``: never redraw. Needs a random map that can
+        draw (not one from ``from_projection`` without a ``sampler``). The count is saved in
+        ``state_dict`` (extra state), so a resumed run keeps the schedule.
+    seed : int, optional
+        Seed of the initial draw of a map built by name (a given map or a factory's map is drawn
+        by its maker) and of every redraw: redraw number $j$ uses a seed hashed from
+        ``(seed, j)``, the same after a reload. ``None``: torch's global generator, like
+        ``nn.Linear``'s initialisation (``torch.manual_seed`` makes it reproducible).
+    fit : bool, default False
+        Call ``feature_map.fit(q, k)`` on every call (data-dependent maps: OPRF/FAVOR++,
+        FAVOR#, Nyström), see :func:`kernelapprox.linear_attention`.
+    check : bool, default False
+        Run the library's closed-form check (:class:`~kernelapprox.KernelApproxWarning` when the
+        map's predicted relative kernel MSE on the batch exceeds 1). Off by default in a layer:
+        it costs $O(nd)$ statistics and a host synchronisation per call on CPU, breaks
+        ``torch.compile`` graphs, and during training it judges projections that are still
+        being learnt; run :func:`kernelapprox.diagnose` on captured ``q, k`` instead, or turn
+        it on.
+    chunk_size : int, default 64
+        Tokens per chunk of the causal form.
+    device, dtype : optional
+        Where and in which dtype a map built by name lives (a given map is moved if given).
+
+    Attributes
+    ----------
+    feature_map : FeatureMap
+        The map (a submodule; its projection is a buffer, saved in ``state_dict``).
+    training_calls : int
+        Training-mode forward calls so far.
+    redraws : int
+        Redraws made by the schedule or by :meth:`redraw` so far.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kernelapprox.nn import LinearAttentionHeads
+    >>> attn = LinearAttentionHeads(16, heads=4, causal=True, num_features=32, seed=0)
+    >>> q, k, v = torch.randn(3, 2, 4, 10, 16).unbind(0)       # (batch, heads, n, dim_head)
+    >>> attn(q, k, v).shape
+    torch.Size([2, 4, 10, 16])
+    >>> attn.feature_map.weight.shape                           # one projection per head
+    torch.Size([4, 32, 16])
+    """
+
+    def __init__(
+        self,
+        dim_head: int,
+        *,
+        heads: int = 1,
+        causal: bool = False,
+        feature_map: FeatureMapSpec = "positive",
+        num_features: int | None = None,
+        sampler: str | Sampler | None = None,
+        feature_map_kwargs: Mapping[str, Any] | None = None,
+        scale: float | None = None,
+        redraw_every: int | None = None,
+        seed: int | None = None,
+        fit: bool = False,
+        check: bool = False,
+        chunk_size: int = 64,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim_head = check_positive_int("dim_head", dim_head)
+        self.heads = check_positive_int("heads", heads)
+        self.causal = _check_bool("causal", causal)
+        self.fit = _check_bool("fit", fit)
+        self.check = _check_bool("check", check)
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.scale = _check_scale(scale, self.dim_head)
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise TypeError(f"seed must be a non-negative int or None, got {seed!r} ({type(seed).__name__})")
+            if seed < 0:
+                raise ValueError(f"seed must be a non-negative int or None, got {seed}")
+        self.seed = seed
+        num_features = _check_optional_int("num_features", num_features)
+        self.feature_map = _build_feature_map(
+            feature_map, dim_head=self.dim_head, heads=self.heads, num_features=num_features,
+            sampler=sampler, feature_map_kwargs=feature_map_kwargs, seed=seed, device=device, dtype=dtype,
+        )
+        self.training_calls = 0
+        self.redraws = 0
+        self.redraw_every = redraw_every  # validated by the property setter
+
+    # ------------------------------------------------------------------ redraw schedule
+    @property
+    def redraw_every(self) -> int | None:
+        """Redraw period in training-mode forward calls (``None``: never); settable."""
+        return self._redraw_every
+
+    @redraw_every.setter
+    def redraw_every(self, value: int | None) -> None:
+        value = _check_optional_int("redraw_every", value)
+        if value is not None:
+            self._check_can_redraw(f"redraw_every={value}")
+        self._redraw_every = value
+
+    def _check_can_redraw(self, what: str) -> None:
+        fm = self.feature_map
+        if not fm.is_random:
+            raise ValueError(
+                f"{what} needs a random feature map; {type(fm).__name__} is not random (nothing to redraw)"
+            )
+        if isinstance(getattr(fm, "sampler", None), GivenSampler):
+            raise ValueError(
+                f"{what}: the feature map was built from a given projection without a sampler, so it "
+                "cannot draw; build it with from_projection(W, sampler='orthogonal') (or another sampler)"
+            )
+
+    @torch.no_grad()
+    def redraw(self, seed: int | None = None) -> LinearAttentionHeads:
+        """Redraw the map's projection now, in place (as the schedule does). Returns ``self``.
+
+        Parameters
+        ----------
+        seed : int, optional
+            Seed of this draw. Default: derived from the layer's ``seed`` and the redraw count
+            (torch's global generator if the layer has no seed).
+
+        Examples
+        --------
+        >>> attn = LinearAttentionHeads(8, heads=2, num_features=16, seed=0)
+        >>> W = attn.feature_map.weight.clone()
+        >>> bool((attn.redraw().feature_map.weight != W).any()), attn.redraws
+        (True, 1)
+        """
+        self._check_can_redraw("redraw()")
+        self.redraws += 1
+        if seed is None and self.seed is not None:
+            seed = _derived_seed(self.seed, self.redraws)
+        self.feature_map.redraw(seed=seed)
+        return self
+
+    @torch.compiler.disable
+    def _tick(self) -> None:
+        """Count a training-mode call; redraw first when the schedule says so."""
+        if not self.training:
+            return
+        every = self._redraw_every
+        if every is not None and self.training_calls > 0 and self.training_calls % every == 0:
+            self.redraw()
+        self.training_calls += 1
+
+    def get_extra_state(self) -> dict[str, int]:
+        """The schedule's counters, saved in ``state_dict``."""
+        return {"training_calls": self.training_calls, "redraws": self.redraws}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        """Restore the counters saved by :meth:`get_extra_state`."""
+        if not isinstance(state, Mapping) or not {"training_calls", "redraws"} <= set(state):
+            raise ValueError(f"extra state must be a dict with training_calls and redraws, got {state!r}")
+        self.training_calls = int(state["training_calls"])
+        self.redraws = int(state["redraws"])
+
+    # ------------------------------------------------------------------ attention
+    def _check_heads(self, name: str, t: object) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have shape (batch, heads, n, features) with 4 dimensions, got shape {tuple(t.shape)}"
+            )
+        if tuple(self.feature_map.batch_shape) == (self.heads,) and self.heads != 1 and t.shape[1] != self.heads:
+            raise ValueError(
+                f"{name} has {t.shape[1]} heads (shape {tuple(t.shape)}), but the feature map holds "
+                f"one projection per head for heads={self.heads}"
+            )
+        return t
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        initial_state: LinearAttentionState | None = None,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
+        r"""Attention of per-head queries, keys and values (one training-mode call of the schedule).
+
+        Parameters
+        ----------
+        q : Tensor, shape (batch, heads, n, dim_head)
+        k : Tensor, shape (batch, heads, m, dim_head)
+        v : Tensor, shape (batch, heads, m, dv)
+            ``m == n`` if causal.
+        initial_state : LinearAttentionState, optional
+            The state returned by a previous call on the preceding tokens (``return_state=True``),
+            continued here: two segments with the state give the result of one pass (decoding:
+            segments of one token). Valid only with the projection it was computed with (the
+            schedule redraws in training mode only).
+        return_state : bool, default False
+            Also return the state after the last token.
+
+        Returns
+        -------
+        out : Tensor, shape (batch, heads, n, dv), dtype ``promote(q, k, v)``
+        state : LinearAttentionState, if ``return_state``; ``kv`` of shape
+            (batch, heads, feature_dim, dv + 1).
+        """
+        q = self._check_heads("q", q)
+        k = self._check_heads("k", k)
+        v = self._check_heads("v", v)
+        _check_bool("return_state", return_state)
+        self._tick()
+        return self._attend(q, k, v, initial_state, return_state)
+
+    def _attend(self, q, k, v, initial_state, return_state):
+        if self.scale != 1.0:
+            root = self.scale**0.5
+            q, k = q * root, k * root
+        return linear_attention(
+            q, k, v, self.feature_map, causal=self.causal, chunk_size=self.chunk_size,
+            initial_state=initial_state, return_state=return_state, fit=self.fit, check=self.check,
+        )
+
+    def extra_repr(self) -> str:
+        s = f"dim_head={self.dim_head}, heads={self.heads}, causal={self.causal}, scale={self.scale:.4g}"
+        if self._redraw_every is not None:
+            s += f", redraw_every={self._redraw_every}"
+        return s
+
+
+class LinearAttention(nn.Module):
+    r"""Multi-head linear attention layer: a drop-in replacement of softmax self-attention.
+
+    $$
+    Q = XW_Q,\ K = XW_K,\ V = XW_V \text{ (split into } H \text{ heads)},\qquad
+    \mathrm{out} = \big[\mathrm{LA}(Q_h, K_h, V_h)\big]_{h=1}^{H}\, W_O + b_O,
+    $$
+
+    with $\mathrm{LA}$ the linear attention of :class:`LinearAttentionHeads` (kernel
+    $e^{s\,q^\top k}$ estimated by $\varphi$, $s = d_h^{-1/2}$ by default). Cost
+    $O(n F d_h)$ per head instead of $O(n^2 d_h)$; causal decoding carries a fixed-size state.
+
+    Parameters
+    ----------
+    dim : int
+        Model dimension (last dimension of the input and of the output).
+    heads : int, default 8
+    dim_head : int, optional
+        Default ``dim // heads`` (then ``dim`` must be a multiple of ``heads``).
+    causal : bool, default False
+    feature_map, num_features, sampler, feature_map_kwargs, scale, redraw_every, seed, fit, check, chunk_size
+        As in :class:`LinearAttentionHeads` (``redraw_every`` counts calls of :meth:`forward`
+        and :meth:`forward_heads` in training mode).
+    qkv_bias : bool, default False
+        Biases of the query, key and value projections (performer-pytorch's default).
+    out_bias : bool, default True
+        Bias of the output projection.
+    device, dtype : optional
+        Of the projections and of a map built by name.
+
+    Attributes
+    ----------
+    to_q, to_k, to_v : nn.Linear
+        ``dim -> heads * dim_head`` (the names of performer-pytorch's ``Attention``).
+    to_out : nn.Linear
+        ``heads * dim_head -> dim``.
+    attention : LinearAttentionHeads
+        The per-head attention, owning the feature map and the redraw schedule.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kernelapprox.nn import LinearAttention
+    >>> _ = torch.manual_seed(0)
+    >>> layer = LinearAttention(32, heads=4, causal=True, num_features=16, redraw_every=100)
+    >>> x = torch.randn(2, 10, 32)                            # (batch, n, dim)
+    >>> out, state = layer(x[:, :6], return_state=True)       # a prompt ...
+    >>> out2 = layer(x[:, 6:], initial_state=state)           # ... continued
+    >>> full = layer(x)
+    >>> out2.shape, bool(torch.allclose(full[:, 6:], out2, atol=1e-5))
+    (torch.Size([2, 4, 32]), True)
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        heads: int = 8,
+        dim_head: int | None = None,
+        causal: bool = False,
+        feature_map: FeatureMapSpec = "positive",
+        num_features: int | None = None,
+        sampler: str | Sampler | None = None,
+        feature_map_kwargs: Mapping[str, Any] | None = None,
+        scale: float | None = None,
+        redraw_every: int | None = None,
+        seed: int | None = None,
+        fit: bool = False,
+        check: bool = False,
+        chunk_size: int = 64,
+        qkv_bias: bool = False,
+        out_bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim = check_positive_int("dim", dim)
+        self.heads = check_positive_int("heads", heads)
+        if dim_head is None:
+            if self.dim % self.heads:
+                raise ValueError(
+                    f"dim={self.dim} is not a multiple of heads={self.heads}; pass dim_head explicitly"
+                )
+            dim_head = self.dim // self.heads
+        self.dim_head = check_positive_int("dim_head", dim_head)
+        inner = self.heads * self.dim_head
+        _check_bool("qkv_bias", qkv_bias)
+        _check_bool("out_bias", out_bias)
+        factory = {"device": device, "dtype": dtype}
+        self.to_q = nn.Linear(self.dim, inner, bias=qkv_bias, **factory)
+        self.to_k = nn.Linear(self.dim, inner, bias=qkv_bias, **factory)
+        self.to_v = nn.Linear(self.dim, inner, bias=qkv_bias, **factory)
+        self.to_out = nn.Linear(inner, self.dim, bias=out_bias, **factory)
+        self.attention = LinearAttentionHeads(
+            self.dim_head, heads=self.heads, causal=causal, feature_map=feature_map,
+            num_features=num_features, sampler=sampler, feature_map_kwargs=feature_map_kwargs,
+            scale=scale, redraw_every=redraw_every, seed=seed, fit=fit, check=check,
+            chunk_size=chunk_size, device=device, dtype=dtype,
+        )
+
+    @property
+    def feature_map(self) -> FeatureMap:
+        """The feature map (``self.attention.feature_map``)."""
+        return self.attention.feature_map
+
+    @property
+    def causal(self) -> bool:
+        """Whether token ``i`` attends to ``j <= i`` only."""
+        return self.attention.causal
+
+    @property
+    def redraw_every(self) -> int | None:
+        """Redraw period in training-mode calls (``self.attention.redraw_every``); settable."""
+        return self.attention.redraw_every
+
+    @redraw_every.setter
+    def redraw_every(self, value: int | None) -> None:
+        self.attention.redraw_every = value
+
+    def redraw(self, seed: int | None = None) -> LinearAttention:
+        """Redraw the feature map's projection now, in place (:meth:`LinearAttentionHeads.redraw`)."""
+        self.attention.redraw(seed)
+        return self
+
+    def split_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(batch, n, heads * dim_head) -> (batch, heads, n, dim_head)."""
+        b, n, _ = t.shape
+        return t.view(b, n, self.heads, self.dim_head).transpose(1, 2)
+
+    def merge_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, n, dim_head) -> (batch, n, heads * dim_head)."""
+        b, h, n, dh = t.shape
+        return t.transpose(1, 2).reshape(b, n, h * dh)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        initial_state: LinearAttentionState | None = None,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
+        r"""Self-attention of a sequence.
+
+        Parameters
+        ----------
+        x : Tensor, shape (batch, n, dim)
+        initial_state : LinearAttentionState, optional
+            State returned for the preceding tokens (``return_state=True``): the layer continues
+            that sequence (causal decoding: one token at a time, at a cost independent of the
+            position).
+        return_state : bool, default False
+            Also return the attention state after the last token.
+
+        Returns
+        -------
+        out : Tensor, shape (batch, n, dim)
+        state : LinearAttentionState, if ``return_state``; ``kv`` of shape
+            (batch, heads, feature_dim, dim_head + 1).
+        """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape (batch, n, dim={self.dim}), got shape {tuple(x.shape)}")
+        _check_bool("return_state", return_state)
+        q, k, v = (self.split_heads(f(x)) for f in (self.to_q, self.to_k, self.to_v))
+        self.attention._tick()
+        res = self.attention._attend(q, k, v, initial_state, return_state)
+        if return_state:
+            heads_out, state = res
+            return self.to_out(self.merge_heads(heads_out)), state
+        return self.to_out(self.merge_heads(res))
+
+    def forward_heads(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        initial_state: LinearAttentionState | None = None,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
+        """Attention of per-head tensors, bypassing the projections (:meth:`LinearAttentionHeads.forward`).
+
+        Parameters
+        ----------
+        q : Tensor, shape (batch, heads, n, dim_head)
+        k : Tensor, shape (batch, heads, m, dim_head)
+        v : Tensor, shape (batch, heads, m, dv)
+        initial_state : LinearAttentionState, optional
+        return_state : bool, default False
+
+        Returns
+        -------
+        out : Tensor, shape (batch, heads, n, dv)
+        state : LinearAttentionState, if ``return_state``
+
+        Examples
+        --------
+        >>> layer = LinearAttention(32, heads=4, num_features=16, seed=0)
+        >>> q, k, v = torch.randn(3, 1, 4, 7, 8).unbind(0)
+        >>> layer.forward_heads(q, k, v).shape
+        torch.Size([1, 4, 7, 8])
+        """
+        return self.attention(q, k, v, initial_state=initial_state, return_state=return_state)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}, dim_head={self.dim_head}"
