@@ -6,11 +6,10 @@ argument, the expected value and the received one; nothing here uses ``assert``.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import operator
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import SupportsIndex, TypeVar, cast
 
 import torch
@@ -139,25 +138,43 @@ def compute_dtype(*dtypes: torch.dtype | None) -> torch.dtype:
     return out
 
 
-_VALIDATED: contextvars.ContextVar[bool] = contextvars.ContextVar("kernelapprox_validated", default=False)
+class _ValidatedFlag(threading.local):
+    """Per-thread flag behind :func:`inputs_validated` (read by :func:`validation_skipped`).
+
+    A thread-local attribute rather than a ``contextvars.ContextVar``: ``torch.compile`` traces
+    attribute reads and writes of a thread-local object (and guards on the value it read), while
+    ``ContextVar.get``/``set`` break the graph. Inside a synchronous ``with`` block the two are the
+    same thing.
+    """
+
+    def __init__(self) -> None:
+        # set on the instance (threading.local runs __init__ once per thread), not as a class
+        # default: the first write would otherwise change where the attribute lives and make
+        # torch.compile recompile
+        self.skipped = False
 
 
-@contextlib.contextmanager
-def inputs_validated() -> Iterator[None]:
+_VALIDATED = _ValidatedFlag()
+
+
+class inputs_validated:  # noqa: N801 - used as a context manager, like contextlib's
     """Within this block, feature maps skip re-validating their inputs.
 
     Entry points (attention, ``kernel``, ``forward``) validate every input once, with messages
     that name *their* arguments, then call the public feature-map methods inside this block, so
-    each input is checked once per call.
+    each input is checked once per call. Re-entrant; the previous value is restored on exit (also
+    when the block raises). A plain class, not a generator context manager, so that
+    ``torch.compile(fullgraph=True)`` traces it without a graph break.
     """
-    token = _VALIDATED.set(True)
-    try:
-        yield
-    finally:
-        _VALIDATED.reset(token)
+
+    def __enter__(self) -> None:
+        self._prev = _VALIDATED.skipped
+        _VALIDATED.skipped = True
+
+    def __exit__(self, *exc: object) -> None:
+        _VALIDATED.skipped = self._prev
 
 
 def validation_skipped() -> bool:
     """Whether the caller already validated the inputs (see :func:`inputs_validated`)."""
-    return _VALIDATED.get()
-
+    return _VALIDATED.skipped

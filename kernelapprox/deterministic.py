@@ -41,7 +41,7 @@ from ._validation import (
     check_last_dim,
     check_positive_int,
 )
-from .features import FeatureMap, _DeterministicMap
+from .features import FeatureMap, _DeterministicMap, _op_into
 from .registry import register_estimator
 from .samplers import make_generator
 
@@ -129,7 +129,7 @@ class TaylorFeatures(_DeterministicMap):
         diag = math.sqrt(0.5)
         for a in range(d):
             blk = out[..., off : off + d - a]
-            torch.mul(xs[..., a : a + 1], xs[..., a:], out=blk) if not _needs_grad(xs) else blk.copy_(
+            _op_into(torch.mul, blk, xs[..., a : a + 1], xs[..., a:]) if not _needs_grad(xs) else blk.copy_(
                 xs[..., a : a + 1] * xs[..., a:])
             blk[..., :1].mul_(diag)
             off += d - a
@@ -409,11 +409,23 @@ class NystromFeatures(FeatureMap):
 
     def _whitener(self) -> tuple[torch.Tensor, torch.Tensor]:
         r"""``(W, h)``: $G^{-1/2}$ (..., m, m) and $\|l_i\|^2/2$ (..., m), float64, cached
-        until the landmark buffer changes."""
+        until the landmark buffer changes.
+
+        Inside ``torch.compile`` the cache (keyed by the buffer's data pointer and version, which
+        the compiler cannot trace) is bypassed: the $m \times m$ eigendecomposition is part of the
+        graph, so a compiled map follows any change of the landmarks."""
         L = self.landmarks_
+        if torch.compiler.is_compiling():
+            return self._whitener_of(L)
         key = (L.data_ptr(), L._version, tuple(L.shape), L.dtype, L.device, self.ridge, self.rcond)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1], self._cache[2]
+        W, h = self._whitener_of(L)
+        self._cache = (key, W, h)
+        return W, h
+
+    def _whitener_of(self, L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W, h)`` of :meth:`_whitener` for landmarks ``L``, computed afresh."""
         with torch.no_grad():
             L64 = L.double()
             h = 0.5 * (L64 * L64).sum(-1)
@@ -427,7 +439,6 @@ class NystromFeatures(FeatureMap):
             w = torch.where(keep, torch.rsqrt(lam.clamp_min(0) + self.ridge), torch.zeros_like(lam))
             W = (U * w.unsqueeze(-2)) @ U.mT
             W = 0.5 * (W + W.mT)
-        self._cache = (key, W, h)
         return W, h
 
     # ------------------------------------------------------------------ features
@@ -435,7 +446,9 @@ class NystromFeatures(FeatureMap):
         """``y = G^{-1/2} e^{a - mu}`` (L, n, m), ``mu = max_i a_i`` (L, n), ``a`` and ``h`` (m,) for the
         prepared input (module docstring of the class)."""
         xc, _ = self._prepare("x", x)
-        if not self._checked:  # once per map (reading the flag may synchronise a device)
+        # once per map (reading the flag may synchronise a device); not inside torch.compile,
+        # where reading the flag and warning would break the graph
+        if not torch.compiler.is_compiling() and not self._checked:
             self._checked = True
             if not self.fitted:
                 warnings.warn(_FALLBACK_WARNING, UserWarning, stacklevel=4)

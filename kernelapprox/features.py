@@ -621,6 +621,15 @@ def _grad(*ts: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
+def _op_into(op: Any, out: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``op(*args, out=out, **kwargs)``: the result written into ``out`` (often a strided slice of
+    a larger buffer). Under ``torch.compile``, where an ``out=`` into a non-contiguous tensor
+    breaks the graph, the same values are computed then copied in (the compiler fuses the copy)."""
+    if torch.compiler.is_compiling():
+        return out.copy_(op(*args, **kwargs))
+    return op(*args, out=out, **kwargs)
+
+
 def _exp_shifted(
     u: torch.Tensor, m: torch.Tensor, c: torch.Tensor, shared: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -683,7 +692,7 @@ class HyperbolicRF(RandomFeatureMap):
         r = u.shape[-1]
         out = u.new_empty(*u.shape[:-1], 2 * r)
         out[..., :r] = u
-        torch.neg(u, out=out[..., r:])
+        _op_into(torch.neg, out[..., r:], u)
         return out
 
     def forward(self, x):
@@ -796,7 +805,7 @@ class TrigRF(RandomFeatureMap):
             lead = torch.broadcast_shapes(xc.shape[:-2], self.batch_shape)
             f = xc.new_empty(*lead, xc.shape[-2], 2 * r)
             u = self.projection.project_into(xc, f[..., :r])
-            torch.cos(u, out=f[..., r:])
+            _op_into(torch.cos, f[..., r:], u)
             u.sin_()
             return f
         u = self.projection.affine(xc, col_bias=self.offsets)

@@ -42,7 +42,7 @@ from ._validation import (
     inputs_validated,
     no_autocast,
 )
-from .features import FeatureMap, _grad
+from .features import FeatureMap, _grad, _op_into
 from .registry import register_estimator
 from .samplers import make_generator
 
@@ -218,8 +218,8 @@ class HedgehogFeatures(FeatureMap):
             lo, hi = torch.aminmax(z, dim=-1, keepdim=True)
             f = z.shape[-1]
             out = z.new_empty(*z.shape[:-1], 2 * f)
-            torch.sub(z, hi, out=out[..., :f])
-            torch.sub(lo, z, out=out[..., f:])
+            _op_into(torch.sub, out[..., :f], z, hi)
+            _op_into(torch.sub, out[..., f:], lo, z)
             out.exp_()
             out[..., :f].div_(out[..., :f].sum(-1, keepdim=True))
             out[..., f:].div_(out[..., f:].sum(-1, keepdim=True))
@@ -250,8 +250,8 @@ class HedgehogFeatures(FeatureMap):
         neg_m = (-2.0 * torch.maximum(hi, -lo)).unsqueeze(-1)
         f = z.shape[-1]
         out = z.new_empty(*z.shape[:-1], 2 * f)
-        torch.add(neg_m, z, alpha=2.0, out=out[..., :f])  # 2z - m
-        torch.add(neg_m, z, alpha=-2.0, out=out[..., f:])  # -2z - m
+        _op_into(torch.add, out[..., :f], neg_m, z, alpha=2.0)  # 2z - m
+        _op_into(torch.add, out[..., f:], neg_m, z, alpha=-2.0)  # -2z - m
         return out.exp_()
 
     def log_features(self, x, shared=False):

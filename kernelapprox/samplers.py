@@ -229,7 +229,8 @@ class DenseProjection(Projection):
     def project_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Write x W^T into ``out`` (a GEMM with a strided output when shapes allow)."""
         W = self._weight.to(x.dtype)
-        if x.shape[:-2] == out.shape[:-2] and W.dim() == 2:
+        if x.shape[:-2] == out.shape[:-2] and W.dim() == 2 and not torch.compiler.is_compiling():
+            # (an out= into a strided slice breaks torch.compile's graph: copy there instead)
             return torch.matmul(x, W.mT, out=out)
         return out.copy_(self(x))
 

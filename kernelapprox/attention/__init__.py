@@ -131,7 +131,8 @@ def linear_attention(
         (:func:`kernelapprox.diagnose.quick_relative_mse`: $O(nd)$ statistics, one
         closed-form evaluation; maps without closed-form moments are not checked; on an accelerator
         only the first call of each map is checked, since the decision needs one host
-        synchronisation). ``False``, or
+        synchronisation; inside ``torch.compile`` it is skipped, as a warning decided on the host
+        would break the graph). ``False``, or
         ``warnings.filterwarnings("ignore", category=ka.KernelApproxWarning)``, turns it off.
 
     Returns
@@ -156,7 +157,8 @@ def linear_attention(
         if not isinstance(feature_map, FeatureMap):
             raise TypeError(f"feature_map must be a kernelapprox FeatureMap, got {type(feature_map).__name__}")
         feature_map.fit(q, k)
-    if check and isinstance(feature_map, FeatureMap) and feature_map.is_random and _checkable(q, k, feature_map):
+    if (check and isinstance(feature_map, FeatureMap) and feature_map.is_random
+            and not torch.compiler.is_compiling() and _checkable(q, k, feature_map)):
         _warn_if_hopeless(feature_map, q, k)
     if causal:
         return chunk_linear_attention(

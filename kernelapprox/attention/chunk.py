@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +16,31 @@ def _exp_diff(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     ``b = -inf``; NaN and ``+inf`` propagate."""
     out = torch.exp(a - b)
     return torch.where(a == float("-inf"), torch.zeros_like(out), out).to(dtype)
+
+
+def _scan_states(
+    state: torch.Tensor, decay: torch.Tensor, kv: torch.Tensor, dim: int, length: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The scan over chunks as one operator, for ``torch.compile`` (one traced step whatever the
+    number of chunks): ``state = state * decay[c] + kv[c]`` for the chunks ``c`` along ``dim`` of
+    ``decay`` (..., nc) and ``kv`` (..., nc, F, dv1). Returns the final state and the states
+    before each chunk (..., nc, F, dv1): the eager loop's values, in the same order of operations.
+
+    ``length`` is any tensor whose last dimension is the sequence length ``n``. The step reads
+    its size (a no-op test) so that the compiler passes the symbol of ``n`` into the step's graph:
+    with a dynamic length the chunk count $\lceil n / C\rceil$ is an expression in it, and
+    Inductor's lowering of scan (torch 2.13) fails to size the stacked output otherwise.
+    ``torch._higher_order_ops.scan`` is a prototype, imported on first use.
+    """
+    from torch._higher_order_ops.scan import scan
+
+    def step(st: torch.Tensor, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        dc, kc = x
+        if length.shape[-1] < 0:  # never true; see above
+            raise AssertionError
+        return st * dc[..., None, None] + kc, st.clone()
+
+    return scan(step, state, (decay, kv), dim=dim)
 
 
 @no_autocast
@@ -54,6 +77,11 @@ def chunk_linear_attention(
     Chunk states are formed for groups of chunks sized so that they never outweigh the features:
     peak memory $O(n(F + d_v) + F d_v)$ per head for any ``chunk_size``, and no
     $(n, F, d_v)$ tensor. Cost $O(nFd_v + nC(F + d_v))$ for chunk size $C$.
+
+    Under ``torch.compile`` the scan over chunks is one scan operator and all chunks form one
+    group (their states, $\lceil n/C\rceil \times F \times (d_v + 1)$, are held at once), so
+    that one graph serves every sequence length with ``dynamic=True``; the values are those of
+    the eager loop.
 
     Parameters
     ----------
@@ -93,9 +121,14 @@ def chunk_linear_attention(
     lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v1.shape[:-2], s.shape[:-1])
     n, Fd, dv1 = fq.shape[-2], fq.shape[-1], v1.shape[-1]
     C = chunk_size
-    nc = math.ceil(n / C)
+    # Under torch.compile the sequence length may be symbolic (dynamic=True): integer arithmetic
+    # only, padding applied unconditionally (a zero pad is a no-op), and the scan over chunks is a
+    # scan operator instead of a Python loop, so one graph serves every length.
+    compiling = torch.compiler.is_compiling()
+    nc = (n + C - 1) // C  # ceil(n / C)
     pad = nc * C - n
-    if pad:
+    s_in = s  # (..., n): its shape carries the (possibly symbolic) length, see _scan_states
+    if compiling or pad:
         fq = F.pad(fq, (0, 0, 0, pad))
         fk = F.pad(fk, (0, 0, 0, pad))
         v1 = F.pad(v1, (0, 0, 0, pad))
@@ -147,16 +180,19 @@ def chunk_linear_attention(
     w_inter = _exp_diff(G_excl.unsqueeze(-1), M, cdt).unsqueeze(-1)  # (..., nc, C, 1)
     decay = _exp_diff(G_excl, G_incl, cdt)  # (..., nc): rescales the carried state
 
-    group = max(1, (nc * C * (Fd + dv1)) // (Fd * dv1))
-    outs = []
-    for a in range(0, nc, group):
-        b = min(nc, a + group)
+    def chunks(a: int, b: int) -> torch.Tensor:
+        """Outputs of chunks ``a:b`` (..., b - a, C, dv1); advances ``state`` past chunk ``b - 1``."""
+        nonlocal state
         kv_c = torch.matmul(fk[..., a:b, :, :].mT, v1[..., a:b, :, :] * w_state[..., a:b, :, :])
-        states = []
-        for c in range(a, b):  # sequential scan over chunks: O(F dv) per chunk
-            states.append(state)
-            state = state * decay[..., c, None, None] + kv_c[..., c - a, :, :]
-        excl = torch.stack(states, dim=-3)  # (..., g, F, dv1) at scales G_excl
+        if compiling:
+            # the same recurrence, as one operator over a (possibly symbolic) number of chunks
+            state, excl = _scan_states(state, decay, kv_c, len(lead), s_in)
+        else:
+            states = []
+            for c in range(a, b):  # sequential scan over chunks: O(F dv) per chunk
+                states.append(state)
+                state = state * decay[..., c, None, None] + kv_c[..., c - a, :, :]
+            excl = torch.stack(states, dim=-3)  # (..., g, F, dv1) at scales G_excl
         fq_g = fq[..., a:b, :, :]
         A = torch.matmul(fq_g, fk[..., a:b, :, :].mT)
         if grad:
@@ -166,8 +202,15 @@ def chunk_linear_attention(
         intra = torch.matmul(A, v1_finite[..., a:b, :, :])
         if v_poison is not None:
             intra = intra.masked_fill(v_poison[..., a:b, :, :], float("nan"))
-        outs.append(torch.matmul(fq_g, excl) * w_inter[..., a:b, :, :] + intra)
-    out = torch.cat(outs, dim=-3).reshape(*lead, nc * C, dv1)[..., :n, :]
+        return torch.matmul(fq_g, excl) * w_inter[..., a:b, :, :] + intra
+
+    if compiling:
+        # all chunks in one group: a number of groups would depend on the (symbolic) length
+        out = chunks(0, nc)
+    else:
+        group = max(1, (nc * C * (Fd + dv1)) // (Fd * dv1))
+        out = torch.cat([chunks(a, min(nc, a + group)) for a in range(0, nc, group)], dim=-3)
+    out = out.reshape(*lead, nc * C, dv1)[..., :n, :]
     out = normalise(*split(out), feature_map.positive, eps).to(out_dtype)
     if return_state:
         g_last = G_incl[..., -1:]
