@@ -1,6 +1,6 @@
 """Input validation shared by the public API.
 
-Every check raises :class:`TypeError` or :class:`ValueError` with a message that names the
+Every check raises `TypeError` or `ValueError` with a message that names the
 argument, the expected value and the received one; nothing here uses ``assert``.
 """
 
@@ -139,7 +139,7 @@ def compute_dtype(*dtypes: torch.dtype | None) -> torch.dtype:
 
 
 class _ValidatedFlag(threading.local):
-    """Per-thread flag behind :func:`inputs_validated` (read by :func:`validation_skipped`).
+    """Per-thread flag behind `inputs_validated` (read by `validation_skipped`).
 
     A thread-local attribute rather than a ``contextvars.ContextVar``: ``torch.compile`` traces
     attribute reads and writes of a thread-local object (and guards on the value it read), while
@@ -176,5 +176,5 @@ class inputs_validated:  # noqa: N801 - used as a context manager, like contextl
 
 
 def validation_skipped() -> bool:
-    """Whether the caller already validated the inputs (see :func:`inputs_validated`)."""
+    """Whether the caller already validated the inputs (see `inputs_validated`)."""
     return _VALIDATED.skipped

@@ -1,16 +1,12 @@
 r"""Dense-exponential positive random features: OPRF (FAVOR++) and FAVOR# (SADERF, SDERF).
 
-All three generalise FAVOR+ (:class:`~kernelapprox.PositiveRF`) by a quadratic term in the
+All three generalise FAVOR+ (`kernelapprox.PositiveRF`) by a quadratic term in the
 projection $\omega \sim \mathcal N(0, I_d)$, chosen from the data to minimise the variance,
 and stay **unbiased** for $e^{x^\top y}$ for every admissible choice:
 
-================== ==================================================================================== ==========
-class              $\varphi(x)$ (query side; keys: see each class)                                fitted
-================== ==================================================================================== ==========
-``OptimalPositiveRF`` $\frac{D}{\sqrt r} e^{A\|\omega_i\|^2 + \sqrt{1-4A}\,\omega_i^\top x - \|x\|^2/2}$, $D=(1-4A)^{d/4}$  scalar $A$
-``SADERF``         OPRF on $\Psi x$ (queries) and $\Psi^{-1} y$ (keys), $\Psi$ diagonal    $\Psi, A$
-``SDERF``          $\frac{D}{\sqrt r} e^{\omega_i^\top \mathrm{diag}(A)\omega_i + \omega_i^\top B x - \|x\|^2/2}$, $B = \mathrm{diag}(\sqrt{1-4A_l})Q^\top$  $Q, A_l$
-================== ==================================================================================== ==========
+- ``OptimalPositiveRF``: $\varphi(x)$ (query side; keys: see each class): $\frac{D}{\sqrt r} e^{A\|\omega_i\|^2 + \sqrt{1-4A}\,\omega_i^\top x - \|x\|^2/2}$, $D=(1-4A)^{d/4}$; fitted: scalar $A$
+- ``SADERF``: $\varphi(x)$ (query side; keys: see each class): OPRF on $\Psi x$ (queries) and $\Psi^{-1} y$ (keys), $\Psi$ diagonal; fitted: $\Psi, A$
+- ``SDERF``: $\varphi(x)$ (query side; keys: see each class): $\frac{D}{\sqrt r} e^{\omega_i^\top \mathrm{diag}(A)\omega_i + \omega_i^\top B x - \|x\|^2/2}$, $B = \mathrm{diag}(\sqrt{1-4A_l})Q^\top$; fitted: $Q, A_l$
 
 Unbiasedness (GERF family, [LCD22]_ Thm 3.1, re-derived in ``docs/estimators.md``): for
 $\omega\sim\mathcal N(0,I)$ and $1 - 4A > 0$,
@@ -49,9 +45,9 @@ cost is FAVOR+'s; its fit is one ``eigh`` of a $d\times d$ matrix per batch elem
 
 References
 ----------
-.. [LCD22] V. Likhosherstov, K. Choromanski, A. Dubey, F. Liu, T. Sarlos, A. Weller. "Chefs' Random
+- [LCD22] V. Likhosherstov, K. Choromanski, A. Dubey, F. Liu, T. Sarlos, A. Weller. "Chefs' Random
    Tables: Non-Trigonometric Random Features", NeurIPS 2022, arXiv:2205.15317.
-.. [LCD23] V. Likhosherstov, K. Choromanski, A. Dubey, F. Liu, T. Sarlos, A. Weller.
+- [LCD23] V. Likhosherstov, K. Choromanski, A. Dubey, F. Liu, T. Sarlos, A. Weller.
    "Dense-Exponential Random Features: Sharp Positive Estimators of the Gaussian Kernel",
    NeurIPS 2023, arXiv:2302.00787 (first titled "FAVOR#").
 """
@@ -222,7 +218,7 @@ class OptimalPositiveRF(_DenseExponentialRF):
     \mathbb E\,\varphi(x)^\top\varphi(y) = e^{x^\top y}.
     $$
 
-    ``A = 0`` is FAVOR+ (:class:`~kernelapprox.PositiveRF`). For $A < 0$ the features are
+    ``A = 0`` is FAVOR+ (`kernelapprox.PositiveRF`). For $A < 0$ the features are
     bounded in $\omega$. Variance of one term (iid rows), with $t = \|x+y\|^2$:
 
     $$
@@ -230,8 +226,8 @@ class OptimalPositiveRF(_DenseExponentialRF):
     e^{\frac{2(1-4A)t}{1-8A}} - e^t\Big]
     $$
 
-    (:func:`kernelapprox.theory.oprf_mse`, iid and block-orthogonal rows), minimised at
-    $A^*(t)$ (:func:`optimal_A`). ``feature_dim = r``.
+    (`kernelapprox.theory.oprf_mse`, iid and block-orthogonal rows), minimised at
+    $A^*(t)$ (`optimal_A`). ``feature_dim = r``.
 
     Parameters
     ----------
@@ -239,10 +235,10 @@ class OptimalPositiveRF(_DenseExponentialRF):
         ``d`` and ``r``.
     A : float, optional
         A fixed parameter, ``A < 1/8`` (finite variance; unbiased for ``A < 1/4``). ``None``
-        (default): chosen from data by :meth:`fit`, with $A^*(\bar t)$ per batch element
+        (default): chosen from data by `fit`, with $A^*(\bar t)$ per batch element
         (the FAVOR++ rule); FAVOR+ (``A = 0``) until fitted.
     **kwargs
-        As :class:`~kernelapprox.RandomFeatureMap` (``sampler``, ``seed``, ``generator``,
+        As `kernelapprox.RandomFeatureMap` (``sampler``, ``seed``, ``generator``,
         ``batch_shape``, ``device``, ``dtype``). ``sampler="orthogonal"`` (χ norms) keeps the
         estimator unbiased and lowers its variance (FAVOR++ = OPRF + ORF).
 
@@ -274,7 +270,7 @@ class OptimalPositiveRF(_DenseExponentialRF):
 
     @property
     def fitted(self) -> bool:
-        """Whether :attr:`A_` was chosen from data (always true for a fixed ``A``)."""
+        """Whether `A_` was chosen from data (always true for a fixed ``A``)."""
         return self.A is not None or getattr(self, "_fitted", False)
 
     def fit(self, q: torch.Tensor, k: torch.Tensor) -> OptimalPositiveRF:
@@ -284,7 +280,7 @@ class OptimalPositiveRF(_DenseExponentialRF):
         ----------
         q : Tensor, shape (..., n, d)
         k : Tensor, shape (..., m, d)
-            Leading dimensions broadcast; :attr:`A_` gets their broadcast shape.
+            Leading dimensions broadcast; `A_` gets their broadcast shape.
 
         Returns
         -------
@@ -322,14 +318,14 @@ class SADERF(_DenseExponentialRF):
     r"""Simplified asymmetric dense-exponential random features, SADERF (FAVOR#) [LCD23]_.
 
     OPRF applied to $\Psi x$ for queries and $\Psi^{-1}y$ for keys, with
-    $\Psi = \mathrm{diag}(\psi)$ and OPRF's scalar $A$ (:class:`OptimalPositiveRF`):
+    $\Psi = \mathrm{diag}(\psi)$ and OPRF's scalar $A$ (`OptimalPositiveRF`):
 
     $$
     \varphi(x) = f_{A}(\Psi x),\quad \psi(y) = f_{A}(\Psi^{-1}y),\qquad
     (\Psi x)^\top(\Psi^{-1}y) = x^\top y,
     $$
 
-    so every $\Psi$ and $A < 1/8$ give an unbiased estimator. :meth:`fit` sets the
+    so every $\Psi$ and $A < 1/8$ give an unbiased estimator. `fit` sets the
     variance-optimal $\psi_l = (\overline{y_l^2}/\overline{x_l^2})^{1/4}$, then
     $A^*$ on the scaled data; the objective (pair-averaged log second moment) is then at
     most OPRF's, with equality iff the per-dimension energies of queries and keys agree.
@@ -344,7 +340,7 @@ class SADERF(_DenseExponentialRF):
         of the reference code (google-research ``imp/max`` ``exparf_``): still unbiased, but with a
         larger $\bar t$ than no scaling at all whenever the energies differ. For comparisons.
     **kwargs
-        As :class:`~kernelapprox.RandomFeatureMap`.
+        As `kernelapprox.RandomFeatureMap`.
 
     Attributes
     ----------
@@ -434,7 +430,7 @@ class SDERF(_DenseExponentialRF):
     $$
 
     with $Q$ orthogonal: $B^\top(I - 4\,\mathrm{diag}(A))^{-1}B = I$, so the estimator
-    is unbiased for every $Q$ and $A_l < 1/8$. :meth:`fit` takes $Q$ from the
+    is unbiased for every $Q$ and $A_l < 1/8$. `fit` takes $Q$ from the
     eigendecomposition of $P = M_x + M_y + \mu_x\mu_y^\top + \mu_y\mu_x^\top$ and
     $A_l = A^*(\sigma_l, 1)$ per eigenvalue. Variance of one term (iid rows), with
     $z' = Q^\top(x + y)$:
@@ -444,10 +440,10 @@ class SDERF(_DenseExponentialRF):
     e^{\frac{2(1-4A_l)}{1-8A_l} z_l'^2} - e^{\|z'\|^2}\Big]
     $$
 
-    (:func:`kernelapprox.theory.sderf_mse`). The constant $D$ matters for the raw kernel
+    (`kernelapprox.theory.sderf_mse`). The constant $D$ matters for the raw kernel
     (the reference code omits it; attention's normalisation hides that). ``feature_dim = r``.
 
-    Parameters are those of :class:`~kernelapprox.RandomFeatureMap`.
+    Parameters are those of `kernelapprox.RandomFeatureMap`.
 
     Attributes
     ----------

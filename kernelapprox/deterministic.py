@@ -1,29 +1,25 @@
 r"""Deterministic feature maps for $e^{q^\top k}$: the second-order Taylor map of Based and
 the Nyström map on landmarks.
 
-================== ======================================================================= ====================== ==========
-class              $\varphi(x)$                                                      ``feature_dim``        exact for
-================== ======================================================================= ====================== ==========
-``TaylorFeatures`` $[1,\ x,\ (x_ix_j)_{i<j},\ (x_i^2/\sqrt2)_i]$                     $1+d+d(d+1)/2$   —
-``NystromFeatures`` $G^{-1/2}\,[e^{l_i^\top x - \|l_i\|^2/2}]_{i=1}^m$                $m$              keys = landmarks
-================== ======================================================================= ====================== ==========
+- ``TaylorFeatures``: $\varphi(x)$: $[1,\ x,\ (x_ix_j)_{i<j},\ (x_i^2/\sqrt2)_i]$; ``feature_dim``: $1+d+d(d+1)/2$; exact for: —
+- ``NystromFeatures``: $\varphi(x)$: $G^{-1/2}\,[e^{l_i^\top x - \|l_i\|^2/2}]_{i=1}^m$; ``feature_dim``: $m$; exact for: keys = landmarks
 
 Neither is random: Taylor features are a fixed polynomial, Nyström features a fixed function of
-their landmarks (chosen from the data by :meth:`NystromFeatures.fit`). Both are biased
-estimators of $e^{q^\top k}$; :func:`kernelapprox.theory.deterministic_error` gives their
+their landmarks (chosen from the data by `NystromFeatures.fit`). Both are biased
+estimators of $e^{q^\top k}$; `kernelapprox.theory.deterministic_error` gives their
 error exactly.
 
 References
 ----------
-.. [Aro24] S. Arora, S. Eyuboglu, M. Zhang, A. Timalsina, S. Alberti, D. Zinsley, J. Zou, A. Rudra,
+- [Aro24] S. Arora, S. Eyuboglu, M. Zhang, A. Timalsina, S. Alberti, D. Zinsley, J. Zou, A. Rudra,
    C. Ré. "Simple linear attention language models balance the recall-throughput tradeoff",
    ICML 2024, arXiv:2402.18668 (Based: the Taylor feature map).
-.. [Xio21] Y. Xiong, Z. Zeng, R. Chakraborty, M. Tan, G. Fung, Y. Li, V. Singh. "Nyströmformer: A
+- [Xio21] Y. Xiong, Z. Zeng, R. Chakraborty, M. Tan, G. Fung, Y. Li, V. Singh. "Nyströmformer: A
    Nyström-Based Algorithm for Approximating Self-Attention", AAAI 2021, arXiv:2102.03902
    (segment-means landmarks).
-.. [WS01] C. K. I. Williams, M. Seeger. "Using the Nyström Method to Speed Up Kernel Machines",
+- [WS01] C. K. I. Williams, M. Seeger. "Using the Nyström Method to Speed Up Kernel Machines",
    NIPS 2001.
-.. [AV07] D. Arthur, S. Vassilvitskii. "k-means++: The Advantages of Careful Seeding", SODA 2007.
+- [AV07] D. Arthur, S. Vassilvitskii. "k-means++: The Advantages of Careful Seeding", SODA 2007.
 """
 
 from __future__ import annotations
@@ -80,7 +76,7 @@ class TaylorFeatures(_DeterministicMap):
     below ``1e-6`` for e.g. a single key orthogonal to the query at $\|x\| \gtrsim 38$). Its error is $1 + u + u^2/2 - e^u = -e^{\xi}u^3/6$ for some
     $\xi$ between 0 and $u$ (Lagrange remainder): an underestimate for $u > 0$,
     an overestimate for $u < 0$, $\approx -u^3/6$ near 0
-    (:func:`kernelapprox.theory.deterministic_error`).
+    (`kernelapprox.theory.deterministic_error`).
 
     Numerics. ``log_features`` returns $f = \varphi(x)/\|\varphi(x)\|$ (``|f| <= 1``) and
     ``log_scale`` $= \tfrac12\log(1 + \|x\|^2 + \|x\|^4/2)$ (float64), with
@@ -222,7 +218,7 @@ class NystromFeatures(FeatureMap):
     $y = G^{-1/2}e^{a - \mu}$, $\nu = \max|y|$: ``f = y / nu`` ($|f| \le 1$)
     and ``log_scale`` $= \mu + \log\nu$ (float64). The per-row scale
     $e^{\pm\|x\|^2/2}$ never appears, so nothing overflows for finite inputs.
-    :meth:`query_features` (what attention uses for queries) rescales each row so that stabilised
+    `query_features` (what attention uses for queries) rescales each row so that stabilised
     attention denominators are of order one (see there). Accuracy limit: a feature vector carries
     an absolute rounding of the size of its row scale, and a key's scale grows like
     $e^{\|k\|^2/2}$, so an entry is resolved only to about
@@ -240,9 +236,9 @@ class NystromFeatures(FeatureMap):
     the keys). Keys of shape ``(..., n, d)`` give landmarks of shape
     ``(*broadcast(k.shape[:-2], batch_shape), m, d)`` (per head and per batch element), and
     ``batch_shape`` becomes those leading dimensions. A tensor ``landmarks`` is used as given,
-    and :meth:`fit` leaves it alone.
+    and `fit` leaves it alone.
 
-    Before :meth:`fit` (choice). Every registered estimator can be built and called as is
+    Before `fit` (choice). Every registered estimator can be built and called as is
     (``ka.get_estimator(name).build(d, r, seed=...)``, which the generic code and the studies
     do), so an unfitted map does not raise: it uses a *data-free fallback*, landmarks drawn at
     construction from $\mathcal N(0, I/\sqrt d)$ (the law of keys
@@ -259,7 +255,7 @@ class NystromFeatures(FeatureMap):
     num_features : int, optional
         ``m``, the number of landmarks (default: the number of rows of a tensor ``landmarks``).
     landmarks : {"segment-means", "kmeans++"} or Tensor, default "segment-means"
-        How :meth:`fit` chooses landmarks, or the landmarks ``(*batch_shape, m, d)`` themselves.
+        How `fit` chooses landmarks, or the landmarks ``(*batch_shape, m, d)`` themselves.
     ridge : float, default 0.0
         $\rho \ge 0$ added to the eigenvalues of $G$ (unit diagonal, so an absolute
         Tikhonov term relative to the mean eigenvalue 1); 0 is the plain pseudo-inverse.
@@ -364,7 +360,7 @@ class NystromFeatures(FeatureMap):
 
     @property
     def fitted(self) -> bool:
-        """Whether the landmarks come from :meth:`fit` or were given (false: the data-free fallback)."""
+        """Whether the landmarks come from `fit` or were given (false: the data-free fallback)."""
         return bool(self.fitted_)
 
     # ------------------------------------------------------------------ landmarks
@@ -425,7 +421,7 @@ class NystromFeatures(FeatureMap):
         return W, h
 
     def _whitener_of(self, L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(W, h)`` of :meth:`_whitener` for landmarks ``L``, computed afresh."""
+        """``(W, h)`` of `_whitener` for landmarks ``L``, computed afresh."""
         with torch.no_grad():
             L64 = L.double()
             h = 0.5 * (L64 * L64).sum(-1)
@@ -483,7 +479,7 @@ class NystromFeatures(FeatureMap):
         landmark of largest norm, which is about the shared key scale of attention. The stabilised
         denominators $\varphi(q)^\top z\,e^{-(s(q) + M)}$ are then of order one instead of
         $e^{-(\|l\|^2_{\max} - \|l\|^2_{\min})/2}$ for queries aligned with small-norm keys,
-        which the signed-map guard of :func:`kernelapprox.linear_attention` (``|den| <= eps``)
+        which the signed-map guard of `kernelapprox.linear_attention` (``|den| <= eps``)
         would otherwise treat as vanishing. $|f| \le \max|y|\,e^{40}$ (the exponent is
         capped: finite in float32).
         """

@@ -1,8 +1,8 @@
 r"""``ka.diagnose``: from the data alone, which estimator of $e^{q^\top k}$ can work, at what r.
 
-The closed forms of :mod:`kernelapprox.theory` say when random features fail: the relative
+The closed forms of `kernelapprox.theory` say when random features fail: the relative
 variance of FAVOR+ grows like $e^{\|q+k\|^2}/r$, that of trigonometric features like
-$e^{\|q\|^2+\|k\|^2}/r$. :func:`diagnose` evaluates them on a subsample of the user's own
+$e^{\|q\|^2+\|k\|^2}/r$. `diagnose` evaluates them on a subsample of the user's own
 ``(q, k)`` pairs, for every registered estimator with a closed form, and turns them into a
 regime report and a recommendation.
 
@@ -62,7 +62,7 @@ DELTA_VALID = 0.05
 
 @dataclass
 class Diagnosis:
-    """The result of :func:`diagnose`: regime statistics, one row per estimator, a recommendation.
+    """The result of `diagnose`: regime statistics, one row per estimator, a recommendation.
 
     Attributes
     ----------
@@ -154,7 +154,7 @@ def diagnose(
     ----------
     q : Tensor, shape (..., n, d)
     k : Tensor, shape (..., m, d)
-        Inputs exactly as they would go into :func:`kernelapprox.linear_attention` (already scaled
+        Inputs exactly as they would go into `kernelapprox.linear_attention` (already scaled
         by $d^{-1/4}$ for attention). With leading dimensions, the first batch element is
         diagnosed (pass one head at a time to see them all).
     feature_map : FeatureMap, optional
@@ -163,7 +163,7 @@ def diagnose(
     v : Tensor, shape (..., m, dv), optional
         Values: with them, each row also predicts the relative attention-output error
         $\sqrt{\sum\mathrm{Var}(\hat o)}/\|o\|_F$ on the sampled query rows by the delta
-        method (iid rows, :func:`kernelapprox.theory.attention_variance`; valid only where
+        method (iid rows, `kernelapprox.theory.attention_variance`; valid only where
         ``delta_method_valid``).
     num_features : int, optional
         ``r`` for the registered estimators (default 256, or ``feature_map.num_features``).
@@ -312,14 +312,14 @@ class KernelApproxWarning(UserWarning):
     """
 
 
-#: Predicted relative kernel MSE above which :func:`kernelapprox.linear_attention` warns.
+#: Predicted relative kernel MSE above which `kernelapprox.linear_attention` warns.
 WARN_RELATIVE_MSE = 1.0
 
 
 def quick_relative_mse(fm: Any, q: torch.Tensor, k: torch.Tensor) -> float:
     r"""Predicted relative kernel MSE of ``fm`` on the batch ``(q, k)`` from $O(nd)$ statistics.
 
-    The closed form of the map's estimator (:func:`kernelapprox.theory.relative_mse`, fitted
+    The closed form of the map's estimator (`kernelapprox.theory.relative_mse`, fitted
     parameters included) evaluated at one representative pair with
     $\|x\|^2 = \overline{\|q\|^2}$, $\|y\|^2 = \overline{\|k\|^2}$ and
     $x^\top y = \bar q^\top\bar k$ (so that $\|x+y\|^2 = \bar t$, the mean over all

@@ -4,35 +4,31 @@ Random maps hold a projection $W$ of shape ``(*batch_shape, r, d)`` whose rows a
 ``r = num_features`` random projections $w_1..w_r$ (the Performer convention, used everywhere
 in the library); ``feature_dim`` is the length of the output vector.
 
-=================== ================================================================================ ============= ========
-class               $\varphi(x)$                                                               feature_dim   unbiased
-=================== ================================================================================ ============= ========
-``TrigRF`` sincos   $e^{\|x\|^2/2} r^{-1/2} [\sin Wx, \cos Wx]$                                 2r            yes
-``TrigRF`` offset   $e^{\|x\|^2/2} \sqrt{2/r}\, \cos(Wx + b)$, $b_i\sim U[0,2\pi)$        r             yes
-``PositiveRF``      $e^{-\|x\|^2/2} r^{-1/2} \exp(Wx)$ (FAVOR+)                                 r             yes
-``HyperbolicRF``    $e^{-\|x\|^2/2} (2r)^{-1/2} [\exp(Wx), \exp(-Wx)]$                          2r            yes
-``EluFeatures``     $\mathrm{elu}(x) + 1$                                                      d             no
-``ReluFeatures``    $\max(x, 0)$                                                               d             no
-=================== ================================================================================ ============= ========
+- ``TrigRF`` sincos: $\varphi(x)$: $e^{\|x\|^2/2} r^{-1/2} [\sin Wx, \cos Wx]$; feature_dim: 2r; unbiased: yes
+- ``TrigRF`` offset: $\varphi(x)$: $e^{\|x\|^2/2} \sqrt{2/r}\, \cos(Wx + b)$, $b_i\sim U[0,2\pi)$; feature_dim: r; unbiased: yes
+- ``PositiveRF``: $\varphi(x)$: $e^{-\|x\|^2/2} r^{-1/2} \exp(Wx)$ (FAVOR+); feature_dim: r; unbiased: yes
+- ``HyperbolicRF``: $\varphi(x)$: $e^{-\|x\|^2/2} (2r)^{-1/2} [\exp(Wx), \exp(-Wx)]$; feature_dim: 2r; unbiased: yes
+- ``EluFeatures``: $\varphi(x)$: $\mathrm{elu}(x) + 1$; feature_dim: d; unbiased: no
+- ``ReluFeatures``: $\varphi(x)$: $\max(x, 0)$; feature_dim: d; unbiased: no
 
 "Unbiased" holds for the ``gaussian``, ``orthogonal`` (chi norms) and ``qmc`` samplers; see
-:mod:`kernelapprox.samplers`. Closed-form bias, variance and MSE live in :mod:`kernelapprox.theory`
+`kernelapprox.samplers`. Closed-form bias, variance and MSE live in `kernelapprox.theory`
 under the same names (``positive_mse`` next to ``PositiveRF``, and so on).
 
 Numerics. Every map also returns its features in a stabilised log-domain form,
 ``f, log_scale = fm.log_features(x)`` with $\varphi(x) = f\, e^{\text{log\_scale}}$, where
-``f`` is bounded ($|f| \le 1$ for the random maps). :meth:`FeatureMap.kernel` and
-:func:`kernelapprox.linear_attention` work from this form, so the scale factors
+``f`` is bounded ($|f| \le 1$ for the random maps). `FeatureMap.kernel` and
+`kernelapprox.linear_attention` work from this form, so the scale factors
 $e^{\pm\|x\|^2/2}$ never overflow on their own. Inputs in bfloat16/float16 are computed in
 float32; float64 stays float64.
 
 References
 ----------
-.. [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
+- [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
    arXiv:2009.14794 (Lemma 1, eq. 7: positive features; Lemma 2: MSEs; §2.4 hyperbolic).
-.. [RR07] A. Rahimi, B. Recht. "Random Features for Large-Scale Kernel Machines", NIPS 2007.
-.. [SS15] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015.
-.. [Kat20] A. Katharopoulos, A. Vyas, N. Pappas, F. Fleuret. "Transformers are RNNs", ICML 2020.
+- [RR07] A. Rahimi, B. Recht. "Random Features for Large-Scale Kernel Machines", NIPS 2007.
+- [SS15] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015.
+- [Kat20] A. Katharopoulos, A. Vyas, N. Pappas, F. Fleuret. "Transformers are RNNs", ICML 2020.
 """
 
 from __future__ import annotations
@@ -89,9 +85,9 @@ def _sqnorm_half(x: torch.Tensor) -> torch.Tensor:
 class FeatureMap(nn.Module):
     r"""Base class of feature maps $\varphi: \mathbb R^d \to \mathbb R^F$.
 
-    A subclass implements :meth:`log_features` (and may override :meth:`forward` and
-    :meth:`query_features` with faster direct paths), then registers its identity once with
-    :func:`kernelapprox.register_estimator`; attention, theory, Monte Carlo and the studies use only
+    A subclass implements `log_features` (and may override `forward` and
+    `query_features` with faster direct paths), then registers its identity once with
+    `kernelapprox.register_estimator`; attention, theory, Monte Carlo and the studies use only
     the public methods below and that identity.
 
     Dtypes (one rule for every entry point of the library). Computations run in
@@ -115,14 +111,14 @@ class FeatureMap(nn.Module):
 
     is_random: ClassVar[bool] = False
     positive: ClassVar[bool] = True
-    #: Parameters chosen from the data by :meth:`fit` (OPRF/FAVOR++, FAVOR#, Nyström landmarks).
+    #: Parameters chosen from the data by `fit` (OPRF/FAVOR++, FAVOR#, Nyström landmarks).
     data_dependent: ClassVar[bool] = False
-    #: Trainable parameters, fitted by :func:`kernelapprox.fit_feature_map` (Hedgehog).
+    #: Trainable parameters, fitted by `kernelapprox.fit_feature_map` (Hedgehog).
     learned: ClassVar[bool] = False
     #: Queries and keys use the same map. Asymmetric estimators (FAVOR#'s SADERF, which scales
     #: queries by $\Psi$ and keys by $\Psi^{-1}$; hybrid features, whose weights are
-    #: an indefinite kernel) set it false and override :meth:`key_log_features`; every key-side
-    #: computation of the library goes through :meth:`key_log_features` / :meth:`key_features`.
+    #: an indefinite kernel) set it false and override `key_log_features`; every key-side
+    #: computation of the library goes through `key_log_features` / `key_features`.
     symmetric: ClassVar[bool] = True
 
     dim: int
@@ -139,7 +135,7 @@ class FeatureMap(nn.Module):
     # ------------------------------------------------------------------ identity
     @property
     def estimator(self) -> Estimator:
-        """The registered identity of this map (:func:`kernelapprox.estimator_of`)."""
+        """The registered identity of this map (`kernelapprox.estimator_of`)."""
         return estimator_of(self)
 
     @property
@@ -218,7 +214,7 @@ class FeatureMap(nn.Module):
     def _kernel_dtypes(
         self, q: object, k: object, compute_dtype: torch.dtype | None
     ) -> tuple[torch.dtype, torch.dtype]:
-        """Validate the inputs of :meth:`kernel`; return (output dtype, compute dtype)."""
+        """Validate the inputs of `kernel`; return (output dtype, compute dtype)."""
         q = check_floating("q", q)
         k = check_floating("k", k)
         check_last_dim("q", q, self.dim)
@@ -262,7 +258,7 @@ class FeatureMap(nn.Module):
 
     @no_autocast
     def query_features(self, x: torch.Tensor) -> torch.Tensor:
-        r"""$\varphi(x)$ up to a positive factor per row: ``f`` of :meth:`log_features`.
+        r"""$\varphi(x)$ up to a positive factor per row: ``f`` of `log_features`.
 
         What attention needs for its queries: a per-query positive factor cancels between the
         numerator and the denominator of $o_i$. Subclasses may skip computing the scale.
@@ -282,7 +278,7 @@ class FeatureMap(nn.Module):
         r"""Stabilised *key* features $\psi(y) = f\,e^{\text{log\_scale}}$, with
         $\hat K(x, y) = \varphi(x)^\top\psi(y)$.
 
-        Same contract as :meth:`log_features`, which it is for symmetric maps (the default).
+        Same contract as `log_features`, which it is for symmetric maps (the default).
 
         Parameters
         ----------
@@ -298,7 +294,7 @@ class FeatureMap(nn.Module):
 
     @no_autocast
     def key_features(self, x: torch.Tensor) -> torch.Tensor:
-        r"""$\psi(x)$, the plain key-side features (:meth:`forward` for symmetric maps).
+        r"""$\psi(x)$, the plain key-side features (`forward` for symmetric maps).
 
         Parameters
         ----------
@@ -317,7 +313,7 @@ class FeatureMap(nn.Module):
 
     @no_autocast
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r"""$\varphi(x)$, the plain (unstabilised) features (query side; see :meth:`key_features`).
+        r"""$\varphi(x)$, the plain (unstabilised) features (query side; see `key_features`).
 
         Parameters
         ----------
@@ -327,8 +323,8 @@ class FeatureMap(nn.Module):
         -------
         Tensor, shape (*broadcast(x.shape[:-2], batch_shape), n, feature_dim), dtype of ``x``.
             May overflow where $\varphi(x)$ itself is not representable (e.g. trigonometric
-            features at $\|x\| \gtrsim 13$ in float32); use :meth:`kernel` or
-            :meth:`log_features` there.
+            features at $\|x\| \gtrsim 13$ in float32); use `kernel` or
+            `log_features` there.
         """
         xc, out_dtype = self._prepare("x", x)
         with inputs_validated():
@@ -342,7 +338,7 @@ class FeatureMap(nn.Module):
         r"""The kernel estimate $\hat K = \varphi(q)\varphi(k)^\top$, computed in the log domain.
 
         $\hat K_{ij} = G_{ij} e^{s_i + t_j}$ with $G = f_q f_k^\top$ and
-        $(f, s)$ from :meth:`log_features`; where $e^{s_i + t_j}$ alone over- or
+        $(f, s)$ from `log_features`; where $e^{s_i + t_j}$ alone over- or
         underflows, $\operatorname{sign}(G_{ij}) \exp(\log|G_{ij}| + s_i + t_j)$, so that no
         scale factor overflows unless $\hat K_{ij}$ itself does.
 
@@ -416,7 +412,7 @@ class RandomFeatureMap(FeatureMap):
         ``r``, the number of random projections $w_1..w_r$.
     sampler : str or Sampler, default "gaussian"
         ``"gaussian"``, ``"orthogonal"``, ``"structured"``, ``"qmc"`` or a
-        :class:`~kernelapprox.samplers.Sampler` (e.g. ``OrthogonalSampler(norms="fixed")``).
+        `kernelapprox.samplers.Sampler` (e.g. ``OrthogonalSampler(norms="fixed")``).
     seed : int, optional
         Seed of a fresh CPU generator the projection is drawn from. ``None`` (with no
         ``generator``) draws from torch's default CPU generator, as ``nn.Linear`` initialises its
@@ -492,7 +488,7 @@ class RandomFeatureMap(FeatureMap):
         offsets : Tensor, shape (*batch_shape, r), optional
             Phases for ``TrigRF(variant="offset")`` (required there).
         sampler : str or Sampler, optional
-            How ``W`` was drawn, if known: used by :meth:`redraw` and by :mod:`kernelapprox.theory`.
+            How ``W`` was drawn, if known: used by `redraw` and by `kernelapprox.theory`.
             Default: unknown provenance (``GivenSampler``; theory then refuses to guess).
         **kwargs
             Other constructor arguments (``variant=``, ``dtype=``, ``device=``).
@@ -569,10 +565,10 @@ class PositiveRF(RandomFeatureMap):
     $$
 
     ``feature_dim = r``. MSE (iid): $\frac1r e^{\|x+y\|^2}\mathrm{SM}^2(1-e^{-\|x+y\|^2})$
-    (:func:`kernelapprox.theory.positive_mse`). Stabilised form: per-row max of
+    (`kernelapprox.theory.positive_mse`). Stabilised form: per-row max of
     $w^\top x - \|x\|^2/2$ subtracted (queries), one max per sequence for keys.
 
-    Parameters are those of :class:`RandomFeatureMap`.
+    Parameters are those of `RandomFeatureMap`.
 
     Examples
     --------
@@ -669,7 +665,7 @@ class HyperbolicRF(RandomFeatureMap):
     $$
 
     ``feature_dim = 2r``. MSE (iid): $\tfrac12(1-e^{-\|x+y\|^2})$ times that of
-    :class:`PositiveRF` with the same ``r`` (:func:`kernelapprox.theory.hyperbolic_mse`).
+    `PositiveRF` with the same ``r`` (`kernelapprox.theory.hyperbolic_mse`).
 
     Examples
     --------
@@ -743,7 +739,7 @@ class TrigRF(RandomFeatureMap):
     ----------
     variant : {"sincos", "offset"}, default "sincos"
     **kwargs
-        Those of :class:`RandomFeatureMap`.
+        Those of `RandomFeatureMap`.
 
     Examples
     --------
@@ -910,7 +906,7 @@ class EluFeatures(_DeterministicMap):
     x (..., n, d) to (..., n, d). Computed
     branch-wise as $x + 1$ for $x \ge 0$ and $e^{x}$ below, so it does not
     round to 0 in bfloat16 for $x \le -8$ (flash-linear-attention issue #1261). As an
-    estimator of $\exp(q^\top k)$ it is biased; :func:`kernelapprox.theory.deterministic_error`
+    estimator of $\exp(q^\top k)$ it is biased; `kernelapprox.theory.deterministic_error`
     gives the error.
 
     Examples
@@ -933,7 +929,7 @@ class ReluFeatures(_DeterministicMap):
 
     Deterministic, non-negative, ``feature_dim = d``: maps x (..., n, d) to (..., n, d). Rows can
     be all zero, so attention
-    denominators can vanish; :func:`kernelapprox.linear_attention` guards them.
+    denominators can vanish; `kernelapprox.linear_attention` guards them.
 
     Examples
     --------

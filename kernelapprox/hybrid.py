@@ -12,15 +12,15 @@ $$
 \operatorname{sgn}(g_l^\top x)\operatorname{sgn}(g_l^\top y).
 $$
 
-:class:`HybridRF` is registered as ``"hybrid"``; its closed-form MSE is
-:func:`kernelapprox.theory.hybrid.hybrid_mse`.
+`HybridRF` is registered as ``"hybrid"``; its closed-form MSE is
+`kernelapprox.theory.hybrid.hybrid_mse`.
 
 References
 ----------
-.. [HRF22] K. Choromanski, H. Chen, H. Lin, Y. Ma, A. Sehanobish, D. Jain, M. S. Ryoo, J. Varley,
+- [HRF22] K. Choromanski, H. Chen, H. Lin, Y. Ma, A. Sehanobish, D. Jain, M. S. Ryoo, J. Varley,
    A. Zeng, V. Likhosherstov, D. Kalashnikov, V. Sindhwani, A. Weller. "Hybrid Random Features",
    ICLR 2022, arXiv:2110.04367.
-.. [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
+- [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
    arXiv:2009.14794.
 """
 
@@ -38,15 +38,15 @@ from .samplers import Sampler
 
 __all__ = ["HybridRF", "default_num_angular"]
 
-#: Cap of the default number of angular vectors (see :func:`default_num_angular`).
+#: Cap of the default number of angular vectors (see `default_num_angular`).
 MAX_DEFAULT_ANGULAR = 8
 
 
 def default_num_angular(num_features: int, dim: int) -> int:
-    r"""The default ``num_angular`` of :class:`HybridRF`: $n = \min(r, 8)$, whatever ``dim``.
+    r"""The default ``num_angular`` of `HybridRF`: $n = \min(r, 8)$, whatever ``dim``.
 
     The feature dimension is $4r(n + 1)$ (a tensor product), so $n$ multiplies the
-    cost of attention. At a fixed feature budget the MSE of :func:`~kernelapprox.theory.hybrid.hybrid_mse`
+    cost of attention. At a fixed feature budget the MSE of `kernelapprox.theory.hybrid.hybrid_mse`
     is $\propto (n + 1)\,(M_\infty + \lambda(1-\lambda)\mathrm{Var}(A - B)/n)$, minimal at
     $n^* = \sqrt{\lambda(1-\lambda)\mathrm{Var}(A-B)/M_\infty}$: about 1 for generic pairs
     ($\theta \approx \pi/2$) and a few for nearly aligned ones
@@ -68,7 +68,7 @@ def _feature_dim(r: int, d: int) -> int:
 
 
 def _times_exp(G: torch.Tensor, logs: torch.Tensor) -> torch.Tensor:
-    r"""$G\,e^{\text{logs}}$ without overflow of the scale alone (as :meth:`FeatureMap.kernel`).
+    r"""$G\,e^{\text{logs}}$ without overflow of the scale alone (as `FeatureMap.kernel`).
 
     One rounding where $e^{\text{logs}}$ is representable; elsewhere
     $\operatorname{sign}(G)\exp(\log|G| + \text{logs})$ with a safe log (zeros give 0 with
@@ -121,7 +121,7 @@ class HybridRF(RandomFeatureMap):
     \psi(y) = \big[\tilde c(y)\otimes\varphi_{\text{hyp}}(y),\ c(y)\otimes\varphi_{\text{trig}}(y)\big],
     $$
 
-    (:meth:`log_features`, :meth:`key_log_features`), which differ in the sign of the
+    (`log_features`, `key_log_features`), which differ in the sign of the
     $\operatorname{sgn}(Gx)\otimes\varphi_{\text{hyp}}$ block, and
     $\hat K = \varphi(x)^\top\psi(y)$. ``feature_dim`` $= (n+1)\cdot 4r$.
 
@@ -136,7 +136,7 @@ class HybridRF(RandomFeatureMap):
     product $\varphi(x)^\top\psi(y)$ the two blocks of $c$ cancel exactly only in
     exact arithmetic: where $\hat\lambda \in \{0, 1\}$ the rounding of the other part (of
     the size of its scale, $e^{(\|x\|^2+\|y\|^2)/2}$ for the trigonometric one) remains.
-    :meth:`kernel` therefore computes $\hat\lambda$, $A$ and $B$ separately
+    `kernel` therefore computes $\hat\lambda$, $A$ and $B$ separately
     ($\hat\lambda$ exactly, each part in the log domain; $O(nm(r + n))$ instead of a
     product of ``feature_dim``-long vectors), the same value up to that rounding, exact at the
     extremes at any norm.
@@ -144,21 +144,21 @@ class HybridRF(RandomFeatureMap):
     Parameters
     ----------
     dim, num_features :
-        ``d`` and ``r`` as for :class:`~kernelapprox.RandomFeatureMap`.
+        ``d`` and ``r`` as for `kernelapprox.RandomFeatureMap`.
     num_angular : int, optional
-        ``n``, the number of angular vectors; default :func:`default_num_angular` ``= min(r, 8)``.
+        ``n``, the number of angular vectors; default `default_num_angular` ``= min(r, 8)``.
     **kwargs
         ``sampler``, ``seed``, ``generator``, ``batch_shape``, ``device``, ``dtype`` of
-        :class:`~kernelapprox.RandomFeatureMap`. The sampler draws $W$ and then the angular
+        `kernelapprox.RandomFeatureMap`. The sampler draws $W$ and then the angular
         vectors (``(*batch_shape, n, d)``, buffer ``angular``) from the same generator.
 
     Notes
     -----
-    MSE (iid rows and vectors, :func:`kernelapprox.theory.hybrid.hybrid_mse`):
+    MSE (iid rows and vectors, `kernelapprox.theory.hybrid.hybrid_mse`):
     $(\lambda^2+v)(V_A+V_B-2C)+2\lambda(C-V_B)+V_B$ with $\lambda=\theta/\pi$,
     $v = \lambda(1-\lambda)/n$ and $C=\mathrm{Cov}(A,B)=\frac{\mathrm{SM}^2}r(\cos(\|x\|^2-\|y\|^2)-1)$.
     It is not an average of per-projection terms, so it is not registered as an
-    :class:`~kernelapprox.EstimatorTheory` (``ka.theory.mse`` raises ``NotImplementedError``).
+    `kernelapprox.EstimatorTheory` (``ka.theory.mse`` raises ``NotImplementedError``).
     Far from both extremes with large norms the hyperbolic part's relative variance
     $\sim e^{\|x+y\|^2}/r$ enters with weight $\lambda^2$: the estimator is then as
     heavy-tailed as positive features there.
@@ -340,7 +340,7 @@ class HybridRF(RandomFeatureMap):
         q : Tensor, shape (..., n, d)
         k : Tensor, shape (..., m, d)
         compute_dtype : torch.dtype, optional
-            Default float64 (as :meth:`FeatureMap.kernel`).
+            Default float64 (as `FeatureMap.kernel`).
 
         Returns
         -------

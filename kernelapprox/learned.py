@@ -3,23 +3,19 @@ r"""Learned feature maps (Hedgehog) and their distillation from softmax attentio
 A learned map $\varphi_\theta$ has trainable parameters $\theta$ (an ``nn.Module`` with
 ``nn.Parameter`` s, ``learned = True``), fitted so that linear attention with
 $\varphi_\theta$ reproduces the *attention weights* of softmax attention on calibration
-data (:func:`fit_feature_map`). It is not random and not an estimator of $e^{q^\top k}$:
-there is no unbiasedness or variance theory; its fidelity is measured (:func:`distillation_loss`,
-attention-output errors against :func:`kernelapprox.softmax_attention`).
+data (`fit_feature_map`). It is not random and not an estimator of $e^{q^\top k}$:
+there is no unbiasedness or variance theory; its fidelity is measured (`distillation_loss`,
+attention-output errors against `kernelapprox.softmax_attention`).
 
-================================== ==================================================================== ===========
-estimator                          $\varphi(x)$, $z = Wx + b$                               feature_dim
-================================== ==================================================================== ===========
-``hedgehog`` (``variant="fla"``)   $\mathrm{softmax}([2z, -2z])$ (one normalisation, 2f entries)   2f
-``hedgehog-lolcats``               $[\mathrm{softmax}(z), \mathrm{softmax}(-z)]$ (two)             2f
-================================== ==================================================================== ===========
+- ``hedgehog`` (``variant="fla"``): $\varphi(x)$, $z = Wx + b$: $\mathrm{softmax}([2z, -2z])$ (one normalisation, 2f entries); feature_dim: 2f
+- ``hedgehog-lolcats``: $\varphi(x)$, $z = Wx + b$: $[\mathrm{softmax}(z), \mathrm{softmax}(-z)]$ (two); feature_dim: 2f
 
 References
 ----------
-.. [Zha24] M. Zhang, K. Bhatia, H. Kumbong, C. Ré. "The Hedgehog & the Porcupine: Expressive
+- [Zha24] M. Zhang, K. Bhatia, H. Kumbong, C. Ré. "The Hedgehog & the Porcupine: Expressive
    Linear Attentions with Softmax Mimicry", ICLR 2024, arXiv:2402.04347 (eq. 5: the distillation
    loss; the map as implemented in flash-linear-attention's ``HedgehogFeatureMap``).
-.. [Zha25] M. Zhang, S. Arora, R. Chalamala, A. Wu, B. Spector, A. Singhal, K. Ramesh, C. Ré.
+- [Zha25] M. Zhang, S. Arora, R. Chalamala, A. Wu, B. Spector, A. Singhal, K. Ramesh, C. Ré.
    "LoLCATs: On Low-Rank Linearizing of Large Language Models", ICLR 2025, arXiv:2410.10254 (the
    ``SoftmaxDim`` feature map of the HazyResearch/lolcats code).
 """
@@ -81,10 +77,10 @@ class HedgehogFeatures(FeatureMap):
     ($\sum_l 2\cosh 2z_l$ once, versus $\sum_l e^{z_l}$ and $\sum_l e^{-z_l}$
     weighting the two halves separately), so no rescaling of $W$ maps one onto the other.
 
-    Features are positive and bounded ($0 < \varphi_j \le 1$): :meth:`log_features` returns
+    Features are positive and bounded ($0 < \varphi_j \le 1$): `log_features` returns
     ``f`` = the features and ``log_scale = 0``. Queries and keys share the map. Gradients reach
     ``weight`` and ``bias`` through every entry point (``fm(x)``, ``fm.kernel``,
-    :func:`kernelapprox.linear_attention`).
+    `kernelapprox.linear_attention`).
 
     Parameters
     ----------
@@ -324,7 +320,7 @@ def _check_bool(name: str, value: object) -> bool:
 
 
 def _validate(fm: object, q: object, k: object, causal: object, scale: object) -> tuple[FeatureMap, float]:
-    """Shared checks of :func:`distillation_loss` and :func:`fit_feature_map`."""
+    """Shared checks of `distillation_loss` and `fit_feature_map`."""
     if not isinstance(fm, FeatureMap):
         raise TypeError(f"fm must be a kernelapprox FeatureMap, got {type(fm).__name__}")
     if not fm.positive:
@@ -410,7 +406,7 @@ def distillation_loss(
         Mask keys ``j > i`` in both attentions (``n == m``).
     scale : float, default 1.0
         Multiplies the logits of the *target* only: ``scale=1`` is
-        :func:`kernelapprox.softmax_attention` on the same ``q, k`` (the library's convention:
+        `kernelapprox.softmax_attention` on the same ``q, k`` (the library's convention:
         inputs already carry $d^{-1/4}$ each); raw projections with ``scale=d**-0.5`` give
         the usual transformer attention.
 
@@ -448,7 +444,7 @@ def fit_feature_map(
 ) -> list[float]:
     r"""Fit a learned feature map by distilling softmax attention into linear attention [Zha24]_.
 
-    Minimises :func:`distillation_loss` (the cross-entropy between the exact attention rows
+    Minimises `distillation_loss` (the cross-entropy between the exact attention rows
     $A_{i\cdot}$ and the linearised rows $\hat A_{i\cdot}$, [Zha24]_ eq. 5) over the
     map's trainable parameters, in place, with ``steps`` steps of Adam (or SGD).
 
@@ -460,7 +456,7 @@ def fit_feature_map(
     Parameters
     ----------
     fm : FeatureMap
-        A learned map (``fm.learned`` true, e.g. :class:`HedgehogFeatures`) with positive features.
+        A learned map (``fm.learned`` true, e.g. `HedgehogFeatures`) with positive features.
     q : Tensor, shape (..., n, d)
     k : Tensor, shape (..., m, d)
         Calibration queries and keys, as passed to attention (see ``scale``); not modified.
@@ -475,7 +471,7 @@ def fit_feature_map(
         Distil causal attention (keys ``j <= i``; ``n == m``).
     scale : float, default 1.0
         Multiplies the logits of the target attention only (the map always sees ``q`` and ``k``
-        as given): ``1.0`` matches :func:`kernelapprox.softmax_attention` on the same inputs.
+        as given): ``1.0`` matches `kernelapprox.softmax_attention` on the same inputs.
     seed : int, optional
         Seed of the row subsampling (a fresh CPU generator). With a seed the fit is deterministic:
         bit-identical parameters and history on the same machine. ``None``: torch's default

@@ -3,16 +3,16 @@ r"""Monte Carlo machinery: error metrics, estimators with confidence intervals, 
 Everything a study needs to measure how wrong a random-feature estimate is, and how sure the
 measurement is:
 
-* **error metrics** as plain functions on tensors (:func:`relative_error`, :func:`relative_rms`,
-  :func:`relative_frobenius`, :func:`max_abs_error`, :func:`attention_relative_error`,
-  :func:`total_variation`);
-* **estimators over S independent draws** with confidence intervals (:func:`mean_ci`: Student t;
-  :func:`variance_ci`: asymptotic normal from the fourth moment; :func:`quantile_ci`: exact
+* **error metrics** as plain functions on tensors (`relative_error`, `relative_rms`,
+  `relative_frobenius`, `max_abs_error`, `attention_relative_error`,
+  `total_variation`);
+* **estimators over S independent draws** with confidence intervals (`mean_ci`: Student t;
+  `variance_ci`: asymptotic normal from the fourth moment; `quantile_ci`: exact
   order-statistic intervals, ``scipy.stats.quantile_test``);
-* **drivers** :func:`kernel_error` and :func:`attention_error` that evaluate ``S`` independent
+* **drivers** `kernel_error` and `attention_error` that evaluate ``S`` independent
   projections of a feature map through its ``batch_shape`` (one batched matmul per chunk of draws,
   memory bounded by ``max_bytes``; never a Python loop over single draws), and
-  :func:`batched_draws`, the generator they are built on.
+  `batched_draws`, the generator they are built on.
 
 All statistics are computed in float64 by default.
 
@@ -472,7 +472,7 @@ class StreamingMoments:
 
     Keeps float64 sums of $(x - c)^p$, $p = 1..4$, with $c$ the mean of the
     first chunk (so the variance does not cancel when the mean is far from 0). The intervals are
-    those of :func:`mean_ci` (Student t) and :func:`variance_ci` (fourth moment), computed from
+    those of `mean_ci` (Student t) and `variance_ci` (fourth moment), computed from
     the sums: use it when the draws do not fit in memory at once.
 
     Examples
@@ -508,12 +508,12 @@ class StreamingMoments:
         return cast(_PowerSums, self._acc).summary(_check_confidence(confidence))  # count >= 2
 
     def mean_ci(self, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``mean, se, low, high`` of the mean (Student t), as :func:`mean_ci`."""
+        """``mean, se, low, high`` of the mean (Student t), as `mean_ci`."""
         out = self._summary(confidence)
         return out["mean"], out["bias_se"], out["mean_ci"][0], out["mean_ci"][1]
 
     def variance_ci(self, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``variance, se, low, high`` of the variance (fourth moment), as :func:`variance_ci`."""
+        """``variance, se, low, high`` of the variance (fourth moment), as `variance_ci`."""
         out = self._summary(confidence)
         return out["variance"], out["variance_se"], out["variance_ci"][0], out["variance_ci"][1]
 
@@ -757,7 +757,7 @@ def kernel_error(
     accumulated as streaming power sums (float64) chunk by chunk, plus per-draw scalar metrics
     (relative Frobenius, relative RMS, max absolute and max relative error over the whole
     ``(..., n, m)`` block) summarised by their mean (t-interval) and quantiles (exact
-    order-statistic intervals, :func:`quantile_ci`). The theory's ``ka.theory.mse(fm, q, k)`` is what ``mse`` estimates.
+    order-statistic intervals, `quantile_ci`). The theory's ``ka.theory.mse(fm, q, k)`` is what ``mse`` estimates.
 
     Draws are evaluated ``chunk`` at a time through ``batch_shape=(chunk, 1, ...)``: one batched
     matmul per chunk, memory about ``max_bytes``. S = 1e5 draws of a 64 x 64 kernel take seconds
@@ -895,11 +895,11 @@ def attention_error(
 
     Per draw, $\hat K$ = ``copy.kernel(q, k)`` (masked to $j\le i$ if ``causal``),
     $\hat a_{ij}=\hat K_{ij}/\sum_l\hat K_{il}$ and $\hat o_i=\sum_j\hat a_{ij}v_j$
-    (the same function of the features as :func:`kernelapprox.linear_attention`, evaluated through
+    (the same function of the features as `kernelapprox.linear_attention`, evaluated through
     the kernel matrix so that the attention rows are available). Against the exact
     $o_i=\sum_jA_{ij}v_j$ it reports per output coordinate the mean of $\hat o$
     (t-interval), bias, variance (with the fourth-moment standard error, the quantity
-    :func:`kernelapprox.theory.attention_variance` approximates) and MSE, and per draw
+    `kernelapprox.theory.attention_variance` approximates) and MSE, and per draw
     the relative error $\|\hat O-O\|_F/\|O\|_F$ over the whole block and the mean and max
     over rows of $\mathrm{TV}_i=\frac12\sum_j|\hat a_{ij}-A_{ij}|$.
 
@@ -910,7 +910,7 @@ def attention_error(
     Parameters
     ----------
     fm : FeatureMap
-        The estimator (its own projection is not used; see :func:`kernel_error`).
+        The estimator (its own projection is not used; see `kernel_error`).
     q : torch.Tensor
         Shape ``(..., n, d)``.
     k : torch.Tensor
@@ -921,7 +921,7 @@ def attention_error(
     causal : bool, default False
         Row i attends to keys j <= i (n == m).
     seed, chunk_size, max_bytes, confidence, quantiles, dtype, as_frame
-        As in :func:`kernel_error`; the per-entry frame is indexed by ``(..., i, c)``.
+        As in `kernel_error`; the per-entry frame is indexed by ``(..., i, c)``.
 
     Returns
     -------

@@ -1,11 +1,11 @@
 r"""Drop-in linear-attention layers: multi-head attention with any feature map $\varphi$.
 
-Two modules, one computation (:func:`kernelapprox.linear_attention`):
+Two modules, one computation (`kernelapprox.linear_attention`):
 
-* :class:`LinearAttention`: a complete attention layer, input ``(batch, n, dim)``: query, key and
-  value projections, ``heads`` heads, the output projection; its :meth:`LinearAttention.forward_heads`
+* `LinearAttention`: a complete attention layer, input ``(batch, n, dim)``: query, key and
+  value projections, ``heads`` heads, the output projection; its `LinearAttention.forward_heads`
   takes per-head tensors instead.
-* :class:`LinearAttentionHeads`: the attention of per-head tensors ``(batch, heads, n, dim_head)``
+* `LinearAttentionHeads`: the attention of per-head tensors ``(batch, heads, n, dim_head)``
   alone, without projections: the counterpart of performer-pytorch's ``FastAttention``.
 
 Each head computes
@@ -173,7 +173,7 @@ class LinearAttentionHeads(nn.Module):
     r"""Linear attention on per-head tensors ``(batch, heads, n, dim_head)``, with a redraw schedule.
 
     The counterpart of performer-pytorch's ``FastAttention``: no projections, only the attention
-    of given queries, keys and values, computed by :func:`kernelapprox.linear_attention` with the
+    of given queries, keys and values, computed by `kernelapprox.linear_attention` with the
     queries and keys scaled by $s^{1/2}$, so that the kernel estimated is $e^{s\,q^\top k}$:
 
     $$
@@ -194,11 +194,11 @@ class LinearAttentionHeads(nn.Module):
     feature_map : str, FeatureMap or callable, default "positive"
         An estimator name (``ka.estimators()``; built with ``ka.get_estimator(name).build(dim_head,
         num_features, sampler=..., seed=seed, batch_shape=(heads,), **feature_map_kwargs)``), a
-        :class:`~kernelapprox.FeatureMap` with ``dim == dim_head`` and ``batch_shape`` ``()``
+        `kernelapprox.FeatureMap` with ``dim == dim_head`` and ``batch_shape`` ``()``
         (shared by all heads) or ``(heads,)``, used as is (not copied), or a factory
         ``feature_map(dim_head, heads) -> FeatureMap``.
     num_features : int, optional
-        $r$ for a map built by name. Default for random maps: :func:`default_num_features`,
+        $r$ for a map built by name. Default for random maps: `default_num_features`,
         $\lfloor d_h \ln d_h\rfloor$ (performer-pytorch's default).
     sampler : str or Sampler, optional
         Sampler of a random map built by name. Default ``"orthogonal"`` (FAVOR+'s orthogonal rows,
@@ -224,13 +224,13 @@ class LinearAttentionHeads(nn.Module):
         ``nn.Linear``'s initialisation (``torch.manual_seed`` makes it reproducible).
     fit : bool, default False
         Call ``feature_map.fit(q, k)`` on every call (data-dependent maps: OPRF/FAVOR++,
-        FAVOR#, Nyström), see :func:`kernelapprox.linear_attention`.
+        FAVOR#, Nyström), see `kernelapprox.linear_attention`.
     check : bool, default False
-        Run the library's closed-form check (:class:`~kernelapprox.KernelApproxWarning` when the
+        Run the library's closed-form check (`kernelapprox.KernelApproxWarning` when the
         map's predicted relative kernel MSE on the batch exceeds 1). Off by default in a layer:
         it costs $O(nd)$ statistics and a host synchronisation per call on CPU, breaks
         ``torch.compile`` graphs, and during training it judges projections that are still
-        being learnt; run :func:`kernelapprox.diagnose` on captured ``q, k`` instead, or turn
+        being learnt; run `kernelapprox.diagnose` on captured ``q, k`` instead, or turn
         it on.
     chunk_size : int, default 64
         Tokens per chunk of the causal form.
@@ -244,7 +244,7 @@ class LinearAttentionHeads(nn.Module):
     training_calls : int
         Training-mode forward calls so far.
     redraws : int
-        Redraws made by the schedule or by :meth:`redraw` so far.
+        Redraws made by the schedule or by `redraw` so far.
 
     Examples
     --------
@@ -364,7 +364,7 @@ class LinearAttentionHeads(nn.Module):
         return {"training_calls": self.training_calls, "redraws": self.redraws}
 
     def set_extra_state(self, state: dict[str, int]) -> None:
-        """Restore the counters saved by :meth:`get_extra_state`."""
+        """Restore the counters saved by `get_extra_state`."""
         if not isinstance(state, Mapping) or not {"training_calls", "redraws"} <= set(state):
             raise ValueError(f"extra state must be a dict with training_calls and redraws, got {state!r}")
         self.training_calls = int(state["training_calls"])
@@ -447,7 +447,7 @@ class LinearAttention(nn.Module):
     \mathrm{out} = \big[\mathrm{LA}(Q_h, K_h, V_h)\big]_{h=1}^{H}\, W_O + b_O,
     $$
 
-    with $\mathrm{LA}$ the linear attention of :class:`LinearAttentionHeads` (kernel
+    with $\mathrm{LA}$ the linear attention of `LinearAttentionHeads` (kernel
     $e^{s\,q^\top k}$ estimated by $\varphi$, $s = d_h^{-1/2}$ by default). Cost
     $O(n F d_h)$ per head instead of $O(n^2 d_h)$; causal decoding carries a fixed-size state.
 
@@ -460,8 +460,8 @@ class LinearAttention(nn.Module):
         Default ``dim // heads`` (then ``dim`` must be a multiple of ``heads``).
     causal : bool, default False
     feature_map, num_features, sampler, feature_map_kwargs, scale, redraw_every, seed, fit, check, chunk_size
-        As in :class:`LinearAttentionHeads` (``redraw_every`` counts calls of :meth:`forward`
-        and :meth:`forward_heads` in training mode).
+        As in `LinearAttentionHeads` (``redraw_every`` counts calls of `forward`
+        and `forward_heads` in training mode).
     qkv_bias : bool, default False
         Biases of the query, key and value projections (performer-pytorch's default).
     out_bias : bool, default True
@@ -559,7 +559,7 @@ class LinearAttention(nn.Module):
         self.attention.redraw_every = value
 
     def redraw(self, seed: int | None = None) -> LinearAttention:
-        """Redraw the feature map's projection now, in place (:meth:`LinearAttentionHeads.redraw`)."""
+        """Redraw the feature map's projection now, in place (`LinearAttentionHeads.redraw`)."""
         self.attention.redraw(seed)
         return self
 
@@ -620,7 +620,7 @@ class LinearAttention(nn.Module):
         initial_state: LinearAttentionState | None = None,
         return_state: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
-        """Attention of per-head tensors, bypassing the projections (:meth:`LinearAttentionHeads.forward`).
+        """Attention of per-head tensors, bypassing the projections (`LinearAttentionHeads.forward`).
 
         Parameters
         ----------

@@ -1,18 +1,18 @@
 r"""One estimator identity: every feature map class declares who it is here, once.
 
-An :class:`Estimator` is the identity of one estimator of $\exp(q^\top k)$: a short
-canonical name (``"positive"``, ``"trig-sincos"``, ...), the :class:`~kernelapprox.FeatureMap`
+An `Estimator` is the identity of one estimator of $\exp(q^\top k)$: a short
+canonical name (``"positive"``, ``"trig-sincos"``, ...), the `kernelapprox.FeatureMap`
 class that computes it and the constructor arguments that select it (``TrigRF`` is two estimators,
 ``variant="sincos"`` and ``variant="offset"``), a legend label, the rule giving ``feature_dim``
-from ``(r, d)``, and its closed-form theory (an :class:`EstimatorTheory`, or none). Whether it is
+from ``(r, d)``, and its closed-form theory (an `EstimatorTheory`, or none). Whether it is
 random and whether its features are positive are read from the class (``is_random``,
 ``positive``), where the code that depends on them lives.
 
-Everything that needs to know *which* estimator a feature map is -- :mod:`kernelapprox.theory`,
-:mod:`kernelapprox.montecarlo`, the studies, the tests -- asks this registry
-(:func:`estimator_of`, :func:`get_estimator`, :func:`estimators`); nothing dispatches on class
+Everything that needs to know *which* estimator a feature map is -- `kernelapprox.theory`,
+`kernelapprox.montecarlo`, the studies, the tests -- asks this registry
+(`estimator_of`, `get_estimator`, `estimators`); nothing dispatches on class
 names. Adding an estimator is one class, its theory functions (optional) and one
-:func:`register_estimator` call; it then appears in every study whose selection matches.
+`register_estimator` call; it then appears in every study whose selection matches.
 
 Examples
 --------
@@ -49,7 +49,7 @@ __all__ = [
     "CLOSED_FORMS",
 ]
 
-#: Names of the closed forms an :class:`EstimatorTheory` can provide.
+#: Names of the closed forms an `EstimatorTheory` can provide.
 #:
 #: * ``"moments"``: bias, variance and MSE of every kernel entry (``ka.theory.bias/variance/mse``),
 #:   for the row laws listed in ``EstimatorTheory.row_laws``;
@@ -66,7 +66,7 @@ class EstimatorTheory:
     r"""The closed forms of one random estimator, as functions the generic theory code calls.
 
     The estimator is $\hat K = \frac1r\sum_{i=1}^r X_i$, an average of per-projection terms
-    (see :mod:`kernelapprox.theory.moments`).
+    (see `kernelapprox.theory.moments`).
 
     Attributes
     ----------
@@ -76,18 +76,18 @@ class EstimatorTheory:
         $\log e^{q^\top k}$ of every entry, for the row law ``orthogonal`` (``None`` = iid,
         ``"chi"``, ``"fixed"``). ``None``: no closed-form moments.
     row_laws : frozenset of str
-        The :attr:`Sampler.row_law <kernelapprox.samplers.Sampler.row_law>` values covered by
+        The `Sampler.row_law <kernelapprox.samplers.Sampler.row_law>` values covered by
         ``components`` (``"iid"``, ``"orthogonal-chi"``, ``"orthogonal-fixed"``).
     attention_pair_terms : tuple of (c, alpha, beta, gamma), optional
         $E[X_jX_l]$ for two keys sharing a query, iid Gaussian rows:
         $\sum c\,e^{\alpha\|q\|^2+\beta(q^\top k_j+q^\top k_l)+\gamma k_j^\top k_l}$
-        (:mod:`kernelapprox.theory.attention`).
+        (`kernelapprox.theory.attention`).
     term_bound : callable, optional
         ``term_bound(components) -> a / K``, a bound on $|X_i|$ relative to the kernel, when
         the per-projection terms are bounded (Hoeffding and Bernstein bounds then apply).
     uniform_variant : str, optional
         ``"sincos"`` or ``"offset"``: the uniform-convergence bounds of
-        :mod:`kernelapprox.theory.uniform` cover this estimator.
+        `kernelapprox.theory.uniform` cover this estimator.
     prepare : callable, optional
         ``prepare(fm, q, k) -> (q, k, params)`` for estimators with (fitted) parameters: the
         inputs the closed forms see (float64 NumPy arrays; e.g. SADERF's $\Psi q$ and
@@ -125,14 +125,14 @@ _FEATURE_DIM_RULES: dict[str, Callable[[int, int], int]] = {
 @dataclass(frozen=True, eq=False)
 class Estimator:
     """The identity of one estimator (see the module docstring). Build it with
-    :func:`register_estimator`.
+    `register_estimator`.
 
     Attributes
     ----------
     name : str
         Canonical short name, unique, e.g. ``"trig-sincos"``.
     cls : type
-        The :class:`~kernelapprox.FeatureMap` subclass.
+        The `kernelapprox.FeatureMap` subclass.
     params : Mapping
         Constructor arguments that select this estimator within ``cls`` (e.g.
         ``{"variant": "offset"}``); a map *is* this estimator when its attributes equal them.
@@ -200,7 +200,7 @@ class Estimator:
         Returns
         -------
         frozenset of str
-            A subset of :data:`CLOSED_FORMS`.
+            A subset of `CLOSED_FORMS`.
         """
         if not self.is_random:
             # a learned map approximates attention weights after normalisation, not e^{q.k}:
@@ -254,13 +254,13 @@ def register_estimator(
 ) -> Estimator:
     """Register a feature map class (with the constructor ``params`` that select it) as an estimator.
 
-    One call per estimator: it then has an identity (:func:`estimator_of`), its theory is found by
-    :mod:`kernelapprox.theory`, and the studies select it by name, randomness and closed forms.
+    One call per estimator: it then has an identity (`estimator_of`), its theory is found by
+    `kernelapprox.theory`, and the studies select it by name, randomness and closed forms.
 
     Parameters
     ----------
     cls : type
-        A :class:`~kernelapprox.FeatureMap` subclass whose constructor takes ``(dim, num_features,
+        A `kernelapprox.FeatureMap` subclass whose constructor takes ``(dim, num_features,
         **kwargs)`` like the built-in maps.
     name : str
         Canonical short name: lower case, words joined by ``-`` (e.g. ``"my-rf"``).
@@ -333,7 +333,7 @@ def unregister_estimator(name: str) -> None:
 
 
 def get_estimator(name: str | Estimator) -> Estimator:
-    """The estimator registered under ``name`` (an :class:`Estimator` is returned as is).
+    """The estimator registered under ``name`` (an `Estimator` is returned as is).
 
     Examples
     --------
@@ -400,7 +400,7 @@ def estimators(
     random : bool, optional
         Keep random (True) or deterministic (False) maps only.
     closed_form : str, optional
-        Keep estimators with this closed form (one of :data:`CLOSED_FORMS`) for ``sampler``.
+        Keep estimators with this closed form (one of `CLOSED_FORMS`) for ``sampler``.
     sampler : str or Sampler, optional
         The sampler ``closed_form`` refers to (default: iid ``"gaussian"``).
     names : iterable of str, optional

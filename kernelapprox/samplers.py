@@ -1,36 +1,28 @@
 r"""Projection samplers: the random matrix $W \in \mathbb{R}^{r \times d}$ of a random feature map.
 
-Every sampler draws on a CPU :class:`torch.Generator` in float64, so that the same seed gives the
+Every sampler draws on a CPU `torch.Generator` in float64, so that the same seed gives the
 same projection on every device and dtype (the feature map casts and moves it afterwards), and
-returns a :class:`Projection` module. A sampler's ``row_law`` tells :mod:`kernelapprox.theory`
+returns a `Projection` module. A sampler's ``row_law`` tells `kernelapprox.theory`
 which closed forms apply to its rows (``"iid"``, ``"orthogonal-chi"``, ``"orthogonal-fixed"``,
 ``"simplex"``, or ``None`` where no closed form is claimed). Rows $w_1, \dots, w_r$ are the ``r = num_features``
 random projections (the Performer convention used throughout the library).
 
-=============== ======================================================================== ==========
-name            construction                                                             unbiased
-=============== ======================================================================== ==========
-``gaussian``    iid $w_i \sim \mathcal N(0, I_d)$                                   yes
-``orthogonal``  independent Haar-orthogonal $d\times d$ blocks, sign-corrected QR,   yes (chi)
-                rows rescaled by independent $\chi_d$ norms (``norms="chi"``) or
-                $\sqrt d$ (``norms="fixed"``, biased: estimates SMREG)
-``structured``  SORF: rows of $\sqrt p\, H D_1 H D_2 H D_3$ (fast Walsh–Hadamard)    no (small bias)
-``qmc``         scrambled Sobol'/Halton points through $\Phi^{-1}$                  yes
-``simplex``     SimRF: independent blocks of $d$ rows $\rho_i R^\top s_i$,     yes
-                $s_i$ the vertices of a regular simplex ($s_i^\top s_j =
-                -\tfrac1{d-1}$), $R$ Haar, $\rho_i$ iid $\chi_d$
-``simplex+``    SimRF+: as ``simplex``, the directions first adapted to the norms          yes
-=============== ======================================================================== ==========
+- ``gaussian``: construction: iid $w_i \sim \mathcal N(0, I_d)$; unbiased: yes
+- ``orthogonal``: construction: independent Haar-orthogonal $d\times d$ blocks, sign-corrected QR, rows rescaled by independent $\chi_d$ norms (``norms="chi"``) or $\sqrt d$ (``norms="fixed"``, biased: estimates SMREG); unbiased: yes (chi)
+- ``structured``: construction: SORF: rows of $\sqrt p\, H D_1 H D_2 H D_3$ (fast Walsh–Hadamard); unbiased: no (small bias)
+- ``qmc``: construction: scrambled Sobol'/Halton points through $\Phi^{-1}$; unbiased: yes
+- ``simplex``: construction: SimRF: independent blocks of $d$ rows $\rho_i R^\top s_i$, $s_i$ the vertices of a regular simplex ($s_i^\top s_j = -\tfrac1{d-1}$), $R$ Haar, $\rho_i$ iid $\chi_d$; unbiased: yes
+- ``simplex+``: construction: SimRF+: as ``simplex``, the directions first adapted to the norms; unbiased: yes
 
 References
 ----------
-.. [Yu16] F. X. Yu, A. T. Suresh, K. Choromanski, D. Holtmann-Rice, S. Kumar. "Orthogonal Random
+- [Yu16] F. X. Yu, A. T. Suresh, K. Choromanski, D. Holtmann-Rice, S. Kumar. "Orthogonal Random
    Features", NeurIPS 2016, arXiv:1610.09072 (ORF eq. 2, SORF eq. 5).
-.. [Mez07] F. Mezzadri. "How to generate random matrices from the classical compact groups",
+- [Mez07] F. Mezzadri. "How to generate random matrices from the classical compact groups",
    Notices of the AMS 54 (2007), arXiv:math-ph/0609050 (the sign correction of QR).
-.. [Avr16] H. Avron, V. Sindhwani, J. Yang, M. W. Mahoney. "Quasi-Monte Carlo Feature Maps for
+- [Avr16] H. Avron, V. Sindhwani, J. Yang, M. W. Mahoney. "Quasi-Monte Carlo Feature Maps for
    Shift-Invariant Kernels", JMLR 17 (2016), arXiv:1412.8293.
-.. [Rei23] I. Reid, K. Choromanski, V. Likhosherstov, A. Weller. "Simplex Random Features",
+- [Rei23] I. Reid, K. Choromanski, V. Likhosherstov, A. Weller. "Simplex Random Features",
    ICML 2023, arXiv:2301.13856 (SimRFs §3, SimRFs+ eq. 17).
 """
 
@@ -302,7 +294,7 @@ class HadamardProjection(Projection):
 class Sampler:
     """Base class of projection samplers.
 
-    Subclasses implement :meth:`sample`, returning a :class:`Projection` of shape
+    Subclasses implement `sample`, returning a `Projection` of shape
     ``(*batch_shape, r, d)`` in float64 on CPU.
     """
 
@@ -312,7 +304,7 @@ class Sampler:
     label: str = "sampler"
     #: Whether every random estimator built on these rows is unbiased.
     unbiased: bool = True
-    #: The law of the rows as far as :mod:`kernelapprox.theory` is concerned: ``"iid"`` (iid
+    #: The law of the rows as far as `kernelapprox.theory` is concerned: ``"iid"`` (iid
     #: Gaussian), ``"orthogonal-chi"``, ``"orthogonal-fixed"``, ``"simplex"``, or ``None`` (no
     #: closed form claimed).
     row_law: str | None = None
@@ -336,7 +328,7 @@ class Sampler:
         batch_shape : tuple of int
             Independent draws: the projection has shape ``(*batch_shape, r, d)``.
         generator : torch.Generator
-            CPU generator (see :func:`make_generator`).
+            CPU generator (see `make_generator`).
 
         Returns
         -------
@@ -449,11 +441,11 @@ class StructuredSampler(Sampler):
     ``sample(r, d, batch_shape=B, generator=g)`` returns a projection of shape ``(*B, r, d)``.
 
     Rows of $\sqrt p\, H D_1 H D_2 H D_3$ per block (``p`` = next power of two ``>= d``),
-    applied in $O(r \log d)$ per input through :func:`fwht`. The rows of a full
+    applied in $O(r \log d)$ per input through `fwht`. The rows of a full
     $p$-dimensional block are orthogonal with norm $\sqrt p$; when $d < p$ only
     their first $d$ coordinates act on the (zero-padded) input, and those are *not* orthogonal. The estimators built on it are slightly *biased*
     (Yu et al. Thm 3: $|\mathbb E K_{\mathrm{SORF}} - K| \le 6z/\sqrt d$), and no closed-form
-    variance is claimed for them (use :mod:`kernelapprox.montecarlo`).
+    variance is claimed for them (use `kernelapprox.montecarlo`).
     """
 
     name = "structured"
@@ -477,10 +469,10 @@ class QMCSampler(Sampler):
     ``sample(r, d, batch_shape=B, generator=g)`` returns a projection of shape ``(*B, r, d)``.
 
     ``t_1..t_r`` are the first ``r`` points of a scrambled Sobol' (``method="sobol"``) or Halton
-    sequence from :mod:`scipy.stats.qmc`, one independent scrambling per batch element. Scrambling
+    sequence from `scipy.stats.qmc`, one independent scrambling per batch element. Scrambling
     makes each point uniform on $[0,1)^d$, so each row is marginally $\mathcal N(0, I_d)$
     and the estimators stay unbiased; rows are negatively dependent (low discrepancy). No
-    closed-form variance is claimed (use :mod:`kernelapprox.montecarlo`).
+    closed-form variance is claimed (use `kernelapprox.montecarlo`).
 
     Parameters
     ----------
@@ -620,15 +612,15 @@ class SimplexSampler(Sampler):
     w_i = \rho_i\, R^\top s_i, \qquad i = 1..d,
     $$
 
-    with $s_i$ the unit vertices of a regular simplex (:func:`simplex_vectors`:
+    with $s_i$ the unit vertices of a regular simplex (`simplex_vectors`:
     $s_i^\top s_j = -\tfrac1{d-1}$, $\sum_i s_i = 0$), $R$ a Haar-orthogonal
-    matrix (sign-corrected QR, as :class:`OrthogonalSampler`) and $\rho_i$ iid
+    matrix (sign-corrected QR, as `OrthogonalSampler`) and $\rho_i$ iid
     $\chi_d$, independent of $R$. The last block keeps its first
     ``r - (n_blocks - 1) d`` rows. Each row is marginally $\mathcal N(0, I_d)$
     (its direction $R^\top s_i$ is uniform on the sphere and independent of its norm), so
     every estimator stays unbiased; two rows of a block have the fixed angle
     $\cos = -\tfrac1{d-1}$ (ORF: 0), which lowers the MSE of positive features further
-    (:mod:`kernelapprox.theory.simplex`).
+    (`kernelapprox.theory.simplex`).
 
     ``plus=True`` (SimRF+, eq. 17): given the norms of a block, the directions start at the simplex
     and take ``iterations`` sweeps of $s_i \leftarrow -\sum_{j\ne i}\rho_j s_j /
@@ -636,7 +628,7 @@ class SimplexSampler(Sampler):
     then are rotated by $R$. The directions now depend on the norms, but $R$ still
     makes each row's direction uniform and independent of *all* the norms, so each row is
     still $\mathcal N(0, I_d)$ and the estimators unbiased. Its pair law depends on the
-    norms: ``row_law`` is ``None`` (no closed form; use :mod:`kernelapprox.montecarlo`).
+    norms: ``row_law`` is ``None`` (no closed form; use `kernelapprox.montecarlo`).
 
     Parameters
     ----------
@@ -648,7 +640,7 @@ class SimplexSampler(Sampler):
     Raises
     ------
     ValueError
-        From :meth:`sample` if ``d = 1`` (no simplex).
+        From `sample` if ``d = 1`` (no simplex).
 
     Examples
     --------

@@ -1,10 +1,10 @@
 r"""scikit-learn front end: random-feature transformers in the style of ``sklearn.kernel_approximation``.
 
-:class:`RandomFeatures` maps an array ``X`` of shape ``(n_samples, n_features)`` to random features
+`RandomFeatures` maps an array ``X`` of shape ``(n_samples, n_features)`` to random features
 $\Phi(X)$ of shape ``(n_samples, n_components)`` with $\Phi(X)\Phi(Y)^\top \approx K(X, Y)$, for
 
 * ``kernel="rbf"``: the Gaussian kernel $K(x, y) = e^{-\gamma\|x-y\|^2}$ (bounded, $K \le 1$),
-  scikit-learn's :class:`~sklearn.kernel_approximation.RBFSampler` kernel;
+  scikit-learn's `sklearn.kernel_approximation.RBFSampler` kernel;
 * ``kernel="softmax"``: the softmax kernel $K(x, y) = e^{\gamma\, x^\top y}$, which is *unbounded*;
   the features estimate it as it is, without any normalisation (no attention denominator).
 
@@ -29,13 +29,13 @@ Requires scikit-learn (the ``[sklearn]`` extra); ``kernelapprox`` itself does no
 
 References
 ----------
-.. [RR07] A. Rahimi, B. Recht. "Random Features for Large-Scale Kernel Machines", NIPS 2007.
-.. [SS15] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015.
-.. [Yu16] F. X. Yu, A. T. Suresh, K. Choromanski, D. Holtmann-Rice, S. Kumar. "Orthogonal Random
+- [RR07] A. Rahimi, B. Recht. "Random Features for Large-Scale Kernel Machines", NIPS 2007.
+- [SS15] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015.
+- [Yu16] F. X. Yu, A. T. Suresh, K. Choromanski, D. Holtmann-Rice, S. Kumar. "Orthogonal Random
    Features", NeurIPS 2016.
-.. [Avr16] H. Avron, V. Sindhwani, J. Yang, M. W. Mahoney. "Quasi-Monte Carlo Feature Maps for
+- [Avr16] H. Avron, V. Sindhwani, J. Yang, M. W. Mahoney. "Quasi-Monte Carlo Feature Maps for
    Shift-Invariant Kernels", JMLR 17 (2016).
-.. [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021.
+- [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _unsupported_reason(est: Estimator) -> str | None:
 
 
 def supported_estimators() -> list[str]:
-    """Names of the registered estimators :class:`RandomFeatures` accepts, in registration order.
+    """Names of the registered estimators `RandomFeatures` accepts, in registration order.
 
     They are the random, symmetric, non-learned estimators whose output width is $r$ or $2r$.
 
@@ -110,7 +110,7 @@ class RandomFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
 
     The rows $w_1..w_r$ of the projection come from ``sampler``; the features are those of the
     library's feature map ``estimator`` applied to $\sqrt{2\gamma}\,x$ (RBF, times
-    $e^{-\gamma\|x\|^2}$) or $\sqrt{\gamma}\,x$ (softmax); see :mod:`kernelapprox.sklearn`.
+    $e^{-\gamma\|x\|^2}$) or $\sqrt{\gamma}\,x$ (softmax); see `kernelapprox.sklearn`.
     The softmax kernel is unbounded: its features are *not* normalised and their variance grows
     like $e^{\gamma\|x+y\|^2}$ (positive) or faster, so scale the data (``gamma``) until
     $\gamma\|x\|^2$ is of order one.
@@ -120,20 +120,20 @@ class RandomFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     kernel : {"rbf", "softmax"}, default="rbf"
         The kernel approximated.
     estimator : str, default=None
-        A registered estimator name (:func:`supported_estimators`): ``"trig-sincos"``,
+        A registered estimator name (`supported_estimators`): ``"trig-sincos"``,
         ``"trig-offset"``, ``"positive"`` (FAVOR+), ``"hyperbolic"``, ``"oprf"`` (FAVOR++),
         ``"sderf"``, ... ``None``: ``"trig-sincos"`` for ``"rbf"`` (``"trig-offset"`` if
         ``n_components`` is odd), ``"positive"`` for ``"softmax"``. At equal ``n_components``
         the sin/cos form has the lower variance for the RBF kernel [5]_ (its variance minus the
         offset form's is $(e^{-4\gamma\|x-y\|^2}/2 - e^{-2\gamma\|x-y\|^2})/F < 0$ for iid rows). Data-dependent estimators (``"oprf"``, ``"sderf"``) choose their
-        parameters from the training data in :meth:`fit`. For the RBF kernel the trigonometric
+        parameters from the training data in `fit`. For the RBF kernel the trigonometric
         estimators are the natural choice (bounded features); the positive ones are valid but
         their variance grows with $\|x + y\|$.
     sampler : str or Sampler, default="orthogonal"
         How the rows $w_i$ are drawn: ``"gaussian"`` (iid, as ``RBFSampler``),
         ``"orthogonal"`` (block-orthogonal with $\chi_d$ norms, unbiased), ``"structured"``
         (SORF, slightly biased), ``"qmc"`` (scrambled Sobol'), ``"simplex"``, ``"simplex+"``
-        (need ``n_features >= 2``), or a :class:`kernelapprox.samplers.Sampler`.
+        (need ``n_features >= 2``), or a `kernelapprox.samplers.Sampler`.
     n_components : int, default=100
         Output width $F$ (the number of features). It maps to the number of random
         projections $r$ by the estimator's rule: $r = F$ for ``"trig-offset"``, ``"positive"``,
@@ -148,9 +148,9 @@ class RandomFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
     Attributes
     ----------
     n_features_in_ : int
-        Number of features seen during :meth:`fit`.
+        Number of features seen during `fit`.
     feature_names_in_ : ndarray of shape (n_features_in_,)
-        Names of features seen during :meth:`fit` (only when ``X`` has string column names).
+        Names of features seen during `fit` (only when ``X`` has string column names).
     gamma_ : float
         The $\gamma$ in use (resolved from ``"scale"``).
     estimator_ : str
@@ -180,12 +180,12 @@ class RandomFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
 
     References
     ----------
-    .. [1] A. Rahimi, B. Recht. "Random Features for Large-Scale Kernel Machines", NIPS 2007.
-    .. [2] F. X. Yu et al. "Orthogonal Random Features", NeurIPS 2016.
-    .. [3] H. Avron, V. Sindhwani, J. Yang, M. W. Mahoney. "Quasi-Monte Carlo Feature Maps for
+    - [1] A. Rahimi, B. Recht. "Random Features for Large-Scale Kernel Machines", NIPS 2007.
+    - [2] F. X. Yu et al. "Orthogonal Random Features", NeurIPS 2016.
+    - [3] H. Avron, V. Sindhwani, J. Yang, M. W. Mahoney. "Quasi-Monte Carlo Feature Maps for
        Shift-Invariant Kernels", JMLR 17 (2016).
-    .. [4] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021.
-    .. [5] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015.
+    - [4] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021.
+    - [5] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015.
 
     Examples
     --------

@@ -92,9 +92,9 @@ def linear_attention(
 
     computed by associativity: $O(nFd_v)$ time instead of $O(n^2 d)$
     [Kat20]_, [Cho21]_. Non-causal: one state $\varphi(K)^\top[V, 1]$. Causal: chunk-wise
-    (:func:`chunk_linear_attention`), memory linear in ``n``.
+    (`chunk_linear_attention`), memory linear in ``n``.
 
-    Numerics: features come from :meth:`FeatureMap.log_features`; the per-query scale cancels in
+    Numerics: features come from `FeatureMap.log_features`; the per-query scale cancels in
     the ratio and keys share one scale per sequence, so nothing overflows for finite inputs.
     16-bit inputs are computed in float32 and the output is cast back.
 
@@ -112,7 +112,7 @@ def linear_attention(
     initial_state : LinearAttentionState, optional
         State of a preceding segment (e.g. a prompt), continued here.
     return_state : bool, default False
-        Also return the state after the last token (hand it to :class:`RecurrentLinearAttention`).
+        Also return the state after the last token (hand it to `RecurrentLinearAttention`).
     eps : float, default 1e-6
         Guard for signed (trigonometric) maps, applied to the *stabilised* denominator
         $\varphi(q_i)^\top z\, e^{-(s_{q_i} + M_i)}$ (query scale $s_{q_i}$, key scale
@@ -125,10 +125,10 @@ def linear_attention(
         code does per batch. With ``causal=True`` the statistics then include future keys (the
         official code does the same); fit on a calibration batch instead where that matters.
     check : bool, default True
-        Warn (:class:`kernelapprox.KernelApproxWarning`, once per call site under Python's default
+        Warn (`kernelapprox.KernelApproxWarning`, once per call site under Python's default
         filter) when the map's closed form predicts a relative kernel MSE above
         ``kernelapprox.diagnose.WARN_RELATIVE_MSE`` (1.0) on this batch
-        (:func:`kernelapprox.diagnose.quick_relative_mse`: $O(nd)$ statistics, one
+        (`kernelapprox.diagnose.quick_relative_mse`: $O(nd)$ statistics, one
         closed-form evaluation; maps without closed-form moments are not checked; on an accelerator
         only the first call of each map is checked, since the decision needs one host
         synchronisation; inside ``torch.compile`` it is skipped, as a warning decided on the host

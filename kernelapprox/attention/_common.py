@@ -28,7 +28,7 @@ def prepare(
 
     Returns ``q, k, v`` in ``compute_dtype(q, k, v, feature map)`` (at least float32), the output
     dtype ``promote(q, k, v)`` and the compute dtype. The feature map is then called inside
-    :func:`~kernelapprox._validation.inputs_validated`, so nothing is checked twice.
+    `kernelapprox._validation.inputs_validated`, so nothing is checked twice.
     """
     check_feature_map(feature_map)
     check_qkv(q, k, v, causal=causal)

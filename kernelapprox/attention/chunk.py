@@ -68,7 +68,7 @@ def chunk_linear_attention(
     the scale $M_i = \max_{j \le i} s_j$ (with the initial state's), so no output depends,
     even through rounding, on a later key (a global key maximum would let one large future key
     underflow the past). The carried state is rescaled to the running maximum, exactly as in
-    :class:`RecurrentLinearAttention`, so the two forms agree to rounding.
+    `RecurrentLinearAttention`, so the two forms agree to rounding.
 
     Output $i$ depends on positions $\le i$ only, also for non-finite inputs: a NaN or
     Inf at position $j$ reaches rows $\ge j$ (as in the recurrent form), never rows
@@ -94,7 +94,7 @@ def chunk_linear_attention(
     initial_state : LinearAttentionState, optional
     return_state : bool, default False
     eps : float, default 1e-6
-        Denominator guard for signed maps, see :func:`kernelapprox.linear_attention`.
+        Denominator guard for signed maps, see `kernelapprox.linear_attention`.
 
     Returns
     -------

@@ -1,11 +1,11 @@
 r"""Plain quadratic references for linear attention: the ground truth of the fast forms' tests.
 
 Following flash-linear-attention's layout, these are the plainest formulas, sharing no code with
-the fast paths (:mod:`.parallel`, :mod:`.chunk`, :mod:`.recurrent`): the features are the plain
+the fast paths (`.parallel`, `.chunk`, `.recurrent`): the features are the plain
 $\varphi(x)$ of ``feature_map(x)`` (no log-domain stabilisation, so they overflow where
 $\varphi$ itself does -- use moderate inputs, in float64), the kernel matrix is materialised,
-and nothing is guarded. $O(n^2)$ memory (:func:`naive_linear_attention`) or a Python loop
-over tokens (:func:`naive_recurrent_linear_attention`): for tests and small problems only.
+and nothing is guarded. $O(n^2)$ memory (`naive_linear_attention`) or a Python loop
+over tokens (`naive_recurrent_linear_attention`): for tests and small problems only.
 """
 
 from __future__ import annotations

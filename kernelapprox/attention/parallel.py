@@ -37,7 +37,7 @@ def parallel_linear_attention(
         Keys and values already summarised (added to this call's).
     return_state : bool, default False
     eps : float, default 1e-6
-        Denominator guard for signed maps, see :func:`kernelapprox.linear_attention`.
+        Denominator guard for signed maps, see `kernelapprox.linear_attention`.
 
     Returns
     -------

@@ -20,7 +20,7 @@ class RecurrentLinearAttention:
 
     The state has a fixed size $F \times (d_v + 1)$, so a step costs $O(F d_v)$
     independently of ``t`` (no KV cache). The state is kept stabilised
-    (:class:`LinearAttentionState`): a key whose feature scale exceeds the state's rescales it.
+    (`LinearAttentionState`): a key whose feature scale exceeds the state's rescales it.
 
     Parameters
     ----------
@@ -29,7 +29,7 @@ class RecurrentLinearAttention:
     state : LinearAttentionState, optional
         Initial state, e.g. from ``linear_attention(..., causal=True, return_state=True)`` on a prompt.
     eps : float, default 1e-6
-        Denominator guard for signed feature maps (see :func:`kernelapprox.linear_attention`).
+        Denominator guard for signed feature maps (see `kernelapprox.linear_attention`).
 
     Examples
     --------

@@ -19,7 +19,7 @@ class LinearAttentionState:
     $$
 
     Stored stabilised as ``kv = [S | z] * exp(-log_scale)`` so that exponential feature scales never
-    overflow; :attr:`S` and :attr:`z` return the true values (which may overflow for huge norms,
+    overflow; `S` and `z` return the true values (which may overflow for huge norms,
     the stored form does not).
 
     Attributes
@@ -58,7 +58,7 @@ class LinearAttentionState:
         return LinearAttentionState(self.kv.detach(), self.log_scale.detach())
 
     def to(self, *args, **kwargs) -> LinearAttentionState:
-        """Move/cast ``kv`` like :meth:`torch.Tensor.to`; ``log_scale`` keeps its dtype (float64
+        """Move/cast ``kv`` like `torch.Tensor.to`; ``log_scale`` keeps its dtype (float64
         for random maps: rounding a log scale of ~50 to 16 bits would be a visible error) and
         only follows a device move."""
         kv = self.kv.to(*args, **kwargs)

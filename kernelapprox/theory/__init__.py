@@ -1,16 +1,16 @@
 r"""Theory of the random-feature estimators: pointwise moments, concentration, uniform bounds.
 
-* :mod:`.moments` — closed-form bias, variance and MSE of every entry of ``fm.kernel(q, k)``
-  (iid, χ-norm and fixed-norm orthogonal rows); :func:`bias`, :func:`variance`, :func:`mse`,
-  :func:`relative_mse` dispatch on a feature map through its registered identity
-  (:func:`kernelapprox.estimator_of`) and the closed forms it declares
-  (:class:`kernelapprox.EstimatorTheory`: ``POSITIVE_THEORY``, ``TRIG_SINCOS_THEORY``, ...).
-* :mod:`.concentration` — Chebyshev / CLT / Hoeffding / Bernstein bounds on
-  $P(|\hat K - K| \ge \varepsilon K)$ and :func:`required_features` inverting them.
-* :mod:`.uniform` — uniform convergence over the ball $B(R)$ (Rahimi–Recht,
+* `.moments` — closed-form bias, variance and MSE of every entry of ``fm.kernel(q, k)``
+  (iid, χ-norm and fixed-norm orthogonal rows); `bias`, `variance`, `mse`,
+  `relative_mse` dispatch on a feature map through its registered identity
+  (`kernelapprox.estimator_of`) and the closed forms it declares
+  (`kernelapprox.EstimatorTheory`: ``POSITIVE_THEORY``, ``TRIG_SINCOS_THEORY``, ...).
+* `.concentration` — Chebyshev / CLT / Hoeffding / Bernstein bounds on
+  $P(|\hat K - K| \ge \varepsilon K)$ and `required_features` inverting them.
+* `.uniform` — uniform convergence over the ball $B(R)$ (Rahimi–Recht,
   Sutherland–Schneider, Sriperumbudur–Szabó, Performer Thm 4) and
-  :func:`required_features_uniform`.
-* :mod:`.attention` — delta-method variance of normalised attention outputs.
+  `required_features_uniform`.
+* `.attention` — delta-method variance of normalised attention outputs.
 
 Every formula carries a source tag in its docstring: SOURCE (read in the paper), DERIVED
 (derived here and checked by Monte Carlo in ``tests/``) or RECALLED (constants from memory).

@@ -67,11 +67,11 @@ which is how it is evaluated (log-domain weights shifted by their row maximum, a
 $e^{-\|k_j-\gamma k_l\|^2/2}\in(0,1]$), in float64.
 
 Validity. The delta method neglects terms of higher order in $\hat D_i/D_i-1$; it is
-accurate when :func:`normaliser_relative_variance` is below about 0.01 (moderate norms of the
+accurate when `normaliser_relative_variance` is below about 0.01 (moderate norms of the
 attention-scaled inputs, enough features), and fails when $\hat D_i$ has a heavy tail
 (positive features at large $\|q+k\|$: it then over-states the variance) or can be close
 to 0 (trig features, whose denominator is not positive). ``docs/theory.md`` shows both regimes against Monte Carlo; use
-:func:`kernelapprox.montecarlo.attention_error` there.
+`kernelapprox.montecarlo.attention_error` there.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def kernel_covariance(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> torch
     -------
     torch.Tensor
         float64, shape ``(..., n, m, m)``. Memory is $n m^2$ doubles: meant for analysis of
-        small blocks (use :func:`attention_variance` for attention, which never forms it).
+        small blocks (use `attention_variance` for attention, which never forms it).
 
     Raises
     ------
@@ -245,7 +245,7 @@ def attention_variance(
     ``docs/theory.md``). With ``causal=True`` the sums run over $j,l\le i$.
 
     It is a first-order approximation: its relative error is $O(1/r)$ when $\hat D_i$
-    concentrates (check with :func:`normaliser_relative_variance`; below about 0.01 is safe).
+    concentrates (check with `normaliser_relative_variance`; below about 0.01 is safe).
     The tests find it within 10% of Monte Carlo for attention-scaled rows of norm 0.5 at
     r = 64 (all four maps) and norm 0.75 at r = 256 (positive). At larger norms or smaller r it
     fails: it over-states the (bounded) variance of positive/hyperbolic outputs, by factors of
@@ -279,7 +279,7 @@ def attention_variance(
     ------
     NotImplementedError
         For samplers other than "gaussian" (orthogonal, structured, QMC) and maps without a
-        closed form: use :func:`kernelapprox.montecarlo.attention_error`.
+        closed form: use `kernelapprox.montecarlo.attention_error`.
     TypeError, ValueError
         For non-floating tensors or inconsistent shapes.
 
@@ -322,7 +322,7 @@ def normaliser_relative_variance(
     e^{u_{ij}+u_{il}}e^{-\|k_j-\gamma k_l\|^2/2}-1\Big)
     $$
 
-    with the terms and $u_{ij}$ of :func:`attention_variance`. It is the diagnostic of the
+    with the terms and $u_{ij}$ of `attention_variance`. It is the diagnostic of the
     delta method: the first-order expansion of $\hat o_i=\hat N_i/\hat D_i$ is accurate
     when $\hat D_i/D_i$ concentrates, i.e. when this number is small. The Monte Carlo
     comparison in ``docs/theory.md`` (d=16) finds the delta variance within about 10% where
@@ -332,7 +332,7 @@ def normaliser_relative_variance(
     Parameters
     ----------
     fm : PositiveRF, HyperbolicRF or TrigRF
-        As in :func:`attention_variance` (``sampler="gaussian"``).
+        As in `attention_variance` (``sampler="gaussian"``).
     q : torch.Tensor
         Queries, shape ``(..., n, d)``.
     k : torch.Tensor
@@ -352,7 +352,7 @@ def normaliser_relative_variance(
 
     References
     ----------
-    DERIVED here from the pair covariances of :func:`kernel_covariance`.
+    DERIVED here from the pair covariances of `kernel_covariance`.
 
     Examples
     --------

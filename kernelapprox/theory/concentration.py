@@ -1,7 +1,7 @@
 r"""Pointwise concentration: bounds on $P(|\hat K - K| \ge \varepsilon K)$ and the ``r`` they require.
 
 For one kernel entry $K = e^{x^\top y}$ and its estimate $\hat K = \frac1r\sum_iX_i$
-(see :mod:`kernelapprox.theory.moments`), write $b = E\hat K - K$ (0 except for fixed-norm
+(see `kernelapprox.theory.moments`), write $b = E\hat K - K$ (0 except for fixed-norm
 ORF) and $\tau = \varepsilon K - |b|$. Four bounds are offered, all built on the exact
 moments:
 
@@ -50,8 +50,8 @@ Samplers ``structured`` and ``qmc`` have no closed-form moments: these functions
 
 References
 ----------
-.. [Hoe63] W. Hoeffding. "Probability inequalities for sums of bounded random variables", JASA 1963.
-.. [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021, arXiv:2009.14794.
+- [Hoe63] W. Hoeffding. "Probability inequalities for sums of bounded random variables", JASA 1963.
+- [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021, arXiv:2009.14794.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ from .moments import (
 
 __all__ = ["METHODS", "failure_probability", "required_features"]
 
-#: Bounds understood by :func:`failure_probability` and :func:`required_features`.
+#: Bounds understood by `failure_probability` and `required_features`.
 METHODS = ("chebyshev", "clt", "hoeffding", "bernstein")
 
 _R_MAX = 2**62
@@ -254,7 +254,7 @@ def required_features(
 ) -> Any:
     r"""Smallest number of projections ``r`` with $P(|\hat K - K| \ge \varepsilon K) \le \delta$.
 
-    Inverts the bound of :func:`failure_probability` entry by entry. Closed forms in the iid
+    Inverts the bound of `failure_probability` entry by entry. Closed forms in the iid
     unbiased case ($v_1$ = relative per-projection variance, $a$ = relative bound on a
     term, $z = \Phi^{-1}(1-\delta/2)$):
 

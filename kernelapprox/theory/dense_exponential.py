@@ -1,6 +1,6 @@
 r"""Closed-form variance and MSE of the dense-exponential estimators (OPRF/FAVOR++, SADERF, SDERF).
 
-One term of OPRF with parameter $A < 1/8$ (:class:`kernelapprox.OptimalPositiveRF`) is
+One term of OPRF with parameter $A < 1/8$ (`kernelapprox.OptimalPositiveRF`) is
 $X = \Lambda D^2 e^{2A\|\omega\|^2 + \sqrt{1-4A}\,\omega^\top z}$ with $z = x + y$,
 $t = \|z\|^2$, $\Lambda = e^{-(\|x\|^2+\|y\|^2)/2}$, $D^2 = (1-4A)^{d/2}$. By the
 Gaussian integral $E\,e^{a\|\omega\|^2 + b^\top\omega} = (1-2a)^{-d/2}e^{\|b\|^2/(2(1-2a))}$
@@ -25,7 +25,7 @@ $$
 independent of $A$ (the series in $E\rho^{2k}e^{2A\rho^2} = (1-4A)^{-d-k}2^k(d)_k$ sums
 to FAVOR+'s pair moment) [DERIVED; MC-verified]. Hence
 $\mathrm{MSE}^{\rm ort} = \frac{\mathrm{Var}X}{r} + \frac{P}{r^2}\Lambda^2({}_1F_1 - e^t)$ with
-the pair count $P$ of :func:`kernelapprox.theory.orf_pair_count`.
+the pair count $P$ of `kernelapprox.theory.orf_pair_count`.
 
 SADERF is OPRF on $(\Psi x, \Psi^{-1} y)$: the same formulas on the scaled pair. SDERF is a
 product over the eigen-directions $l$ of one-dimensional OPRFs with parameters $A_l$ on
@@ -39,13 +39,13 @@ $$
 invariance used above, and no closed form is given).
 
 All values are float64, from a log scale and an $O(1)$ bracket (as in
-:mod:`kernelapprox.theory.moments`).
+`kernelapprox.theory.moments`).
 
 References
 ----------
-.. [LCD22] V. Likhosherstov et al. "Chefs' Random Tables: Non-Trigonometric Random Features",
+- [LCD22] V. Likhosherstov et al. "Chefs' Random Tables: Non-Trigonometric Random Features",
    NeurIPS 2022, arXiv:2205.15317.
-.. [LCD23] V. Likhosherstov et al. "Dense-Exponential Random Features: Sharp Positive Estimators
+- [LCD23] V. Likhosherstov et al. "Dense-Exponential Random Features: Sharp Positive Estimators
    of the Gaussian Kernel", NeurIPS 2023, arXiv:2302.00787.
 """
 
@@ -85,7 +85,7 @@ __all__ = [
 def oprf_optimal_A(t: Any, d: int) -> np.ndarray:
     r"""$A^*(t, d) = \frac{d - 2t - \sqrt{(2t+d)^2 + 8dt}}{16d}$ (float64 array), the
     variance-optimal OPRF parameter at $t = \|x+y\|^2$ (see
-    :func:`kernelapprox.dense_exponential.optimal_A`).
+    `kernelapprox.dense_exponential.optimal_A`).
 
     Examples
     --------
@@ -105,7 +105,7 @@ def _log_second_moment(d: float, t: np.ndarray, A: np.ndarray) -> np.ndarray:
 
 
 def oprf_components(geo: _Geometry, orthogonal: str | None, A: Any = None) -> Components:
-    r""":class:`~kernelapprox.theory.moments.Components` of OPRF with parameter ``A``.
+    r"""`kernelapprox.theory.moments.Components` of OPRF with parameter ``A``.
 
     ``A`` broadcasts against the ``(..., n, m)`` pair arrays; ``None`` takes each pair's own
     optimum $A^*(\|x+y\|^2, d)$ (the estimator tuned at that pair, as in the CRT
@@ -145,7 +145,7 @@ def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: st
     $$
 
     ($P = 0$ for iid rows; see the module docstring). ``A = 0`` gives
-    :func:`kernelapprox.theory.positive_mse`.
+    `kernelapprox.theory.positive_mse`.
 
     Parameters
     ----------
@@ -180,7 +180,7 @@ def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: st
 
 
 def sderf_components(geo: _Geometry, orthogonal: str | None, tw: Any = None, L0: Any = None) -> Components:
-    r""":class:`~kernelapprox.theory.moments.Components` of SDERF (iid rows).
+    r"""`kernelapprox.theory.moments.Components` of SDERF (iid rows).
 
     ``tw`` is $\sum_l \frac{1-4A_l}{1-8A_l} z_l'^2$ per pair and ``L0`` is
     $\sum_l[\log(1-4A_l) - \frac12\log(1-8A_l)]$ (from a fitted map; see the module docstring).

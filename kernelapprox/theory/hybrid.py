@@ -1,4 +1,4 @@
-r"""Closed-form MSE of the angular hybrid estimator (:class:`kernelapprox.hybrid.HybridRF`).
+r"""Closed-form MSE of the angular hybrid estimator (`kernelapprox.hybrid.HybridRF`).
 
 The estimator [HRF22]_ mixes two unbiased estimators of $\mathrm{SM}(x, y) = e^{x^\top y}$
 that share the projections $w_1..w_r$,
@@ -70,10 +70,10 @@ Orthogonal or QMC projections and angular vectors are not covered (iid only).
 
 References
 ----------
-.. [HRF22] K. Choromanski, H. Chen, H. Lin, Y. Ma, A. Sehanobish, D. Jain, M. S. Ryoo, J. Varley,
+- [HRF22] K. Choromanski, H. Chen, H. Lin, Y. Ma, A. Sehanobish, D. Jain, M. S. Ryoo, J. Varley,
    A. Zeng, V. Likhosherstov, D. Kalashnikov, V. Sindhwani, A. Weller. "Hybrid Random Features",
    ICLR 2022, arXiv:2110.04367 (angular hybrid estimator, §3).
-.. [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
+- [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
    arXiv:2009.14794 (Lemma 2).
 """
 
@@ -132,7 +132,7 @@ def _angle_over_pi(q: np.ndarray, k: np.ndarray, shape: tuple[int, ...]) -> tupl
 
 
 def hybrid_terms(q: Any, k: Any, num_features: int, *, num_angular: int) -> HybridTerms:
-    r"""The ingredients $\lambda, v, V_A, V_B, C$ of :func:`hybrid_mse` (module docstring).
+    r"""The ingredients $\lambda, v, V_A, V_B, C$ of `hybrid_mse` (module docstring).
 
     Parameters
     ----------

@@ -5,14 +5,10 @@ Each random map estimates $\mathrm{SM}(x, y)$ by $\hat K = \varphi(x)^\top\varph
 $X_i$ (one per row $w_i$ of the projection). This module gives, in closed form and in
 float64, the mean, variance and MSE of every entry of ``fm.kernel(q, k)``:
 
-==================== ============================================================= ===================
-estimator            per-projection term $X_i$                                feature coordinates
-==================== ============================================================= ===================
-trig sin/cos         $C\cos(w_i^\top\Delta)$                                  ``2r``
-trig offset          $2C\cos(w_i^\top x+b_i)\cos(w_i^\top y+b_i)$             ``r``
-positive (FAVOR+)    $\Lambda\, e^{w_i^\top z}$                               ``r``
-hyperbolic           $\Lambda\cosh(w_i^\top z)$                               ``2r``
-==================== ============================================================= ===================
+- trig sin/cos: per-projection term $X_i$: $C\cos(w_i^\top\Delta)$; feature coordinates: ``2r``
+- trig offset: per-projection term $X_i$: $2C\cos(w_i^\top x+b_i)\cos(w_i^\top y+b_i)$; feature coordinates: ``r``
+- positive (FAVOR+): per-projection term $X_i$: $\Lambda\, e^{w_i^\top z}$; feature coordinates: ``r``
+- hyperbolic: per-projection term $X_i$: $\Lambda\cosh(w_i^\top z)$; feature coordinates: ``2r``
 
 Notation (``estimators.md`` §0): $z = x+y$, $\Delta = x-y$, $t=\|z\|^2$,
 $s=\|\Delta\|^2$, $\Lambda=e^{-(\|x\|^2+\|y\|^2)/2}$, $C = 1/\Lambda$, so that
@@ -28,7 +24,7 @@ $$
 $$
 
 where $P$ is the number of *ordered* pairs $(i\ne j)$ of rows in the same block
-(:func:`orf_pair_count`): $P = 0$ for iid rows, and for ``r = b d + r'`` block-orthogonal
+(`orf_pair_count`): $P = 0$ for iid rows, and for ``r = b d + r'`` block-orthogonal
 rows (``b`` full blocks, one partial block of ``r'`` rows), $P = b\,d(d-1) + r'(r'-1)$.
 Rows of different blocks are independent. For a single block this is Performer's
 $\frac{m-1}{m}$ factor; the partial-block count is DERIVED here and checked by Monte Carlo.
@@ -58,7 +54,7 @@ marginally Gaussian):
   $\|w_i \pm w_j\|^2 = 2d$, so $E e^{(w_i\pm w_j)^\top a} = {}_0F_1(;\tfrac d2;
   \tfrac{d\|a\|^2}{2})$ ($a \to ia$ for cosines, a normalised Bessel function) [DERIVED,
   MC ✓]. The estimator is biased: it estimates SMREG (positive/hyperbolic,
-  :func:`smreg_kernel`) or a Bessel kernel (trig, :func:`fixed_norm_trig_kernel`).
+  `smreg_kernel`) or a Bessel kernel (trig, `fixed_norm_trig_kernel`).
 
 Numerics. Every quantity is computed in float64 from a log-scale and an $O(1)$ bracket, so
 the result is ``inf`` only where the true value overflows float64. $s$ and $t$ are
@@ -74,16 +70,16 @@ arrays or torch tensors; leading dimensions broadcast) give ``(..., n, m)`` arra
 ``fm.kernel(q, k)``. NumPy in → NumPy float64 out; a torch tensor in → a float64 torch tensor
 on the input's device.
 
-Structured (SORF) and QMC projections have no closed form here: :func:`bias`, :func:`variance`,
-:func:`mse` raise ``NotImplementedError`` pointing to :func:`kernelapprox.montecarlo.kernel_error`.
+Structured (SORF) and QMC projections have no closed form here: `bias`, `variance`,
+`mse` raise ``NotImplementedError`` pointing to `kernelapprox.montecarlo.kernel_error`.
 
 References
 ----------
-.. [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
+- [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
    arXiv:2009.14794 (Lemma 2, eq. 8; Theorem 2, eq. 10; SMREG §2.3).
-.. [Yu16] F. X. Yu, A. T. Suresh, K. Choromanski, D. Holtmann-Rice, S. Kumar. "Orthogonal Random
+- [Yu16] F. X. Yu, A. T. Suresh, K. Choromanski, D. Holtmann-Rice, S. Kumar. "Orthogonal Random
    Features", NeurIPS 2016, arXiv:1610.09072 (Lemma 1; ORF′ eq. 4).
-.. [SS15] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015,
+- [SS15] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015,
    arXiv:1506.02785.
 """
 
@@ -394,8 +390,8 @@ class Components(NamedTuple):
     """Closed-form ingredients of one estimator at every ``(q_i, k_j)`` pair (float64 arrays).
 
     ``Var(K^) = exp(scale) * (v1 / r + P(r) / r^2 * cv)`` with ``P(r)`` from
-    :func:`orf_pair_count` (0 for iid rows); ``rbias = (E K^ - SM) / SM``; ``xy = log SM = q.k``;
-    ``s = |q - k|^2`` and ``t = |q + k|^2``. An :class:`~kernelapprox.EstimatorTheory`'s
+    `orf_pair_count` (0 for iid rows); ``rbias = (E K^ - SM) / SM``; ``xy = log SM = q.k``;
+    ``s = |q - k|^2`` and ``t = |q + k|^2``. An `kernelapprox.EstimatorTheory`'s
     ``components(geo, orthogonal)`` returns one.
     """
 
@@ -489,22 +485,22 @@ def _trig_family(geo: _Geometry, orthogonal: str | None, offset: bool) -> Compon
 
 
 def positive_components(geo: _Geometry, orthogonal: str | None) -> Components:
-    """:class:`Components` of ``PositiveRF`` (see :func:`positive_mse`)."""
+    """`Components` of ``PositiveRF`` (see `positive_mse`)."""
     return _exp_family(geo, orthogonal, hyperbolic=False)
 
 
 def hyperbolic_components(geo: _Geometry, orthogonal: str | None) -> Components:
-    """:class:`Components` of ``HyperbolicRF`` (see :func:`hyperbolic_mse`)."""
+    """`Components` of ``HyperbolicRF`` (see `hyperbolic_mse`)."""
     return _exp_family(geo, orthogonal, hyperbolic=True)
 
 
 def trig_sincos_components(geo: _Geometry, orthogonal: str | None) -> Components:
-    """:class:`Components` of ``TrigRF(variant="sincos")`` (see :func:`trig_sincos_mse`)."""
+    """`Components` of ``TrigRF(variant="sincos")`` (see `trig_sincos_mse`)."""
     return _trig_family(geo, orthogonal, offset=False)
 
 
 def trig_offset_components(geo: _Geometry, orthogonal: str | None) -> Components:
-    """:class:`Components` of ``TrigRF(variant="offset")`` (see :func:`trig_offset_mse`)."""
+    """`Components` of ``TrigRF(variant="offset")`` (see `trig_offset_mse`)."""
     return _trig_family(geo, orthogonal, offset=True)
 
 
@@ -548,7 +544,7 @@ TRIG_OFFSET_THEORY = EstimatorTheory(
 
 
 def _theory_for(kind: Any) -> EstimatorTheory:
-    """The closed-form theory of an estimator name (or :class:`~kernelapprox.Estimator`)."""
+    """The closed-form theory of an estimator name (or `kernelapprox.Estimator`)."""
     est = get_estimator(kind)
     th = est.theory
     if th is None or th.components is None:
@@ -613,14 +609,14 @@ def estimator_moments(
     r"""Bias, variance and MSE of every entry of a random-feature estimate of $e^{q^\top k}$.
 
     See the module docstring for the formulas; the per-estimator functions
-    (:func:`positive_mse`, ...) document each one.
+    (`positive_mse`, ...) document each one.
 
     Parameters
     ----------
     kind : str or Estimator
         A registered estimator with closed-form moments, by name (``"trig-sincos"``,
         ``"trig-offset"``, ``"positive"``, ``"hyperbolic"``, or any estimator registered with an
-        :class:`~kernelapprox.EstimatorTheory`).
+        `kernelapprox.EstimatorTheory`).
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
     num_features : int
@@ -628,7 +624,7 @@ def estimator_moments(
     orthogonal : {None, "chi", "fixed", "simplex"}, default None
         ``None``: iid Gaussian rows; ``"chi"``: block-orthogonal rows with χ norms;
         ``"fixed"``: block-orthogonal rows of norm $\sqrt d$; ``"simplex"``: simplex blocks
-        (SimRF, :mod:`kernelapprox.theory.simplex`).
+        (SimRF, `kernelapprox.theory.simplex`).
     **params
         Parameters of a parametric estimator's closed form (e.g. ``A=`` for ``"oprf"``).
 
@@ -667,7 +663,7 @@ def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
     + \frac{P}{r^2}\,e^{\|x\|^2+\|y\|^2}\Big[{}_1F_1\big(d;\tfrac d2;-\tfrac s2\big) - e^{-s}\Big]
     $$
 
-    with $s = \|x-y\|^2$ and $P$ = :func:`orf_pair_count` (0 for iid rows).
+    with $s = \|x-y\|^2$ and $P$ = `orf_pair_count` (0 for iid rows).
 
     * iid (``orthogonal=None``): Performer Lemma 2, eq. (8) [SOURCE]; Yu et al. Lemma 1.
     * ``"chi"``: exact χ-norm ORF closed form, several blocks and a partial last block [DERIVED,
@@ -675,7 +671,7 @@ def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
       $x=y$, since ${}_1F_1(d;\tfrac d2;-\tfrac s2)$ decays only like
       $e^{-s/2}\mathrm{poly}(s)$ or $s^{-d}$).
     * ``"fixed"``: rows of norm $\sqrt d$; biased (mean
-      $C\,{}_0F_1(;\tfrac d2;-\tfrac{ds}4)$, :func:`fixed_norm_trig_kernel`); MSE =
+      $C\,{}_0F_1(;\tfrac d2;-\tfrac{ds}4)$, `fixed_norm_trig_kernel`); MSE =
       bias² + $\frac{C^2}{r}\big[\tfrac{1+F(-ds)}2-F(-\tfrac{ds}4)^2\big]
       +\frac{P}{r^2}C^2\big[F(-\tfrac{ds}2)-F(-\tfrac{ds}4)^2\big]$, $F={}_0F_1(;\tfrac d2;\cdot)$
       [DERIVED, MC ✓].
@@ -757,8 +753,8 @@ def positive_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = 
     * iid: Performer Lemma 2, eq. (8): $\frac1r e^{\|x+y\|^2}\mathrm{SM}^2(1-e^{-\|x+y\|^2})$
       [SOURCE]. Relative MSE $(e^t-1)/r$.
     * ``"chi"``: exact χ-norm ORF [DERIVED, MC ✓]; the pair term is $\le 0$ (ORF always
-      helps), consistent with Performer Theorem 2 (:func:`performer_theorem2_bound`).
-    * ``"fixed"``: estimates SMREG (:func:`smreg_kernel`); bias
+      helps), consistent with Performer Theorem 2 (`performer_theorem2_bound`).
+    * ``"fixed"``: estimates SMREG (`smreg_kernel`); bias
       $\Lambda\,{}_0F_1(;\tfrac d2;\tfrac{dt}4) - \mathrm{SM}$, variance
       $\frac{\Lambda^2}{r}[F(dt) - F(\tfrac{dt}4)^2] + \frac{P}{r^2}\Lambda^2[F(\tfrac{dt}2) -
       F(\tfrac{dt}4)^2]$ [DERIVED, MC ✓].
@@ -842,7 +838,7 @@ def trig_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
 
     Zero for iid and χ-norm ORF rows; for fixed-norm ORF
     $C\big({}_0F_1(;\tfrac d2;-\tfrac{ds}4) - e^{-s/2}\big)$ [DERIVED, MC ✓]
-    (:func:`fixed_norm_trig_kernel` minus SM).
+    (`fixed_norm_trig_kernel` minus SM).
 
     Parameters
     ----------
@@ -891,7 +887,7 @@ def positive_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
 
 
 def hyperbolic_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
-    r"""Bias of ``HyperbolicRF``: the same as :func:`positive_bias` ($\cosh$ is even).
+    r"""Bias of ``HyperbolicRF``: the same as `positive_bias` ($\cosh$ is even).
 
     Parameters
     ----------
@@ -1039,9 +1035,9 @@ def performer_theorem2_bound(q: Any, k: Any, num_features: int) -> Any:
 
 def feature_map_kind(fm: Any) -> tuple[str, str | None]:
     """``(estimator name, orthogonal)`` of a feature map with closed-form moments, or
-    ``(name, None)`` for a deterministic map (its error is exact, see :func:`deterministic_error`).
+    ``(name, None)`` for a deterministic map (its error is exact, see `deterministic_error`).
 
-    The identity comes from the registry (:func:`kernelapprox.estimator_of`), the row law from
+    The identity comes from the registry (`kernelapprox.estimator_of`), the row law from
     ``fm.sampler.row_law``.
 
     Raises
@@ -1141,8 +1137,8 @@ def _dispatch(fm: Any, q: Any, k: Any, what: str) -> Any:
 def bias(fm: Any, q: Any, k: Any) -> Any:
     r"""Bias $E\hat K - e^{q^\top k}$ of every entry of ``fm.kernel(q, k)``.
 
-    Zero for iid and χ-norm ORF random maps; :func:`positive_bias` / :func:`trig_bias` for
-    fixed-norm ORF; :func:`deterministic_error` for elu/relu.
+    Zero for iid and χ-norm ORF random maps; `positive_bias` / `trig_bias` for
+    fixed-norm ORF; `deterministic_error` for elu/relu.
 
     Parameters
     ----------
@@ -1176,8 +1172,8 @@ def variance(fm: Any, q: Any, k: Any) -> Any:
     r"""Variance of every entry of ``fm.kernel(q, k)`` over the draw of the projection.
 
     Reads ``type(fm)``, ``fm.variant``, ``fm.num_features``, ``fm.dim``, ``fm.sampler.name`` and
-    ``fm.sampler.norms``; see :func:`trig_sincos_mse`, :func:`trig_offset_mse`,
-    :func:`positive_mse`, :func:`hyperbolic_mse` for the formulas. 0 for elu/relu.
+    ``fm.sampler.norms``; see `trig_sincos_mse`, `trig_offset_mse`,
+    `positive_mse`, `hyperbolic_mse` for the formulas. 0 for elu/relu.
 
     Parameters
     ----------

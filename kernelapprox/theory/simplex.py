@@ -1,10 +1,10 @@
 r"""Exact pair moments and MSE of simplex random features (SimRF).
 
-A SimRF block (:class:`kernelapprox.samplers.SimplexSampler`) has rows
+A SimRF block (`kernelapprox.samplers.SimplexSampler`) has rows
 $w_i = \rho_i R^\top s_i$, $i = 1..d$, with $s_i$ the unit vertices of a regular
 simplex ($s_i^\top s_j = c = -\tfrac1{d-1}$ for $i \ne j$), $R$ Haar-orthogonal and
 $\rho_i$ iid $\chi_d$. Each row is $\mathcal N(0, I_d)$, so the per-projection mean
-and second moment are the iid ones (:mod:`kernelapprox.theory.moments`); only the covariance of two
+and second moment are the iid ones (`kernelapprox.theory.moments`); only the covariance of two
 rows of one block changes, and every such pair has the same law.
 
 The pair moment [DERIVED, MC ✓]. For $a = \rho_i$, $b = \rho_j$ and
@@ -52,23 +52,23 @@ weight $\sin^{d-1}\phi$ taken in the log domain and normalised to sum to 1
 integrand is entire in $\phi$. The excess is summed as
 $E_v[{}_1F_1(d;\tfrac d2;\tfrac x2 g) - e^{xg}] + e^{x}E_v[\operatorname{expm1}(\sigma c x v)]$
 ($g = 1+\sigma c v$), each part free of cancellation (the first through the ORF series of
-:func:`kernelapprox.theory.moments._pair_excess`), where $x|c| \le 5$; beyond, where
+`kernelapprox.theory.moments._pair_excess`), where $x|c| \le 5$; beyond, where
 $e^{xg}$ would dwarf the result, as $E_v{}_1F_1 - e^x$ directly (the two then differ
 by a factor $\gtrsim e^{\pm x|c|v}$). Checked against a brute-force two-dimensional
 quadrature over the $\chi_d$ densities and against ``mpmath`` (``tests/test_simplex.py``):
 relative error below 1e-12 for $2 \le d \le 1024$, $-10 \le x \le 40$.
 
-Inputs and outputs follow :mod:`kernelapprox.theory.moments`: ``q`` (..., n, d) and ``k``
+Inputs and outputs follow `kernelapprox.theory.moments`: ``q`` (..., n, d) and ``k``
 (..., m, d), NumPy or torch, give (..., n, m) float64 (a tensor on the input's device for tensor
 inputs).
 
 References
 ----------
-.. [Rei23] I. Reid, K. Choromanski, V. Likhosherstov, A. Weller. "Simplex Random Features",
+- [Rei23] I. Reid, K. Choromanski, V. Likhosherstov, A. Weller. "Simplex Random Features",
    ICML 2023, arXiv:2301.13856.
-.. [Yu16] F. X. Yu, A. T. Suresh, K. Choromanski, D. Holtmann-Rice, S. Kumar. "Orthogonal Random
+- [Yu16] F. X. Yu, A. T. Suresh, K. Choromanski, D. Holtmann-Rice, S. Kumar. "Orthogonal Random
    Features", NeurIPS 2016, arXiv:1610.09072.
-.. [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
+- [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
    arXiv:2009.14794 (Lemma 2).
 """
 
@@ -93,7 +93,7 @@ __all__ = [
     "chi_variance",
 ]
 
-#: Estimators whose same-block pair covariance :func:`simplex_components_cv` computes.
+#: Estimators whose same-block pair covariance `simplex_components_cv` computes.
 KINDS = ("positive", "hyperbolic", "trig-sincos", "trig-offset")
 
 _NODES = 96
@@ -186,7 +186,7 @@ def simplex_pair_excess(d: int, t: Any, sign: int = 1) -> np.ndarray:
     ``sign=+1`` is $w_i + w_j$ (angle $c$), ``sign=-1`` is $w_i - w_j$
     (angle $-c$). A negative ``t`` gives the cosine moment:
     ``simplex_pair_excess(d, -s, sign)`` $= E\cos((w_i \pm w_j)^\top\Delta) - e^{-s}$
-    (:func:`simplex_trig_pair_excess`).
+    (`simplex_trig_pair_excess`).
 
     Parameters
     ----------
@@ -295,9 +295,9 @@ def _exp_cv(d: int, t: np.ndarray, both: bool) -> np.ndarray:
 
 def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
     r"""Same-block pair covariance ``cv`` of a SimRF estimator, in the normalisation of
-    :class:`kernelapprox.theory.moments.Components`.
+    `kernelapprox.theory.moments.Components`.
 
-    ``Var(K^) = exp(scale) * (v1 / r + P / r^2 * cv)`` with ``P`` = :func:`orf_pair_count`
+    ``Var(K^) = exp(scale) * (v1 / r + P / r^2 * cv)`` with ``P`` = `orf_pair_count`
     (the same block structure as ORF) and ``scale``, ``v1`` the iid ones:
 
     * ``"positive"``: $\mathrm{cv} = e^{-2t}\big[E e^{(w_i+w_j)^\top z} - e^t\big]$
@@ -308,7 +308,7 @@ def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
       $\mathrm{cv} = \tfrac12\big(E\cos(w_i+w_j)^\top\Delta + E\cos(w_i-w_j)^\top\Delta\big)
       - e^{-s}$ (scale $C^2 = e^{\|x\|^2+\|y\|^2}$),
 
-    each pair moment from :func:`simplex_pair_excess` [DERIVED, MC ✓].
+    each pair moment from `simplex_pair_excess` [DERIVED, MC ✓].
 
     Parameters
     ----------
@@ -351,7 +351,7 @@ def simplex_mse(kind: str, q: Any, k: Any, num_features: int) -> Any:
     $$
 
     with ``scale``, ``v1`` the iid per-projection variance of
-    :mod:`kernelapprox.theory.moments` and ``cv`` from :func:`simplex_components_cv` [DERIVED, MC ✓].
+    `kernelapprox.theory.moments` and ``cv`` from `simplex_components_cv` [DERIVED, MC ✓].
 
     Parameters
     ----------
@@ -409,10 +409,10 @@ def simplex_positive_mse(q: Any, k: Any, num_features: int) -> Any:
 
     $\Lambda = e^{-(\|x\|^2+\|y\|^2)/2}$, $t = \|x + y\|^2$, $c = -\tfrac1{d-1}$,
     $v^2 \sim \mathrm{Beta}(\tfrac d2,\tfrac12)$, $P$ as for ORF
-    (:func:`kernelapprox.theory.moments.orf_pair_count`) [DERIVED, MC ✓]. The bracket is below the
+    (`kernelapprox.theory.moments.orf_pair_count`) [DERIVED, MC ✓]. The bracket is below the
     ORF one (${}_1F_1$ increases and $1 + cv \le 1$), so SimRF $\le$ ORF
     $\le$ iid for positive features at every $(x, y)$; for one block and
-    $t \to 0$ the ratio to ORF tends to $\mathrm{Var}(\chi_d)/d$ (:func:`chi_variance`).
+    $t \to 0$ the ratio to ORF tends to $\mathrm{Var}(\chi_d)/d$ (`chi_variance`).
 
     Parameters
     ----------

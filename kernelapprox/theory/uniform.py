@@ -39,13 +39,13 @@ the returned ``r`` and records by how much.
 
 References
 ----------
-.. [RR07] A. Rahimi, B. Recht. "Random Features for Large-Scale Kernel Machines", NIPS 2007,
+- [RR07] A. Rahimi, B. Recht. "Random Features for Large-Scale Kernel Machines", NIPS 2007,
    Claim 1.
-.. [SS15] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015,
+- [SS15] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015,
    arXiv:1506.02785.
-.. [SSz15] B. Sriperumbudur, Z. Szabó. "Optimal Rates for Random Fourier Features", NIPS 2015,
+- [SSz15] B. Sriperumbudur, Z. Szabó. "Optimal Rates for Random Fourier Features", NIPS 2015,
    arXiv:1506.02155, Theorem 1.
-.. [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
+- [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021,
    arXiv:2009.14794, Theorem 4 and Theorem 7 (App. F.5).
 """
 
@@ -183,7 +183,7 @@ def sutherland_schneider_features(
     Parameters
     ----------
     eps, delta, dim, radius
-        As in :func:`rahimi_recht_features`.
+        As in `rahimi_recht_features`.
     variant : {"sincos", "offset"}, default "sincos"
 
     Returns
@@ -229,7 +229,7 @@ def sriperumbudur_szabo_features(eps: float, delta: float, dim: int, radius: flo
     Parameters
     ----------
     eps, delta, dim, radius
-        As in :func:`rahimi_recht_features`.
+        As in `rahimi_recht_features`.
 
     Returns
     -------
@@ -284,7 +284,7 @@ def performer_theorem4_features(
     Parameters
     ----------
     eps, delta, dim, radius
-        As in :func:`rahimi_recht_features`.
+        As in `rahimi_recht_features`.
     constant : float, default 1.0
         The unknown Θ constant ``c`` > 0.
 
@@ -329,8 +329,8 @@ def required_features_uniform(
 ) -> int:
     r"""Number of trig projections for $\sup_{B(R)}|\hat K - e^{x^\top y}|\le\varepsilon$ w.p. $1-\delta$.
 
-    Dispatches to :func:`rahimi_recht_features`, :func:`sutherland_schneider_features`,
-    :func:`sriperumbudur_szabo_features` or :func:`performer_theorem4_features` (see each for
+    Dispatches to `rahimi_recht_features`, `sutherland_schneider_features`,
+    `sriperumbudur_szabo_features` or `performer_theorem4_features` (see each for
     its formula and source tag); all use $\varepsilon_G = \varepsilon e^{-R^2}$ on a set of
     diameter $2R$.
 
