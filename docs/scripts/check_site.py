@@ -9,7 +9,12 @@ For each page: a PNG screenshot, the number of math elements left by arithmatex 
 by KaTeX, and a count of raw TeX (\\|, \\,, :math:, $$, \\frac, \\varphi) in the visible text
 (outside rendered math, code and scripts). Prints MATH OK when every page rendered its math.
 """
-import subprocess, sys, html.parser, re, pathlib
+import html.parser
+import pathlib
+import re
+import subprocess
+import sys
+
 BASE = sys.argv[1]
 OUT = pathlib.Path(sys.argv[2]); OUT.mkdir(parents=True, exist_ok=True)
 PAGES = sys.argv[3:]
