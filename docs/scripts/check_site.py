@@ -16,7 +16,8 @@ import subprocess
 import sys
 
 BASE = sys.argv[1]
-OUT = pathlib.Path(sys.argv[2]); OUT.mkdir(parents=True, exist_ok=True)
+OUT = pathlib.Path(sys.argv[2])
+OUT.mkdir(parents=True, exist_ok=True)
 PAGES = sys.argv[3:]
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -25,21 +26,29 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 class Visible(html.parser.HTMLParser):
     """Text outside rendered KaTeX, scripts, styles and code."""
     def __init__(self):
-        super().__init__(); self.stack = []; self.text = []; self.katex = 0; self.arith = 0
+        super().__init__()
+        self.stack = []
+        self.text = []
+        self.katex = 0
+        self.arith = 0
     def handle_starttag(self, tag, attrs):
         cls = dict(attrs).get("class", "") or ""
         skip = ("katex" in cls.split()) or tag in ("script", "style", "code", "pre", "annotation")
-        if "katex" in cls.split(): self.katex += 1
-        if "arithmatex" in cls.split(): self.arith += 1
+        if "katex" in cls.split():
+            self.katex += 1
+        if "arithmatex" in cls.split():
+            self.arith += 1
         if tag in ("br", "img", "meta", "link", "input", "hr", "wbr", "source", "path", "line", "rect"):
             return
         self.stack.append(skip or (self.stack[-1] if self.stack else False))
     def handle_endtag(self, tag):
         if tag in ("br", "img", "meta", "link", "input", "hr", "wbr", "source", "path", "line", "rect"):
             return
-        if self.stack: self.stack.pop()
+        if self.stack:
+            self.stack.pop()
     def handle_data(self, data):
-        if not (self.stack and self.stack[-1]): self.text.append(data)
+        if not (self.stack and self.stack[-1]):
+            self.text.append(data)
 
 ok = True
 for page in PAGES:
@@ -48,7 +57,8 @@ for page in PAGES:
     subprocess.run(["chromium", *FLAGS, "--window-size=1280,1600", f"--screenshot={OUT}/{name}.png", url],
                    capture_output=True, timeout=120)
     dom = subprocess.run(["chromium", *FLAGS, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
-    v = Visible(); v.feed(dom)
+    v = Visible()
+    v.feed(dom)
     text = "".join(v.text)
     raw = {pat: len(re.findall(re.escape(pat), text)) for pat in ("\\|", "\\,", ":math:", "$$", "\\frac", "\\varphi")}
     print(f"{page or '/'}: {len(dom)} bytes DOM, {v.arith} arithmatex elements, {v.katex} rendered KaTeX elements, "
