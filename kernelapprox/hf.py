@@ -294,9 +294,7 @@ def _allowed(mask: torch.Tensor | None, b: int, n: int, m: int, causal: bool, de
     """Boolean (batch, 1, n, m) form of the model's mask (additive float or boolean)."""
     if mask is None:
         allowed = torch.ones(n, m, dtype=torch.bool, device=device)
-        if causal and n > 1:
-            allowed = torch.ones(n, m, dtype=torch.bool, device=device).tril(m - n)
-        return allowed.expand(b, 1, n, m)
+        return (allowed.tril(m - n) if causal else allowed).expand(b, 1, n, m)
     if mask.dtype == torch.bool:
         allowed = mask
     else:
