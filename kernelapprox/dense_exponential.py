@@ -8,7 +8,7 @@ and stay **unbiased** for $e^{x^\top y}$ for every admissible choice:
 - ``SADERF``: $\varphi(x)$ (query side; keys: see each class): OPRF on $\Psi x$ (queries) and $\Psi^{-1} y$ (keys), $\Psi$ diagonal; fitted: $\Psi, A$
 - ``SDERF``: $\varphi(x)$ (query side; keys: see each class): $\frac{D}{\sqrt r} e^{\omega_i^\top \mathrm{diag}(A)\omega_i + \omega_i^\top B x - \|x\|^2/2}$, $B = \mathrm{diag}(\sqrt{1-4A_l})Q^\top$; fitted: $Q, A_l$
 
-Unbiasedness (GERF family, [LCD22]_ Thm 3.1, re-derived in ``docs/estimators.md``): for
+Unbiasedness (GERF family, [LCD22]_ Thm 3.1, re-derived in ``docs/stronger-estimators.md``): for
 $\omega\sim\mathcal N(0,I)$ and $1 - 4A > 0$,
 $E\,e^{2A\|\omega\|^2 + B\omega^\top z} = (1-4A)^{-d/2} e^{B^2\|z\|^2/(2(1-4A))}$, so with
 $B^2 = 1-4A$ and $D^2 = (1-4A)^{d/2}$, $E\,\varphi(x)^\top\varphi(y) = e^{-(\|x\|^2

@@ -49,7 +49,7 @@ $E\cos\omega^\top a=e^{-\|a\|^2/2}$) gives, with $q=q_i$:
   $E[X_jX_l]=\text{(sin/cos)}+\tfrac12e^{\|q\|^2+k_j^\top k_l}$.
 
 At $j=l$ these reduce to Performer Lemma 2 (positive, hyperbolic, trig) and to the
-Sutherland–Schneider variance of the offset features (``estimators.md`` §1–2).
+Sutherland–Schneider variance of the offset features (``docs/theory.md`` §1).
 
 Every case is a sum of terms $c\,e^{\alpha\|q\|^2+\beta(q^\top k_j+q^\top k_l)+\gamma k_j^\top
 k_l}$ with $(c,\alpha,\beta,\gamma)$ in each estimator's ``EstimatorTheory.attention_pair_terms``

@@ -10,7 +10,7 @@ float64, the mean, variance and MSE of every entry of ``fm.kernel(q, k)``:
 - positive (FAVOR+): per-projection term $X_i$: $\Lambda\, e^{w_i^\top z}$; feature coordinates: ``r``
 - hyperbolic: per-projection term $X_i$: $\Lambda\cosh(w_i^\top z)$; feature coordinates: ``2r``
 
-Notation (``estimators.md`` §0): $z = x+y$, $\Delta = x-y$, $t=\|z\|^2$,
+Notation (``docs/theory.md``, Notation): $z = x+y$, $\Delta = x-y$, $t=\|z\|^2$,
 $s=\|\Delta\|^2$, $\Lambda=e^{-(\|x\|^2+\|y\|^2)/2}$, $C = 1/\Lambda$, so that
 $\mathrm{SM}=\Lambda e^{t/2} = C e^{-s/2}$.
 
@@ -45,7 +45,7 @@ marginally Gaussian):
   E\cos\big((w_i\pm w_j)^\top a\big) = {}_1F_1\!\big(d;\tfrac d2;-\tfrac{\|a\|^2}{2}\big)
   $$
 
-  [DERIVED; ``estimators.md`` §3d, MC ✓]. Since $w_i$ and $-w_j$ are also an
+  [DERIVED; ``docs/theory.md`` §1, MC ✓]. Since $w_i$ and $-w_j$ are also an
   orthogonal pair, $E\cosh(w_i^\top z)\cosh(w_j^\top z) = {}_1F_1(d;\tfrac d2;\tfrac t2)$
   — the hyperbolic pair moment equals the positive one — and the random phases of the offset
   variant average out of $E X_iX_j$, leaving the sin/cos pair moment.
@@ -710,7 +710,7 @@ def trig_offset_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
     $$
 
     * iid: the Sutherland–Schneider variance of the $\breve z$ features transported to SM
-      (``estimators.md`` §1b) [DERIVED, MC ✓]. It exceeds the sin/cos MSE at equal ``r`` by
+      (``docs/theory.md`` §1) [DERIVED, MC ✓]. It exceeds the sin/cos MSE at equal ``r`` by
       $\frac{C^2}{2r}$ — never zero, even at ``x = y``.
     * ``"chi"``: the phases $b_i$ are independent, so
       $E X_iX_j = C^2 E\cos(w_i^\top\Delta)\cos(w_j^\top\Delta)$: the same pair term as
