@@ -18,8 +18,10 @@ import functools
 import hashlib
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -64,6 +66,19 @@ class Study:
         requires: importable modules the study needs beyond the ``[studies]`` extra, and
             ``install``: the command that provides them; ``run all`` skips the study (saying so)
             when one is missing, ``run NAME`` stops with that command.
+        dtypes: the dtype each stage of a cell actually computes in, ``{stage: dtype name}``,
+            e.g. ``{"search": "float32", "evaluation": "float64"}``, when it is not simply
+            ``ctx.dtype`` (``--dtype``); ``None`` (default): every stage uses ``ctx.dtype``.
+            Recorded in ``provenance.json`` (``dtypes``) and printed in the summary's Provenance
+            section next to ``--dtype``.
+        concurrent_cells: ``False`` for a study whose cells measure their own run time (a cost
+            study): the runner then computes its cells one at a time in this process whatever
+            ``--jobs``/``--scheduler`` say, so that no other cell competes for the cores.
+
+    Cells may run in other processes (``--jobs N``) or on other machines (``--scheduler``): a
+    worker imports the module that defines the study and finds the ``Study`` object there (see
+    :func:`study_ref`), so define ``STUDY`` at module level in an importable module, and make
+    ``run_cell`` a pure function of ``(cell, ctx)`` (seeds from ``ctx.seed_for``).
     """
 
     name: str
@@ -76,6 +91,21 @@ class Study:
     cache_version: str = "1"
     requires: tuple[str, ...] = ()
     install: str = ""
+    dtypes: dict[str, str] | None = field(default=None, hash=False)
+    concurrent_cells: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtypes is None:
+            return
+        if not isinstance(self.dtypes, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.dtypes.items()
+        ):
+            raise TypeError(f"Study {self.name!r}: dtypes must be a dict of str stage -> str dtype name, "
+                            f"got {self.dtypes!r}")
+        bad = {k: v for k, v in self.dtypes.items() if not isinstance(getattr(torch, v, None), torch.dtype)}
+        if bad:
+            raise ValueError(f"Study {self.name!r}: dtypes names no torch dtype for {bad!r} "
+                             "(use e.g. 'float32', 'float64', 'bfloat16')")
 
     def missing(self) -> list[str]:
         """The modules of ``requires`` that cannot be imported here."""
@@ -95,6 +125,9 @@ class Context:
         out: the study's report folder ``<out>/<name>/``.
         dtype: evaluation dtype (float64 by default: accuracy studies).
         study: the study's name.
+        jobs: ``--jobs``: cells computed by this many local processes (1: in this process).
+        scheduler: ``--scheduler``: address of the Dask scheduler that computes the cells, or
+            ``None``.  ``jobs`` and ``scheduler`` say where cells run, never what they compute.
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -103,6 +136,8 @@ class Context:
     out: Path = field(default_factory=lambda: Path("reports"))
     dtype: torch.dtype = torch.float64
     study: str = ""
+    jobs: int = 1
+    scheduler: str | None = None
 
     def seed_for(self, *keys: Any) -> int:
         """A deterministic 62-bit seed from ``(seed, study, *keys)`` (stable across processes)."""
@@ -334,14 +369,24 @@ def command_line(ctx: Context, *, use_cache: bool = True) -> str:
         parts.append(f"--out {root.as_posix()}")
     if not use_cache:
         parts.append("--no-cache")
+    if ctx.scheduler:
+        parts.append(f"--scheduler {ctx.scheduler}")
+    elif ctx.jobs > 1:
+        parts.append(f"--jobs {ctx.jobs}")
     return " ".join(parts)
 
 
 def provenance(
     ctx: Context, wall_s: float, compute_s: float, n_cells: int, n_cached: int, *, use_cache: bool = True,
+    executor: str = "sequential", dtypes: dict[str, str] | None = None,
 ) -> dict:
-    """The provenance record written to ``provenance.json`` and the summary."""
-    return {
+    """The provenance record written to ``provenance.json`` and the summary.
+
+    ``executor`` says where the cells were computed (``sequential``, ``processes(N)`` or
+    ``dask(address, n_workers=N)``); ``dtypes`` is the study's ``{stage: dtype}`` (see
+    :class:`Study`), recorded next to ``dtype`` (the ``--dtype`` flag) when given.
+    """
+    prov = {
         "study": ctx.study,
         "date_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
         "command": command_line(ctx, use_cache=use_cache),
@@ -351,6 +396,8 @@ def provenance(
         "device": str(ctx.device),
         "device_name": _device_name(ctx.device),
         "dtype": str(ctx.dtype).replace("torch.", ""),
+        **({"dtypes": dict(dtypes)} if dtypes else {}),
+        "executor": executor,
         "torch_threads": torch.get_num_threads(),
         "load_avg": _load_avg(),
         "wall_s": round(wall_s, 2),
@@ -365,6 +412,7 @@ def provenance(
             for p in ("kernelapprox", "torch", "numpy", "scipy", "pandas", "seaborn", "matplotlib")
         },
     }
+    return prov
 
 
 def _load_avg() -> str:
@@ -401,9 +449,9 @@ def code_hash() -> str:
     cell computed by other code, whatever the commit label or version says. Conservative: a
     change in any study or library file invalidates every study's cache.
     """
-    import kernelapprox
-
-    lib = Path(kernelapprox.__file__).resolve().parent
+    spec = importlib.util.find_spec("kernelapprox")  # where it is, without importing it (workers)
+    assert spec is not None and spec.origin is not None
+    lib = Path(spec.origin).resolve().parent
     h = hashlib.sha256()
     for prefix, root, pattern in (("kernelapprox", lib, "**/*.py"), ("studies", REPO_ROOT / "studies", "*.py")):
         for f in sorted(root.glob(pattern)):
@@ -441,6 +489,233 @@ def _frame(rows: list[dict], cell_cols: list[str]) -> pd.DataFrame:
     return df[ordered]
 
 
+# --------------------------------------------------------------------------------------------
+# Executors: where the cells are computed
+# --------------------------------------------------------------------------------------------
+CLUSTER_INSTALL = ('pip install "kernelapprox[studies,cluster]"  (from a clone: pip install -e '
+                   '".[studies,cluster]")')
+
+
+class CellError(RuntimeError):
+    """A cell failed (in this process, a worker process or a Dask worker); names the cell.
+
+    The original exception is the ``__cause__``; ``study`` and ``cell`` are attributes.
+    """
+
+    def __init__(self, study: str, cell: dict | None, message: str) -> None:
+        super().__init__(message)
+        self.study = study
+        self.cell = cell
+
+
+def study_ref(study: Study) -> tuple[str, str, str | None]:
+    """``(module, attribute, file)`` where a worker process finds ``study``.
+
+    The module is the one that defines ``study.run_cell`` (a study module's ``STUDY``), else any
+    imported module holding the very object; ``file`` is that module's source file, which a
+    worker loads when it cannot import the module by name.
+
+    Raises
+    ------
+    ValueError
+        When no imported module holds ``study`` at module level (a study built inside a
+        function cannot be found by a worker: define ``STUDY = Study(...)`` in a module).
+    """
+    first = getattr(study.run_cell, "__module__", None)
+    names = ([first] if first in sys.modules else []) + [m for m in list(sys.modules) if m != first]
+    for mod_name in names:
+        mod = sys.modules.get(mod_name)
+        attrs = getattr(mod, "__dict__", None)
+        if not isinstance(attrs, dict):
+            continue
+        for attr, value in list(attrs.items()):
+            if value is study:
+                return mod_name, attr, getattr(mod, "__file__", None)
+    raise ValueError(
+        f"study {study.name!r} is not a module-level attribute of any imported module, so worker "
+        "processes cannot import it; define STUDY = Study(...) in a module (or run with --jobs 1)"
+    )
+
+
+def _load_study(module: str, attr: str, file: str | None) -> Study:
+    """The inverse of :func:`study_ref`, in a worker: import ``module`` (else load ``file``)."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if not file or e.name != module or not Path(file).exists():
+            raise
+        spec = importlib.util.spec_from_file_location(module, file)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[module] = mod
+        spec.loader.exec_module(mod)
+    study = getattr(mod, attr)
+    if not isinstance(study, Study):
+        raise TypeError(f"{module}.{attr} is a {type(study).__name__}, not a Study")
+    return study
+
+
+def _evaluate(study: Study, cell: dict, ctx: Context) -> dict:
+    """Compute one cell: the cache record ``{cell, rows, seconds, cpu_s, threads, code_hash}``."""
+    threads = torch.get_num_threads()
+    tc, c0 = time.perf_counter(), time.process_time()
+    cell_rows = study.run_cell(dict(cell), ctx)
+    return {"cell": cell, "rows": [_clean_row(r) for r in cell_rows],
+            "seconds": time.perf_counter() - tc, "cpu_s": time.process_time() - c0, "threads": threads,
+            "code_hash": code_hash()}
+
+
+def compute_cell(ref: tuple[str, str, str | None], cell: dict, ctx: Context, threads: int | None = None) -> dict:
+    """A cell as a pure function of ``(study, cell, ctx)``, run in a worker process.
+
+    Parameters
+    ----------
+    ref : tuple
+        :func:`study_ref` of the study: the worker imports it by module path (no closure is
+        pickled).
+    cell : dict
+        The cell's parameters, as in ``study.grid(quick)``.
+    ctx : Context
+        Seed, quick, device, dtype, study name of the run.
+    threads : int, optional
+        Torch intra-op threads for this worker (``None``: leave the worker's setting).
+
+    Returns
+    -------
+    dict
+        The cache record ``{"cell", "rows", "seconds", "cpu_s", "threads", "code_hash"}``.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return _evaluate(_load_study(*ref), cell, ctx)
+
+
+def worker_info() -> dict:
+    """What a Dask worker runs: the code hash, kernelapprox version and torch threads."""
+    return {"code_hash": code_hash(), "kernelapprox": package_version("kernelapprox"),
+            "torch_threads": torch.get_num_threads()}
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def _run_sequential(study: Study, todo: list[tuple[str, dict]], ctx: Context,
+                    done: Callable[[str, dict], None]) -> str:
+    for key, cell in todo:
+        try:
+            rec = _evaluate(study, cell, ctx)
+        except Exception as e:
+            raise CellError(study.name, cell, f"[{study.name}] cell {cell} failed: {e!r}") from e
+        done(key, rec)
+    return "sequential"
+
+
+def _run_processes(study: Study, todo: list[tuple[str, dict]], ctx: Context, jobs: int,
+                   done: Callable[[str, dict], None]) -> str:
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    ref = study_ref(study)
+    threads = max(1, _cores() // jobs)
+    # spawn: a fresh interpreter per worker (no fork of a process holding torch's thread pools or
+    # a CUDA context; the same on Linux, macOS and Windows). The BLAS thread variables reach the
+    # workers through the environment they are spawned with; torch's through compute_cell.
+    saved = {v: os.environ.get(v) for v in _THREAD_VARS}
+    os.environ.update({v: str(threads) for v in _THREAD_VARS})
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(todo)),
+                               mp_context=multiprocessing.get_context("spawn"))
+    try:
+        pending = {pool.submit(compute_cell, ref, cell, ctx, threads): (key, cell) for key, cell in todo}
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                key, cell = pending.pop(fut)
+                try:
+                    rec = fut.result()
+                except BrokenProcessPool as e:
+                    running = [c for _, c in [(key, cell), *pending.values()]][:4]
+                    raise CellError(study.name, cell, f"[{study.name}] a worker process died (killed, out of "
+                                    f"memory or exited) while computing one of the cells {running}") from e
+                except Exception as e:
+                    raise CellError(study.name, cell, f"[{study.name}] cell {cell} failed in a worker "
+                                    f"process: {e!r}") from e
+                done(key, rec)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        for v, old in saved.items():
+            if old is None:
+                os.environ.pop(v, None)
+            else:
+                os.environ[v] = old
+    pool.shutdown(wait=True)
+    return f"processes({jobs})"
+
+
+def _run_dask(study: Study, todo: list[tuple[str, dict]], ctx: Context, address: str,
+              done: Callable[[str, dict], None]) -> str:
+    try:
+        from dask.distributed import Client, as_completed
+    except ImportError as e:
+        raise ImportError(f"--scheduler needs dask.distributed (the [cluster] extra): {CLUSTER_INSTALL}") from e
+
+    ref = study_ref(study)
+    try:
+        client = Client(address, timeout="20s")
+    except (OSError, TimeoutError) as e:
+        raise ConnectionError(f"cannot reach the Dask scheduler at {address}: {e}") from e
+    try:
+        try:
+            info = client.run(worker_info)
+        except Exception as e:  # noqa: BLE001  (the workers cannot import studies._framework)
+            raise RuntimeError(
+                f"the Dask workers at {address} cannot run the studies ({e!r}); start them from the "
+                "root of a kernelapprox clone with PYTHONPATH=$PWD (see docs/cluster.md)"
+            ) from e
+        if not info:
+            raise RuntimeError(f"the Dask scheduler at {address} has no workers")
+        mine = code_hash()
+        other = {w: i["code_hash"] for w, i in info.items() if i["code_hash"] != mine}
+        if other:
+            raise RuntimeError(
+                f"Dask workers run other code than this clone (code hash {mine}): {other}; every worker "
+                "must run the same commit of kernelapprox and studies/"
+            )
+        futures = {}
+        for key, cell in todo:
+            fut = client.submit(compute_cell, ref, cell, ctx, None, key=f"{study.name}-cell-{key}")
+            futures[fut.key] = (fut, key, cell)
+        for fut in as_completed([f for f, _, _ in futures.values()]):
+            _, key, cell = futures.pop(fut.key)
+            try:
+                rec = fut.result()
+            except Exception as e:
+                client.cancel([f for f, _, _ in futures.values()])
+                raise CellError(study.name, cell, f"[{study.name}] cell {cell} failed on a Dask worker: "
+                                f"{e!r}") from e
+            done(key, rec)
+    finally:
+        client.close()
+    return f"dask({address}, n_workers={len(info)})"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a killed run leaves
+    either the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def run_study(
     study: Study,
     *,
@@ -452,11 +727,34 @@ def run_study(
     replot: bool = False,
     use_cache: bool = True,
     progress: bool = True,
+    jobs: int = 1,
+    scheduler: str | None = None,
 ) -> Path:
-    """Run (or, with ``replot``, redraw) ``study`` into ``<out>/<name>/``; return that folder."""
+    """Run (or, with ``replot``, redraw) ``study`` into ``<out>/<name>/``; return that folder.
+
+    Cells not in the cache are computed in this process (``jobs=1``, the default), by ``jobs``
+    spawned local processes, or by the Dask cluster whose scheduler is at ``scheduler``
+    (``"tcp://host:port"``). Every cell is cached as it completes (atomically), and the rows are
+    merged in grid order, so ``results.csv`` is the same file whatever the executor and however
+    often the run was interrupted.
+
+    Raises
+    ------
+    ValueError
+        ``jobs`` below 1, or both ``jobs > 1`` and ``scheduler``.
+    CellError
+        A cell failed; the message names it and the cause is the cell's exception. The cells
+        completed before stay cached.
+    """
     import pandas as pd
     from tqdm.auto import tqdm
 
+    if isinstance(jobs, bool) or not isinstance(jobs, int):
+        raise TypeError(f"jobs must be an int, got {jobs!r}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if scheduler is not None and jobs > 1:
+        raise ValueError(f"give jobs (got {jobs}) or scheduler (got {scheduler!r}), not both")
     folder = Path(out) / study.name
     if replot and not (folder / "results.csv").exists():
         raise FileNotFoundError(
@@ -465,7 +763,8 @@ def run_study(
         )
     folder.mkdir(parents=True, exist_ok=True)
     ctx = Context(
-        device=torch.device(device), seed=seed, quick=quick, out=folder, dtype=dtype, study=study.name
+        device=torch.device(device), seed=seed, quick=quick, out=folder, dtype=dtype, study=study.name,
+        jobs=jobs, scheduler=scheduler,
     )
     csv = folder / "results.csv"
     prov_path = folder / "provenance.json"
@@ -483,39 +782,76 @@ def run_study(
     else:
         t0 = time.perf_counter()
         c0 = time.process_time()
+        if scheduler is not None or jobs > 1:
+            # workers import the files as they are now: so does the key of the cells they compute
+            code_hash.cache_clear()
         cells = study.grid(quick)
         cache_dir = folder / ".cache"
         cache_dir.mkdir(exist_ok=True)
-        rows: list[dict] = []
-        compute_s = 0.0
-        n_cached = 0
-        bar = tqdm(cells, desc=study.name, unit="cell", disable=not progress, dynamic_ncols=True)
-        for cell in bar:
-            bar.set_postfix_str(_short(cell), refresh=False)
-            path = cache_dir / f"{_cell_key(study, cell, ctx)}.json"
+        keys = [_cell_key(study, cell, ctx) for cell in cells]
+        recs: dict[str, dict] = {}
+        todo: list[tuple[str, dict]] = []
+        for key, cell in zip(keys, cells, strict=True):
+            path = cache_dir / f"{key}.json"
             if use_cache and path.exists():
-                rec = json.loads(path.read_text())
-                n_cached += 1
+                recs[key] = json.loads(path.read_text())
+            elif not any(k == key for k, _ in todo):
+                todo.append((key, cell))
+        n_cached = sum(1 for k in keys if k in recs)
+        bar = tqdm(total=len(cells), initial=n_cached, desc=study.name, unit="cell", disable=not progress,
+                   dynamic_ncols=True)
+
+        def done(key: str, rec: dict) -> None:
+            if rec.get("code_hash", code_hash()) != code_hash():
+                # a worker imported the files after an edit: its rows must not be cached under
+                # this run's key (which hashes the code as it was when the run started)
+                raise RuntimeError(
+                    f"[{study.name}] the code changed during the run: cell {rec['cell']} was computed by "
+                    f"code hash {rec['code_hash']}, the run started with {code_hash()}; run it again"
+                )
+            # the parent writes the cache (workers may not share this filesystem); every executor's
+            # record goes through the same JSON round trip, so the rows are the same objects
+            text = json.dumps(rec, default=_jsonable)
+            _write_atomic(cache_dir / f"{key}.json", text)
+            recs[key] = json.loads(text)
+            bar.set_postfix_str(_short(rec["cell"]), refresh=False)
+            bar.update(sum(1 for k in keys if k == key))
+
+        asked = f"dask({scheduler})" if scheduler else f"processes({jobs})" if jobs > 1 else "sequential"
+        try:
+            if not todo:
+                executor = asked if asked == "sequential" else f"{asked}: idle, every cell was cached"
+            elif not study.concurrent_cells or asked == "sequential":
+                executor = _run_sequential(study, todo, ctx, done)
+                if asked != "sequential":
+                    executor += f" (not {asked}: the study's cells time themselves, one at a time)"
+            elif scheduler is not None:
+                executor = _run_dask(study, todo, ctx, scheduler, done)
             else:
-                tc = time.perf_counter()
-                cell_rows = study.run_cell(dict(cell), ctx)
-                rec = {"cell": cell, "rows": [_clean_row(r) for r in cell_rows],
-                       "seconds": time.perf_counter() - tc}
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(rec, default=_jsonable))
-                tmp.replace(path)
-            compute_s += float(rec.get("seconds", 0.0))
-            for r in rec["rows"]:
+                executor = _run_processes(study, todo, ctx, jobs, done)
+        finally:
+            bar.close()
+        cpu_s = time.process_time() - c0
+        if "sequential" not in executor:  # add the workers' CPU time (this process only waited)
+            cpu_s += sum(float(recs[k].get("cpu_s", 0.0)) for k, _ in todo)
+        computed = {int(recs[k]["threads"]) for k, _ in todo if "threads" in recs[k]}
+        compute_s = sum(float(recs[k].get("seconds", 0.0)) for k in keys)
+        rows: list[dict] = []
+        for key, cell in zip(keys, cells, strict=True):  # grid order, whatever the completion order
+            for r in recs[key]["rows"]:
                 merged = {k: (json.dumps(v) if isinstance(v, (list, dict)) else v)
                           for k, v in cell.items()}
                 merged.update(r)
                 rows.append(merged)
         cell_cols = list(dict.fromkeys(k for c in cells for k in c))
         df = _frame(rows, cell_cols)
-        df.to_csv(csv, index=False)
+        _write_atomic(csv, df.to_csv(index=False))
         df = pd.read_csv(csv)  # plot and summarise exactly what --replot will see
-        prov = provenance(ctx, time.perf_counter() - t0, compute_s, len(cells), n_cached, use_cache=use_cache)
-        prov["cpu_s"] = round(time.process_time() - c0, 2)
+        prov = provenance(ctx, time.perf_counter() - t0, compute_s, len(cells), n_cached, use_cache=use_cache,
+                          executor=executor, dtypes=study.dtypes)
+        if computed and computed != {prov["torch_threads"]}:
+            prov["torch_threads"] = sorted(computed)[0] if len(computed) == 1 else sorted(computed)
+        prov["cpu_s"] = round(cpu_s, 2)
 
     t_plot = time.perf_counter()
     for old in list(folder.glob("*.png")) + list(folder.glob("*.svg")):
@@ -526,8 +862,8 @@ def run_study(
     if not replot:
         prov["wall_s"] = round(prov["wall_s"] + prov["plot_summary_s"], 2)
     prov["figures"] = sorted(Path(p).name for p in figures)
-    prov_path.write_text(json.dumps(prov, indent=2) + "\n")
-    (folder / "summary.md").write_text(_compose_summary(study, df, body, prov, cells))
+    _write_atomic(prov_path, json.dumps(prov, indent=2) + "\n")
+    _write_atomic(folder / "summary.md", _compose_summary(study, df, body, prov, cells))
     write_index(Path(out))
     return folder
 
@@ -579,10 +915,14 @@ def _compose_summary(
             f"above includes waiting when the machine is shared; load average at the end "
             f"{prov.get('load_avg', '?')})"
         )
+    dtypes = prov.get("dtypes")
+    dtype = (", ".join(f"{stage} {dt}" for stage, dt in dtypes.items()) + f" (--dtype {prov.get('dtype')})"
+             if dtypes else f"{prov.get('dtype')}")
     lines.append(
-        f"- device: {prov.get('device')} ({prov.get('device_name')}), dtype {prov.get('dtype')}, "
+        f"- device: {prov.get('device')} ({prov.get('device_name')}), dtype {dtype}, "
         f"{prov.get('torch_threads')} torch threads"
     )
+    lines.append(f"- executor: {prov.get('executor', 'sequential')}")
     lines.append(f"- seed: {prov.get('seed')} (per-cell seeds derived by hashing the cell)")
     lines.append(f"- git commit: {prov.get('git_commit')}")
     lines.append(f"- date (UTC): {prov.get('date_utc')}")
@@ -667,11 +1007,14 @@ _EPILOG = """examples:
   python -m studies run attention-error --quick   a reduced grid (about a minute)
   python -m studies run all --out /tmp/reports    every study (skips those whose extra is missing)
   python -m studies run dlogd --replot            redraw figures and summary from results.csv
+  python -m studies run all --jobs 4              cells in 4 local processes
+  python -m studies run dlogd --scheduler tcp://host:8786   cells on a Dask cluster (docs/cluster.md)
 
 Each run writes <out>/<study>/: results.csv (tidy: one row per cell and metric, with a 95% CI),
 figures (png, svg), summary.md (key table, findings, provenance) and provenance.json. Cells are
 cached under <out>/<study>/.cache/, keyed on the cell, the flags and a hash of the code, so an
-interrupted run resumes and a code change recomputes.
+interrupted run resumes and a code change recomputes. results.csv is the same file whichever
+executor (in process, --jobs, --scheduler) computed the cells.
 """
 
 
@@ -705,6 +1048,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="dtype of the studies' tensors (default float64)")
     run.add_argument("--no-cache", action="store_true", help="ignore and overwrite cached cells")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument("--jobs", type=int, default=1, metavar="N",
+                     help="compute cells in N local processes (default 1: in this process)")
+    run.add_argument("--scheduler", metavar="ADDRESS",
+                     help="compute cells on a Dask cluster, e.g. tcp://host:8786 (needs the [cluster] extra; "
+                          "see docs/cluster.md)")
     args = parser.parse_args(argv)
 
     missing = [m for m in STUDIES_EXTRA if importlib.util.find_spec(m) is None]
@@ -723,6 +1071,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{n:<{width}}  {s.description}")
         return 0
 
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.scheduler is not None:
+        if args.jobs > 1:
+            parser.error(f"--jobs {args.jobs} and --scheduler {args.scheduler}: give one of them (a Dask "
+                         "cluster's size is its workers')")
+        if importlib.util.find_spec("distributed") is None:
+            parser.exit(2, f"python -m studies: --scheduler needs dask.distributed (the [cluster] extra); "
+                           f"install it with: {CLUSTER_INSTALL}\n")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -754,17 +1111,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     for s in studies:
         ts = time.perf_counter()
-        folder = run_study(
-            s,
-            out=args.out,
-            quick=args.quick,
-            device=device,
-            seed=args.seed,
-            dtype=getattr(torch, args.dtype),
-            replot=args.replot,
-            use_cache=not args.no_cache,
-            progress=not args.no_progress,
-        )
+        try:
+            folder = run_study(
+                s,
+                out=args.out,
+                quick=args.quick,
+                device=device,
+                seed=args.seed,
+                dtype=getattr(torch, args.dtype),
+                replot=args.replot,
+                use_cache=not args.no_cache,
+                progress=not args.no_progress,
+                jobs=args.jobs,
+                scheduler=args.scheduler,
+            )
+        except ConnectionError as e:  # the scheduler is unreachable: one line, nothing computed
+            print(f"python -m studies: {e}", file=sys.stderr)
+            return 1
         print(f"[{s.name}] {time.perf_counter() - ts:.1f} s -> {folder}", file=sys.stderr)
     print(f"total {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0

@@ -98,3 +98,48 @@ def test_recorded_command_has_every_flag(tmp_path: Path) -> None:
                    " --no-cache")
     default = Context(out=Path("reports") / "dlogd", study="dlogd")
     assert fw.command_line(default) == "python -m studies run dlogd"
+    # where the cells ran is part of the recorded command (results are the same either way)
+    jobs = Context(out=Path("reports") / "dlogd", study="dlogd", jobs=4)
+    assert fw.command_line(jobs) == "python -m studies run dlogd --jobs 4"
+    dask = Context(out=Path("reports") / "dlogd", study="dlogd", scheduler="tcp://10.0.0.1:8786")
+    assert fw.command_line(dask) == "python -m studies run dlogd --scheduler tcp://10.0.0.1:8786"
+
+
+def test_scheduler_without_dask_names_the_cluster_extra(capsys, tmp_path: Path, monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "distributed" else real(name, *a))
+    code, err = _exit(["run", "dlogd", "--scheduler", "tcp://127.0.0.1:8786", "--out", str(tmp_path / "r")],
+                      capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and 'pip install "kernelapprox[studies,cluster]"' in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_jobs_and_scheduler_usage_errors(capsys, tmp_path: Path) -> None:
+    code, err = _exit(["run", "dlogd", "--jobs", "0", "--out", str(tmp_path / "r")], capsys)
+    assert code == 2 and "--jobs must be at least 1, got 0" in err
+    code, err = _exit(["run", "dlogd", "--jobs", "2", "--scheduler", "tcp://h:1", "--out", str(tmp_path / "r")],
+                      capsys)
+    assert code == 2 and "give one of them" in err
+    assert not (tmp_path / "r").exists()
+    study = fw.get_study("dlogd")
+    with pytest.raises(ValueError, match="jobs must be >= 1, got 0"):
+        fw.run_study(study, out=tmp_path / "r", jobs=0)
+    with pytest.raises(TypeError, match="jobs must be an int, got 2.0"):
+        fw.run_study(study, out=tmp_path / "r", jobs=2.0)  # type: ignore[arg-type]
+    assert not (tmp_path / "r").exists()
+
+
+def test_study_dtypes_are_checked() -> None:
+    base = fw.get_study("dlogd")
+    import dataclasses
+
+    assert dataclasses.replace(base, dtypes={"search": "float32"}).dtypes == {"search": "float32"}
+    with pytest.raises(ValueError, match="names no torch dtype for {'search': 'float31'}"):
+        dataclasses.replace(base, dtypes={"search": "float31"})
+    with pytest.raises(TypeError, match="dtypes must be a dict"):
+        dataclasses.replace(base, dtypes=["float32"])  # type: ignore[arg-type]
+    hash(dataclasses.replace(base, dtypes={"search": "float32"}))  # still hashable
