@@ -16,6 +16,10 @@ STUDY_MODULES: tuple[str, ...] = (
     "estimator_league",
     "diagnose_validation",
     "real_attention",
+    "repro_yu_orf_variance",
+    "repro_performer_attention",
+    "repro_sutherland_schneider",
+    "repro_yu_table2",
 )
 
 __all__ = ["STUDY_MODULES"]

@@ -1,0 +1,512 @@
+r"""repro-sutherland-schneider: Sutherland & Schneider 2015 (UAI), paired vs phased RFF and the uniform bound.
+
+D. J. Sutherland, J. Schneider, "On the Error of Random Fourier Features", UAI 2015,
+arXiv:1506.02785. Two of its results are reproduced for the Gaussian kernel
+$k(\Delta) = e^{-\|\Delta\|^2/2}$, $\Delta = x - y$, with $D$ feature *coordinates*:
+
+**(a) paired vs phased variance.** The paired map $\tilde z$ ($D/2$ projections, $[\sin, \cos]$
+pairs; the library's ``trig-sincos``) and the phased map $\breve z = \sqrt{2/D}\cos(w^\top x + b)$
+($D$ projections, $b \sim U[0, 2\pi)$; the library's ``trig-offset``, scikit-learn's
+``RBFSampler``) have, for iid $w$,
+
+$$\mathrm{Var}\,\tilde s(\Delta)=\frac1D\big[1+k(2\Delta)-2k(\Delta)^2\big],\qquad
+\mathrm{Var}\,\breve s(\Delta)=\frac1D\big[1+\tfrac12k(2\Delta)-k(\Delta)^2\big]$$
+
+(S&S §2; the formulas are re-derived here, the paper's exact typography was not checked), so the
+phased map is worse at every $\Delta$ for the Gaussian kernel. Plotted against $\|\Delta\|$: these
+formulas, the library's closed forms ``ka.theory.trig_sincos_mse`` / ``trig_offset_mse``
+(converted from the softmax kernel: Gaussian variance = MSE $\cdot e^{-\|x\|^2-\|y\|^2}$), and
+Monte Carlo; and the same ratio with orthogonal rows (library closed form, $d$-dependent; S&S
+treat iid rows only) at $d = 2, 8, 32$.
+
+**(b) measured sup error beside their uniform bound.** For $x, y$ in a ball of radius $R$
+(diameter $\ell = 2R$) the sup error of the paired map is
+$\sup_{\|\Delta\|\le 2R}|\tilde s(\Delta) - k(\Delta)|$. Their bound
+$P[\sup \ge \varepsilon] \le 66(\sigma_p\ell/\varepsilon)^2\exp(-D\varepsilon^2/(8(d+2)))$,
+$\sigma_p^2 = d$, is evaluated through the library's
+``ka.theory.sutherland_schneider_features`` and inverted for $\varepsilon$ at $\delta = 0.1$.
+**Its constants are RECALLED, not verified against the paper** (the library marks them so).
+The measured sup is the $(1-\delta)$ quantile over independent draws of the sup found by
+``studies.dlogd.trig_sup_delta`` when it exists, else by the dense-sample + projected-ascent
+search in this module (``SUP_METHOD`` in results.csv says which).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+import kernelapprox as ka
+import kernelapprox.montecarlo as mc
+from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
+from studies.estimators import get
+
+PAPER = "Sutherland & Schneider 2015"
+VAR_DIMS = [2, 8, 32]
+VAR_DIMS_QUICK = [2, 8]
+DELTA_MAX = 4.0
+N_DELTA, N_DELTA_QUICK = 16, 6
+VAR_DRAWS, VAR_DRAWS_QUICK = 4000, 500
+SUP_DIMS, SUP_DIMS_QUICK = [2, 8, 32], [2, 8]
+SUP_R = [16, 64, 256, 1024, 4096]  # projections of the paired map (D = 2r coordinates)
+SUP_R_QUICK = [16, 64]
+SUP_DRAWS, SUP_DRAWS_QUICK = 64, 24
+RADIUS = 1.0  # inputs in the ball of radius R = 1, so ‖Δ‖ <= 2
+FAIL = 0.1  # δ: the bound and the measured (1 − δ) quantile
+
+
+# --------------------------------------------------------------------------------------------
+# formulas
+# --------------------------------------------------------------------------------------------
+def ss_paired_variance(delta: np.ndarray | float, num_coords: int) -> np.ndarray:
+    r"""S&S variance of the paired ($\sin/\cos$) Gaussian-kernel estimate with $D$ coordinates.
+
+    $$\mathrm{Var}\,\tilde s = \frac1D\big[1 + k(2\Delta) - 2k(\Delta)^2\big],\quad
+    k(\Delta) = e^{-\|\Delta\|^2/2}.$$
+
+    Parameters
+    ----------
+    delta : float or array, shape (n,)
+        $\|\Delta\| = \|x - y\|$, >= 0.
+    num_coords : int
+        $D$, the number of feature coordinates (even; $D/2$ projections).
+
+    Returns
+    -------
+    numpy.ndarray, shape of ``delta``
+
+    References
+    ----------
+    D. J. Sutherland, J. Schneider, "On the Error of Random Fourier Features", UAI 2015, §2.
+
+    Examples
+    --------
+    >>> round(float(ss_paired_variance(1.0, 2)), 6)  # (1 + e^-2 - 2 e^-1) / 2
+    0.199788
+    """
+    delta, D = _check(delta, num_coords)
+    k1, k2 = np.exp(-(delta**2) / 2), np.exp(-2 * delta**2)
+    return (1 + k2 - 2 * k1**2) / D
+
+
+def ss_phased_variance(delta: np.ndarray | float, num_coords: int) -> np.ndarray:
+    r"""S&S variance of the phased ($\cos(w^\top x + b)$) Gaussian-kernel estimate, $D$ coordinates.
+
+    $$\mathrm{Var}\,\breve s = \frac1D\big[1 + \tfrac12 k(2\Delta) - k(\Delta)^2\big].$$
+
+    Parameters
+    ----------
+    delta : float or array, shape (n,)
+        $\|\Delta\|$, >= 0.
+    num_coords : int
+        $D$ (= the number of projections).
+
+    Returns
+    -------
+    numpy.ndarray, shape of ``delta``
+
+    References
+    ----------
+    D. J. Sutherland, J. Schneider, "On the Error of Random Fourier Features", UAI 2015, §2.
+
+    Examples
+    --------
+    >>> float(ss_phased_variance(0.0, 4))  # 1/(2D) at Δ = 0
+    0.125
+    """
+    delta, D = _check(delta, num_coords)
+    k1, k2 = np.exp(-(delta**2) / 2), np.exp(-2 * delta**2)
+    return (1 + 0.5 * k2 - k1**2) / D
+
+
+def _check(delta: object, num_coords: object) -> tuple[np.ndarray, int]:
+    if isinstance(num_coords, bool) or not isinstance(num_coords, (int, np.integer)) or num_coords < 1:
+        raise ValueError(f"num_coords must be a positive int, got {num_coords!r}")
+    arr = np.asarray(delta, dtype=np.float64)
+    if np.any(~(arr >= 0)):
+        raise ValueError(f"delta must be >= 0, got {delta!r}")
+    return arr, int(num_coords)
+
+
+def library_variances(delta: np.ndarray, d: int, num_coords: int, orthogonal: str | None
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Paired and phased Gaussian-kernel variances from ``ka.theory`` (shape (n,) each)."""
+    x, y = _pairs(np.asarray(delta, float), d)
+    scale = np.exp(-(x**2).sum(-1) - (y**2).sum(-1))  # softmax MSE -> Gaussian variance
+    paired = np.diagonal(ka.theory.trig_sincos_mse(x, y, num_coords // 2, orthogonal=orthogonal))
+    phased = np.diagonal(ka.theory.trig_offset_mse(x, y, num_coords, orthogonal=orthogonal))
+    return paired * scale, phased * scale
+
+
+def _pairs(delta: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+    x = np.zeros((delta.size, d))
+    x[:, 0] = delta / 2
+    return x, -x
+
+
+def ss_sup_bound(num_projections: int, d: int, radius: float, fail: float = FAIL) -> float:
+    r"""The $\varepsilon$ at which S&S's uniform bound (paired map) equals ``fail``, Gaussian units.
+
+    Inverts the library's ``ka.theory.sutherland_schneider_features`` (RECALLED constants) by
+    bisection: the smallest $\varepsilon_G$ whose required number of projections is at most
+    ``num_projections``; the library works in softmax units $\varepsilon = \varepsilon_G e^{R^2}$.
+
+    Parameters
+    ----------
+    num_projections : int
+        $r$ ($D = 2r$ coordinates).
+    d : int
+    radius : float
+        $R$; the set has diameter $\ell = 2R$.
+    fail : float
+        $\delta$.
+
+    Returns
+    -------
+    float
+        $\varepsilon_G$; ``inf`` if even $\varepsilon_G = 2$ (the trivial bound) needs more.
+    """
+    f = ka.theory.sutherland_schneider_features
+    scale = math.exp(radius**2)
+
+    def need(eps_g: float) -> int:
+        return f(eps_g * scale, fail, d, radius, variant="sincos")
+
+    lo, hi = 1e-6, 2.0
+    if need(hi) > num_projections:
+        return float("inf")
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        if need(mid) <= num_projections:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+# --------------------------------------------------------------------------------------------
+# sup search
+# --------------------------------------------------------------------------------------------
+def _err(W: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """Gaussian-kernel error of the paired map: W (S, r, d), delta (S or 1, N, d) -> (S, N)."""
+    est = torch.cos(delta @ W.transpose(-1, -2)).mean(-1)
+    return est - torch.exp(-(delta**2).sum(-1) / 2)
+
+
+def dense_sup(W: torch.Tensor, radius: float, *, n_dense: int, starts: int, steps: int,
+              generator: torch.Generator) -> torch.Tensor:
+    r"""Per-draw $\sup_{\|\Delta\|\le 2R}|\tilde s(\Delta) - k(\Delta)|$ by dense sampling + ascent.
+
+    ``n_dense`` shared candidate $\Delta$ (half with radius uniform in $[0, 2R]$, half
+    volume-uniform in the ball), then projected normalised-gradient ascent of the signed error
+    from each draw's ``starts`` worst candidates, ``steps`` steps with a geometrically shrinking
+    step, keeping the best point. A lower bound on the true sup.
+
+    Parameters
+    ----------
+    W : torch.Tensor, shape (S, r, d)
+        The projection rows of S draws (float64).
+    radius : float
+        $R$.
+
+    Returns
+    -------
+    torch.Tensor, shape (S,)
+    """
+    S, r, d = W.shape
+    L = 2 * radius
+    u = torch.randn(n_dense, d, generator=generator, dtype=W.dtype)
+    u = u / u.norm(dim=-1, keepdim=True)
+    t = torch.rand(n_dense, 1, generator=generator, dtype=W.dtype)
+    half = n_dense // 2
+    rad = torch.cat([t[:half] * L, t[half:] ** (1.0 / d) * L])
+    cand = u * rad  # (N, d)
+    out = torch.empty(S, dtype=W.dtype)
+    chunk = max(1, int(2e7 // max(1, n_dense * r)))
+    for c0 in range(0, S, chunk):
+        Wc = W[c0:c0 + chunk]
+        e = _err(Wc, cand.unsqueeze(0))  # (s, N)
+        best = e.abs().amax(-1)
+        idx = e.abs().topk(min(starts, n_dense), dim=-1).indices  # (s, P)
+        x = cand[idx].clone()  # (s, P, d)
+        sgn = torch.gather(e, 1, idx).sign()
+        step = 0.25 * L
+        for _ in range(steps):
+            x.requires_grad_(True)
+            f = (sgn * _err(Wc, x)).sum()
+            (g,) = torch.autograd.grad(f, x)
+            with torch.no_grad():
+                gn = g / g.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+                y = x + step * gn
+                nrm = y.norm(dim=-1, keepdim=True)
+                y = torch.where(nrm > L, y * (L / nrm), y)
+                better = (sgn * _err(Wc, y)) > (sgn * _err(Wc, x))
+                x = torch.where(better.unsqueeze(-1), y, x).detach()
+                step *= 0.85
+        with torch.no_grad():
+            best = torch.maximum(best, _err(Wc, x).abs().amax(-1))
+        out[c0:c0 + chunk] = best
+    return out
+
+
+def _sup_errors(fm: ka.FeatureMap, d: int, ctx: Context, key: str) -> tuple[np.ndarray, str]:
+    """Per-draw sup errors (S,) and the method used."""
+    g = ctx.generator("sup", key, d, fm.num_features)
+    try:
+        from studies.dlogd import trig_sup_delta  # written in parallel; used when present
+    except ImportError:
+        trig_sup_delta = None
+    if trig_sup_delta is not None:
+        sup = trig_sup_delta(fm, RADIUS, starts=32, steps=60, generator=g)
+        return sup.detach().cpu().numpy().astype(np.float64), "dlogd.trig_sup_delta"
+    W = fm.weight.detach().to(torch.float64)
+    sup = dense_sup(W, RADIUS, n_dense=2048 if not ctx.quick else 512, starts=16,
+                    steps=40 if not ctx.quick else 15, generator=g)
+    return sup.numpy(), "dense sample + projected ascent (this module)"
+
+
+# --------------------------------------------------------------------------------------------
+# study
+# --------------------------------------------------------------------------------------------
+def delta_grid(quick: bool) -> np.ndarray:
+    n = N_DELTA_QUICK if quick else N_DELTA
+    return np.linspace(DELTA_MAX / n, DELTA_MAX, n)
+
+
+def grid(quick: bool) -> list[dict]:
+    """Variance cells per d (panel a) and sup cells per (d, r) (panel b)."""
+    cells = [{"panel": "variance", "d": d, "r": 0}
+             for d in (VAR_DIMS_QUICK if quick else VAR_DIMS)]
+    cells += [{"panel": "sup", "d": d, "r": r}
+              for d in (SUP_DIMS_QUICK if quick else SUP_DIMS)
+              for r in (SUP_R_QUICK if quick else SUP_R)]
+    return cells
+
+
+def _sq_err(key: str, d: int, r: int, x: torch.Tensor, y: torch.Tensor, S: int, ctx: Context
+            ) -> np.ndarray:
+    """Squared errors of the Gaussian-kernel estimate, (S, P)."""
+    fm = get(key).build(d, r, batch_shape=(S,), seed=ctx.seed_for("var", key, d, r), dtype=ctx.dtype)
+    fx, lx = fm.log_features(x)
+    fy, ly = fm.key_log_features(y)
+    est = (fx * fy).sum(-1) * torch.exp(lx + ly)  # softmax-kernel estimate
+    K = torch.exp((x * y).sum(-1))
+    k_g = torch.exp(-((x - y) ** 2).sum(-1) / 2)
+    return ((mc.relative_error(est, K) * k_g) ** 2).cpu().numpy()
+
+
+def run_cell(cell: dict, ctx: Context) -> list[dict]:
+    """Panel a: variances and ratio phased/paired; panel b: sup error quantile and the bound."""
+    d, rows = int(cell["d"]), []
+    if cell["panel"] == "variance":
+        D = 2 * d  # coordinates: paired r = d (one orthogonal block), phased r = 2d
+        S = VAR_DRAWS_QUICK if ctx.quick else VAR_DRAWS
+        delta = delta_grid(ctx.quick)
+        xn, yn = _pairs(delta, d)
+        x, y = (torch.as_tensor(a, dtype=ctx.dtype) for a in (xn, yn))
+        for smp, orth in (("gaussian", None), ("orthogonal", "chi")):
+            pa = _sq_err(f"trig-sincos-{smp}", d, D // 2, x, y, S, ctx)
+            ph = _sq_err(f"trig-offset-{smp}", d, D, x, y, S, ctx)
+            lib_pa, lib_ph = library_variances(delta, d, D, orth)
+            ratio, _, lo, hi = mc.ratio_of_means_ci(ph, pa)
+            for i, dl in enumerate(delta):
+                base = {"sampler": smp, "delta": float(dl), "D": D}
+                ss_pa = float(ss_paired_variance(dl, D)) if orth is None else float("nan")
+                ss_ph = float(ss_phased_variance(dl, D)) if orth is None else float("nan")
+                rows.append(row("var_paired", pa[:, i], library=float(lib_pa[i]), ss=ss_pa, **base))
+                rows.append(row("var_phased", ph[:, i], library=float(lib_ph[i]), ss=ss_ph, **base))
+                rr = row("ratio_phased_paired", float(ratio[i]), library=float(lib_ph[i] / lib_pa[i]),
+                         ss=ss_ph / ss_pa if orth is None else float("nan"), **base)
+                rr.update(ci_low=float(lo[i]), ci_high=float(hi[i]), n_draws=S)
+                rows.append(rr)
+        return rows
+    r = int(cell["r"])
+    S = SUP_DRAWS_QUICK if ctx.quick else SUP_DRAWS
+    bound = ss_sup_bound(r, d, RADIUS)
+    for smp in ("gaussian", "orthogonal"):
+        key = f"trig-sincos-{smp}"
+        fm = get(key).build(d, r, batch_shape=(S,), seed=ctx.seed_for("sup", key, d, r),
+                            dtype=torch.float64)
+        sup, how = _sup_errors(fm, d, ctx, key)
+        q = float(np.quantile(sup, 1 - FAIL))
+        base = {"sampler": smp, "D": 2 * r, "sup_method": how}
+        rows.append(row("sup_error", sup, quantile=q,
+                        ss_bound=bound if smp == "gaussian" else float("nan"), **base))
+    return rows
+
+
+def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
+    """(a) variances and ratio against ‖Δ‖; (b) sup error quantile and the S&S bound against D."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    set_style()
+    paths: list[Path] = []
+    var = df[df["panel"] == "variance"]
+    if len(var):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.3))
+        ax = axes[0]
+        g = var[(var["sampler"] == "gaussian") & (var["d"] == var["d"].min())]
+        dd = np.linspace(0.0, DELTA_MAX, 300)
+        Dc = int(g["D"].iloc[0])
+        for metric, col, lab, fn in (("var_paired", "C0", "paired (sin/cos, D/2 proj.)", ss_paired_variance),
+                                     ("var_phased", "C3", "phased (cos + offset, D proj.)", ss_phased_variance)):
+            gg = g[g["metric"] == metric].sort_values("delta")
+            ax.plot(dd, Dc * fn(dd, Dc), color=col, lw=1.6, label=f"{lab}: S&S formula")
+            ax.plot(gg["delta"], Dc * gg["library"], ls="", marker="x", color=col, ms=6,
+                    label=f"{lab}: library closed form")
+            ax.errorbar(gg["delta"], Dc * gg["mean"], yerr=[Dc * (gg["mean"] - gg["ci_low"]),
+                                                            Dc * (gg["ci_high"] - gg["mean"])],
+                        fmt="o", ms=3, color=col, capsize=1.5, lw=0.8, label=f"{lab}: Monte Carlo")
+        ax.set_xlabel("‖Δ‖ = ‖x − y‖ (σ = 1)")
+        ax.set_ylabel("D · Var (Gaussian-kernel estimate)")
+        ax.set_title(f"(a) {PAPER} §2: iid, D = {Dc} coordinates", fontsize=10)
+        ax.legend(fontsize=7)
+        ax = axes[1]
+        dims = sorted(var["d"].unique())
+        pal = dict(zip(dims, sns.color_palette("viridis", len(dims)), strict=True))
+        dd1 = dd[dd >= 0.25]  # the ratio is unbounded as ‖Δ‖ → 0
+        ss_ratio = ss_phased_variance(dd1, 2) / ss_paired_variance(dd1, 2)
+        ax.plot(dd1, ss_ratio, color="k", lw=1.8, label="iid: S&S formulas (any d)")
+        rat = var[var["metric"] == "ratio_phased_paired"]
+        for (smp, d), gg in rat.groupby(["sampler", "d"]):
+            gg = gg.sort_values("delta")
+            mk = "o" if smp == "gaussian" else "s"
+            if smp == "orthogonal":
+                lib_pa, lib_ph = library_variances(dd1, int(d), 2 * int(d), "chi")
+                ax.plot(dd1, lib_ph / lib_pa, color=pal[d], lw=1.2, ls="--",
+                        label=f"orthogonal, d = {int(d)}: library closed form")
+            ax.errorbar(gg["delta"] + (0.02 * dims.index(d)), gg["mean"],
+                        yerr=[gg["mean"] - gg["ci_low"], gg["ci_high"] - gg["mean"]],
+                        fmt=mk, ms=3, color=pal[d] if smp == "orthogonal" else "grey",
+                        capsize=1.5, lw=0.8,
+                        label=f"{'iid' if smp == 'gaussian' else 'orthogonal'}, d = {int(d)}: MC")
+        ax.axhline(1, color="k", lw=0.6)
+        ax.set_yscale("log")
+        ax.set_xlabel("‖Δ‖")
+        ax.set_ylabel("Var(phased) / Var(paired), equal D")
+        ax.set_title("(a') the phased map's variance penalty", fontsize=10)
+        ax.legend(fontsize=6, ncol=2)
+        fig.suptitle(f"Reproduction of {PAPER}: paired vs phased random Fourier features", y=1.02)
+        fig.tight_layout()
+        paths += save_figure(fig, folder, "ss_paired_vs_phased")
+    sup = df[df["panel"] == "sup"]
+    if len(sup):
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        dims = sorted(sup["d"].unique())
+        pal = dict(zip(dims, sns.color_palette("viridis", len(dims)), strict=True))
+        for d in dims:
+            g = sup[(sup["d"] == d)]
+            gi = g[g["sampler"] == "gaussian"].sort_values("D")
+            go = g[g["sampler"] == "orthogonal"].sort_values("D")
+            ax.plot(gi["D"], gi["quantile"], "o-", color=pal[d], label=f"d = {int(d)}: measured, iid")
+            ax.plot(go["D"], go["quantile"], "s:", color=pal[d], ms=4,
+                    label=f"d = {int(d)}: measured, orthogonal")
+            fin = gi[np.isfinite(gi["ss_bound"])]
+            ax.plot(fin["D"], fin["ss_bound"], "--", color=pal[d], lw=1.5,
+                    label=f"d = {int(d)}: S&S bound (RECALLED constants)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("D (feature coordinates, 2 × projections)")
+        ax.set_ylabel(f"sup error over ‖Δ‖ ≤ {2 * RADIUS:g}, {int(100 * (1 - FAIL))}% quantile")
+        ax.set_title(f"(b) {PAPER}: measured sup error vs their uniform bound (δ = {FAIL:g})",
+                     fontsize=10)
+        ax.legend(fontsize=6, ncol=1)
+        fig.tight_layout()
+        paths += save_figure(fig, folder, "ss_sup_vs_bound")
+    return paths
+
+
+def summarize(df: pd.DataFrame, ctx: Context) -> str:
+    """Tables for both panels and verdict lines generated from the numbers."""
+    lines = ["## Key results", ""]
+    f: list[str] = []
+    var = df[df["panel"] == "variance"]
+    if len(var):
+        rat = var[var["metric"] == "ratio_phased_paired"].copy()
+        zs = sorted(rat["delta"].unique())
+        pick = [zs[int(round(i))] for i in np.linspace(0, len(zs) - 1, 3)]
+        t = rat[rat["delta"].isin(pick)].copy()
+        t["MC (95% CI)"] = [f"{fmt(m)} [{fmt(a)}, {fmt(b)}]"
+                            for m, a, b in zip(t["mean"], t["ci_low"], t["ci_high"], strict=True)]
+        tab = t[["sampler", "d", "delta", "MC (95% CI)", "library", "ss"]].rename(
+            columns={"library": "library closed form", "ss": "S&S formula (iid)",
+                     "delta": "‖Δ‖"})
+        lines += ["Var(phased) / Var(paired) at equal D = 2d coordinates:", "",
+                  df_to_markdown(tab), ""]
+        v = var[var["metric"].isin(["var_paired", "var_phased"])]
+        iid = v[v["sampler"] == "gaussian"]
+        agree_ss = float(np.max(np.abs(iid["library"] / iid["ss"] - 1)))
+        inside = ((v["ci_low"] <= v["library"]) & (v["library"] <= v["ci_high"])).mean()
+        ir = rat[rat["sampler"] == "gaussian"]
+        orr = rat[rat["sampler"] == "orthogonal"]
+        f.append(f"- Library closed forms vs S&S formulas (iid): max relative difference "
+                 f"{fmt(agree_ss, 2)} over all ‖Δ‖ (identical formulas).")
+        f.append(f"- Monte Carlo vs library closed forms: inside the 95% CI at "
+                 f"{fmt(100 * inside, 3)}% of {len(v)} (sampler, d, ‖Δ‖, map) points "
+                 "(the ‖Δ‖ of one d share draws, so misses are correlated).")
+        f.append(f"- iid: the phased map's variance is {fmt(ir['ss'].min())}–{fmt(ir['ss'].max())}× "
+                 "the paired one on the ‖Δ‖ grid (S&S formulas): unbounded as ‖Δ‖ → 0 (the paired "
+                 "variance vanishes at Δ = 0, the phased one stays 1/(2D)), → 1 as ‖Δ‖ → ∞, never "
+                 "below 1 for the Gaussian kernel (k(2Δ) = k(Δ)⁴ ≤ 2k(Δ)²).")
+        if len(orr):
+            f.append("- orthogonal rows: ratio " + ", ".join(
+                f"{fmt(g['library'].min())}–{fmt(g['library'].max())} (d = {int(d)})"
+                for d, g in orr.groupby("d")) + " (library closed form): the paired map's "
+                "advantage persists and grows with d near ‖Δ‖ = 0, where ORF cancels most of the "
+                "paired variance but not the phase noise.")
+        cov = float(((rat["ci_low"] <= rat["library"]) & (rat["library"] <= rat["ci_high"])).mean())
+        ok = agree_ss < 1e-8 and cov >= 0.8
+        f.append(f"- **{PAPER} §2 (paired vs phased): {'agrees' if ok else 'differs'}** — the "
+                 f"library's closed forms equal S&S's variances (max rel. difference "
+                 f"{fmt(agree_ss, 2)}), the MC ratio's 95% CI covers the closed-form ratio at "
+                 f"{fmt(100 * cov, 3)}% of {len(rat)} points, and phased > paired with 95% "
+                 f"confidence at {fmt(100 * (ir['ci_low'] > 1).mean(), 3)}% of the iid points "
+                 "(the rest are at large ‖Δ‖, where the ratio → 1).")
+    sup = df[df["panel"] == "sup"]
+    if len(sup):
+        t = sup.copy()
+        t["ratio bound / measured"] = t["ss_bound"] / t["quantile"]
+        tab = t[["d", "D", "sampler", "quantile", "ss_bound", "ratio bound / measured"]].rename(
+            columns={"quantile": f"measured {int(100 * (1 - FAIL))}% quantile",
+                     "ss_bound": "S&S bound (RECALLED)"})
+        how = ", ".join(sorted(sup["sup_method"].unique()))
+        lines += [f"Sup error over ‖Δ‖ ≤ {2 * RADIUS:g} (Gaussian kernel units), measured by: "
+                  f"{how}:", "", df_to_markdown(tab.sort_values(["d", "sampler", "D"])), ""]
+        gi = t[(t["sampler"] == "gaussian") & np.isfinite(t["ss_bound"])]
+        from studies._framework import loglog_slope
+
+        slopes = {int(d): loglog_slope(g["D"], g["quantile"])[0]
+                  for d, g in t[t["sampler"] == "gaussian"].groupby("d")}
+        f.append("- Measured sup error falls like D^p with p = " + ", ".join(
+            f"{fmt(s, 2)} (d = {d})" for d, s in slopes.items()) + " (−0.5 = the 1/√D rate).")
+        if len(gi):
+            f.append(f"- The S&S bound (RECALLED constants) is {fmt(gi['ratio bound / measured'].min(), 2)}"
+                     f"–{fmt(gi['ratio bound / measured'].max(), 2)}× the measured "
+                     f"{int(100 * (1 - FAIL))}% quantile where it is below the trivial value 2 "
+                     f"({len(gi)} of {int((t['sampler'] == 'gaussian').sum())} (d, D) points).")
+        valid = bool((gi["ss_bound"] >= gi["quantile"]).all()) if len(gi) else True
+        f.append(f"- **{PAPER} uniform bound: {'agrees' if valid else 'differs'}** — the bound "
+                 f"{'holds at every' if valid else 'fails at some'} (d, D) point, "
+                 "loose by the factor above (ε-net constants and a log factor the chaining rate "
+                 "does not have); its constants are recalled, not verified against the paper.")
+        f.append(f"- sup search: {how}.")
+    lines += ["## Finding", "", *f, ""]
+    return "\n".join(lines)
+
+
+STUDY = Study(
+    name="repro-sutherland-schneider",
+    description="Reproduces Sutherland & Schneider 2015: paired (sin/cos) vs phased (cos + offset) "
+    "RFF variance, and the measured sup error beside their (recalled) uniform bound.",
+    grid=grid,
+    run_cell=run_cell,
+    plot=plot,
+    summarize=summarize,
+    headline="ss_paired_vs_phased.png",
+    cache_version="1",
+)
