@@ -426,7 +426,7 @@ def _xfmt(v: float, how: str) -> str:
 
 
 def summarize(df: pd.DataFrame, ctx: Context) -> str:
-    """Crossover table (predicted vs measured) and a finding generated from it."""
+    """Crossover table (predicted vs measured) and findings as bullets generated from it."""
     out = ["## Key results", ""]
     dev = str(df["device_name"].dropna().iloc[0]) if "device_name" in df else "?"
     threads = int(df["threads"].dropna().iloc[0]) if "threads" in df else 0
@@ -474,10 +474,9 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
     finding = []
     for rec in recs:
         finding.append(
-            f"At r = {rec['r']}, {rec['pair']}: the FLOP count of our implementation predicts "
-            f"the crossover at n = {rec['FLOPs (our impl.)']} (seed: n = d = {D}; 8nrd: "
-            f"n = {2 * rec['r']}), the measured time crossover is n = {rec['measured (time)']} "
-            f"and the memory crossover n = {rec['measured (memory)']}."
+            f"- r = {rec['r']}, {rec['pair']}, crossover n: FLOP count of our implementation "
+            f"{rec['FLOPs (our impl.)']} (seed n = d = {D}; 8nrd: {2 * rec['r']}); measured time "
+            f"{rec['measured (time)']}; measured memory {rec['measured (memory)']}."
         )
     if len(t):
         n_small, n_big = int(t.n.min()), int(t.n.max())
@@ -487,11 +486,11 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
             lo = rat[rat.n == n_small]["mean"]
             hi = rat[rat.n == n_big]["mean"]
             if len(lo) and len(hi):
-                parts.append(f"{fmt(float(lo.iloc[0]), 3)}x at n = {n_small} and "
-                             f"{fmt(float(hi.iloc[0]), 3)}x at n = {n_big} (r = {int(r)})")
+                parts.append(f"r = {int(r)}: {fmt(float(lo.iloc[0]), 3)}x at n = {n_small}, "
+                             f"{fmt(float(hi.iloc[0]), 3)}x at n = {n_big}")
         if parts:
-            finding.append("Non-causal linear attention takes " + "; ".join(parts)
-                           + " the time of SDPA.")
+            finding.append("- Time of non-causal linear attention / SDPA: " + "; ".join(parts)
+                           + ".")
         fl = df[(df.metric == "flops") & (df.method.isin(["linear", "softmax"]))]
         tm = t[t.method.isin(["linear", "softmax"])]
         mg = fl.merge(tm, on=["r", "n", "method"], suffixes=("_f", "_t"))
@@ -499,30 +498,30 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
             mg["gflops"] = mg["mean_f"] / mg["mean_t"] / 1e9
             at = mg[mg.n == n_big].set_index(["method", "r"])["gflops"]
             finding.append(
-                f"Achieved throughput at n = {n_big}: "
+                f"- Achieved throughput at n = {n_big} (analytic FLOPs per measured second): "
                 + ", ".join(f"{fmt(v, 3)} GFLOP/s ({METHOD_LABEL[m]}, r = {int(r)})"
                             for (m, r), v in at.items())
-                + " (FLOPs of the analytic count per measured second): the measured crossover "
-                  "moves away from the FLOP-predicted one by the ratio of these throughputs."
+                + ". The measured crossover moves away from the FLOP-predicted one by the ratio "
+                  "of these throughputs."
             )
     if len(mem):
         n_big = int(mem.n.max())
         at = mem[mem.n == n_big].groupby(["method"])["mean"].max() / 2**20
         naive = HEADS * n_big * n_big * 4 / 2**20
         finding.append(
-            f"Peak memory growth at n = {n_big}: "
+            f"- Peak memory growth at n = {n_big}: "
             + ", ".join(f"{fmt(at[m], 3)} MiB ({METHOD_LABEL[m]})" for m in METHODS if m in at)
-            + f"; a materialised float32 score matrix would need {fmt(naive, 3)} MiB, so SDPA's "
-            f"fused kernel {'does not materialise it' if at.get('softmax', naive) < naive / 4 else 'comes close to it'}"
-            f" and the memory argument for linear attention holds against a naive softmax "
-            f"implementation, not against this one."
-            if at.get("softmax", math.inf) <= at.get("linear", 0) else
-            f"Peak memory growth at n = {n_big}: "
-            + ", ".join(f"{fmt(at[m], 3)} MiB ({METHOD_LABEL[m]})" for m in METHODS if m in at)
-            + f" (a materialised float32 score matrix: {fmt(naive, 3)} MiB)."
+            + f"; a materialised float32 score matrix would need {fmt(naive, 3)} MiB."
         )
-    finding.append(f"Device: {dev}; timings are ratios within this one run.")
-    out += ["## Finding", "", " ".join(finding), ""]
+        if at.get("softmax", math.inf) <= at.get("linear", 0):
+            finding.append(
+                f"- SDPA's fused kernel "
+                f"{'does not materialise it' if at.get('softmax', naive) < naive / 4 else 'comes close to it'}"
+                f": the memory argument for linear attention holds against a naive softmax "
+                f"implementation, not against this one."
+            )
+    finding.append(f"- Device: {dev}; timings are ratios within this one run.")
+    out += ["## Finding", "", *finding, ""]
     return "\n".join(out)
 
 
@@ -537,4 +536,6 @@ STUDY = Study(
     plot=plot,
     summarize=summarize,
     headline="time_ratio_crossover.png",
+    dtypes={"timing": "float32"},
+    concurrent_cells=False,  # it times its own cells: never run two at once
 )

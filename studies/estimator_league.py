@@ -922,10 +922,12 @@ def _variance_vs_typical(lg: pd.DataFrame, F: float) -> str:
                      f"{fmt(get('positive', 'kernel_rel_mse_median'), 3)} → {fmt(get('oprf', 'kernel_rel_mse_median'), 3)}, "
                      f"attention error {fmt(get('positive', 'attn_rel_err'), 3)} → {fmt(get('oprf', 'attn_rel_err'), 3)}")
     return ("Variance is not the typical error (FAVOR+ → OPRF, orthogonal rows, F = "
-            f"{int(F)}): " + "; ".join(parts) + ". OPRF removes the rare huge features that carry the "
-            "variance, so the closed-form mean error falls by orders of magnitude at σ ≥ 1, while the "
-            "typical draw (median) and the attention output barely move; where random features work "
-            "(σ ≤ 0.5, E‖q+k‖² ≤ 4) the optimal A is small and so is the gain.")
+            f"{int(F)}):" + "".join(f"\n  - {p}" for p in parts)
+            + "\n  - OPRF removes the rare huge features that carry the variance: the closed-form "
+            "mean error falls by orders of magnitude at σ ≥ 1, while the typical draw (median) and "
+            "the attention output barely move."
+            "\n  - Where random features work (σ ≤ 0.5, E‖q+k‖² ≤ 4) the optimal A is small and so "
+            "is the gain.")
 
 
 def _names(labels: list[str], limit: int = 16) -> str:
@@ -1018,13 +1020,14 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
             worse = sorted(set(sF.loc[sF["ci_low"] > u, "label"]))
         ent_r = ent[(ent["regime"] == regime) & np.isclose(ent["sigma"], sigma)]
         ent_txt = f", exact-attention row entropy {fmt(float(ent_r['mean'].iloc[0]), 3)} nats" if len(ent_r) else ""
-        bullets.append(
-            f"**{name}**{ent_txt}: best at equal F — " + "; ".join(parts)
-            + (". Equal FLOPs — " + "; ".join(fl) if fl else "")
-            + f". Uniform weights {fmt(u, 3)}, elu+1 {fmt(e, 3)}. Worse than uniform (95% CI above it)"
-            + (f" at F = {int(F_mid)} (fixed-F maps at their own F)" if F_mid is not None else "")
-            + f": {len(worse)} of {n_cand} — {_names(worse)}."
-        )
+        sub = [f"best at equal F (and 2nd): {p}" for p in parts]
+        if fl:
+            sub.append("best at equal FLOPs: " + "; ".join(fl))
+        sub.append(f"uniform weights {fmt(u, 3)}, elu+1 {fmt(e, 3)}")
+        sub.append("worse than uniform (95% CI above it)"
+                   + (f" at F = {int(F_mid)} (fixed-F maps at their own F)" if F_mid is not None else "")
+                   + f": {len(worse)} of {n_cand} — {_names(worse)}")
+        bullets.append(f"**{name}**{ent_txt}:" + "".join(f"\n  - {x}" for x in sub))
     km = lg[(lg["metric"] == "kernel_rel_mse_median") & (lg["mode"] == "equal_F") & (lg["target"] == F_mid)]
     km = km[km["learned"].astype(str) != "True"] if "learned" in km.columns else km
     kparts = []
@@ -1075,13 +1078,14 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                                            lr[lr["crt_family"] == f].sort_values("crt_scale")["mean"].to_numpy(), c))
                    for f, c in CRT_CLAIMS.items())
         bullets.append(
-            "Chefs' Random Tables: " + "; ".join(cl) + ". "
-            + ("Our closed forms support ratios of e^60 (positive) and e^75 (trig) over OPRF, but only at "
+            "Chefs' Random Tables:" + "".join(f"\n  - {c}" for c in cl) + "\n  - "
+            + ("our closed forms support ratios of e^60 (positive) and e^75 (trig) over OPRF, but only at "
                "input norms far beyond attention's σ ≈ 1" if both else
-               "Our closed forms do not reach both claimed ratios on this scale grid")
-            + f"; the trig − positive gap is {fmt(gap.min(), 2)}…{fmt(gap.max(), 2)} nats across scales "
-            "(≈ −4 E xᵀy − log 2 = −log 2 for independent pairs), so the paper's 15-nat difference between "
-            "its two numbers needs anti-correlated pairs (xᵀy ≈ −3.6) or two different scales."
+               "our closed forms do not reach both claimed ratios on this scale grid")
+            + f".\n  - the trig − positive gap is {fmt(gap.min(), 2)}…{fmt(gap.max(), 2)} nats across "
+            "scales (≈ −4 E xᵀy − log 2 = −log 2 for independent pairs), so the paper's 15-nat "
+            "difference between its two numbers needs anti-correlated pairs (xᵀy ≈ −3.6) or two "
+            "different scales."
         )
         mcr = crt[(crt["kind"] == "monte carlo")]
         if len(mcr):

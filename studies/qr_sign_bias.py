@@ -267,7 +267,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
 # Summary
 # ----------------------------------------------------------------------------------------------
 def summarize(df: pd.DataFrame, ctx: Context) -> str:
-    """Key tables (the peers' d=4 rows; bias and z by d) and a finding generated from them."""
+    """Key tables (the peers' d=4 rows; bias and z by d) and findings as bullets generated from them."""
     out: list[str] = ["## Key results", ""]
     peers = df[(df.metric == "row_mean") & (df.direction == "peers")].copy()
     finding: list[str] = []
@@ -295,13 +295,12 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
             cor = ", ".join(fmt(m, 2) for m in tab["corrected"])
             pin = peers[peers.variant == "corrected"]
             n_out = int(((pin.ci_low > 1) | (pin.ci_high < 1)).sum())
-            finding.append(
-                f"At d = 4 with the peers' input x = {PEERS_X}, the uncorrected QR (columns of Q, "
-                f"the Performer convention) gives per-row means {unc} where every row should "
-                f"average 1 (the reference sheet reports 0.32, 0.63, 1.21, 1.12 from NumPy/JAX), "
-                f"while the sign-corrected library sampler gives {cor}, with {n_out} of 4 row "
-                f"intervals excluding 1."
-            )
+            finding += [
+                f"- d = 4, the peers' input x = {PEERS_X}; every row should average 1:",
+                f"  - uncorrected QR (columns of Q, the Performer convention): per-row means {unc} "
+                f"(the reference sheet reports 0.32, 0.63, 1.21, 1.12 from NumPy/JAX);",
+                f"  - sign-corrected library sampler: {cor}; {n_out} of 4 row intervals exclude 1.",
+            ]
     summ = df[(df.direction != "peers") & (df.metric.isin(["overall_ratio", "max_abs_row_z",
                                                             "frac_rows_ci_excludes_1"]))]
     if len(summ):
@@ -327,24 +326,24 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         if len(unc) and len(cor):
             worst = unc.loc[unc["max_abs_row_z"].idxmax()]
             big_d = unc[unc.d == unc.d.max()]
-            finding.append(
-                f"Across d = {int(wide.d.min())}..{int(wide.d.max())} at |x| = {ref_norm:g}, the "
-                f"uncorrected variant's largest per-row |z| is {fmt(unc['max_abs_row_z'].min(), 3)}"
-                f" to {fmt(unc['max_abs_row_z'].max(), 3)} (worst at d = {int(worst.d)}, x along "
-                f"{worst.direction}) and {fmt(100 * unc['frac_rows_ci_excludes_1'].mean(), 3)}% of "
-                f"its row intervals exclude 1; the corrected sampler's largest |z| stays between "
-                f"{fmt(cor['max_abs_row_z'].min(), 3)} and {fmt(cor['max_abs_row_z'].max(), 3)}, "
-                f"with {fmt(100 * cor['frac_rows_ci_excludes_1'].mean(), 3)}% of row intervals "
-                f"excluding 1 (about 5% expected by chance)."
-            )
-            finding.append(
-                f"The overall r = d estimate is biased by "
+            finding += [
+                f"- d = {int(wide.d.min())}..{int(wide.d.max())} at |x| = {ref_norm:g}, largest "
+                f"per-row |z|:",
+                f"  - uncorrected: {fmt(unc['max_abs_row_z'].min(), 3)} to "
+                f"{fmt(unc['max_abs_row_z'].max(), 3)} (worst at d = {int(worst.d)}, x along "
+                f"{worst.direction}); {fmt(100 * unc['frac_rows_ci_excludes_1'].mean(), 3)}% of "
+                f"its row intervals exclude 1;",
+                f"  - corrected: {fmt(cor['max_abs_row_z'].min(), 3)} to "
+                f"{fmt(cor['max_abs_row_z'].max(), 3)}; "
+                f"{fmt(100 * cor['frac_rows_ci_excludes_1'].mean(), 3)}% of row intervals exclude 1 "
+                f"(about 5% expected by chance).",
+                f"- Overall r = d estimate, bias without the correction: "
                 f"{fmt(unc['overall_bias_%'].abs().min(), 2)}% to "
-                f"{fmt(unc['overall_bias_%'].abs().max(), 2)}% without the correction (at d = "
-                f"{int(big_d.d.iloc[0])}: {', '.join(fmt(b, 2) + '%' for b in big_d['overall_bias_%'])}"
-                f" for directions {', '.join(big_d.direction)}), against "
-                f"{fmt(cor['overall_bias_%'].abs().max(), 2)}% at most with it."
-            )
+                f"{fmt(unc['overall_bias_%'].abs().max(), 2)}% (at d = {int(big_d.d.iloc[0])}: "
+                f"{', '.join(fmt(b, 2) + '%' for b in big_d['overall_bias_%'])} for directions "
+                f"{', '.join(big_d.direction)}); with it: "
+                f"{fmt(cor['overall_bias_%'].abs().max(), 2)}% at most.",
+            ]
     rm = df[(df.metric == "row_mean") & (df.direction != "peers")
             & (df.variant == "uncorrected-cols")].copy()
     if len(rm) and rm.d.nunique() > 1:
@@ -361,13 +360,14 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                 f"{fmt(by_d.iloc[-1], 2)} at d = {int(by_d.index[-1])} ({trend} in d)"
             )
         by_x = rm[rm.d == rm.d.min()].groupby("x_norm")["dev"].max()
-        finding.append(
-            f"The largest per-row deviation |mean - 1| of the uncorrected variant at "
-            f"|x| = {ref_norm:g} is, for " + "; for ".join(parts) + f". At d = {int(rm.d.min())} "
-            f"it {'grows' if by_x.iloc[-1] > by_x.iloc[0] else 'falls'} from "
-            f"{fmt(by_x.iloc[0], 2)} at |x| = {by_x.index[0]:g} to "
-            f"{fmt(by_x.iloc[-1], 2)} at |x| = {by_x.index[-1]:g}."
-        )
+        finding += [
+            f"- Largest per-row deviation |mean - 1| of the uncorrected variant at "
+            f"|x| = {ref_norm:g}:",
+            *[f"  - {p};" for p in parts],
+            f"  - at d = {int(rm.d.min())} it {'grows' if by_x.iloc[-1] > by_x.iloc[0] else 'falls'}"
+            f" from {fmt(by_x.iloc[0], 2)} at |x| = {by_x.index[0]:g} to "
+            f"{fmt(by_x.iloc[-1], 2)} at |x| = {by_x.index[-1]:g}.",
+        ]
     rows_unc = df[(df.metric == "overall_ratio") & (df.variant == "uncorrected-rows")
                   & (df.direction != "peers")]
     rows_col = df[(df.metric == "overall_ratio") & (df.variant == "uncorrected-cols")
@@ -377,10 +377,10 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         b_cols = 100 * (rows_col["mean"] - 1).abs().max()
         verdict = "does not remove the bias" if b_rows > 0.5 * b_cols else "reduces the bias"
         finding.append(
-            f"Using the rows of the uncorrected Q (pyrfm) instead of its columns {verdict}: the "
-            f"largest overall bias is {fmt(b_rows, 3)}% against {fmt(b_cols, 3)}% for the columns."
+            f"- Using the rows of the uncorrected Q (pyrfm) instead of its columns {verdict}: largest "
+            f"overall bias {fmt(b_rows, 3)}% against {fmt(b_cols, 3)}% for the columns."
         )
-    out += ["## Finding", "", " ".join(finding) if finding else "No rows to summarise.", ""]
+    out += ["## Finding", "", *(finding or ["No rows to summarise."]), ""]
     return "\n".join(out)
 
 

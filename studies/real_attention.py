@@ -522,9 +522,9 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
             & (df["r"] == (r8 if best["estimator"] not in FIXED else 0))]["mean"]
     lines.append(f"- Target (median output error ≤ {TARGETS[0]} at r = 8·d_head = {r8}): "
                  + ("**met** by " if reached else "**not met**; closest ") +
-                 f"`{best['estimator']}` ({fmt(best[f'median err at r={r8}'])}); uniform weights: {fmt(uni_v)}. "
-                 f"The median hides the tail: {fmt(100 * best[f'share of heads worse than uniform at r={r8}'], 2)}% of its "
-                 f"heads are worse than uniform weights, 90th percentile {fmt(hb.quantile(0.9))}, worst "
+                 f"`{best['estimator']}` ({fmt(best[f'median err at r={r8}'])}); uniform weights: {fmt(uni_v)}.")
+    lines.append(f"  - the median hides the tail: {fmt(100 * best[f'share of heads worse than uniform at r={r8}'], 2)}% "
+                 f"of its heads are worse than uniform weights; 90th percentile {fmt(hb.quantile(0.9))}, worst "
                  f"{fmt(hb.max())}.")
     sn = df[(df["kind"] == "heads") & (df["metric"] == "small_normaliser") & (df["estimator"] == best["estimator"])
             & (df["r"] == (r8 if best["estimator"] not in FIXED else 0))].set_index(["layer", "head"])["mean"]
@@ -556,13 +556,15 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         ent_u = float(norms[norms["metric"] == "entropy_uniform"]["mean"].iloc[0])
         dd = float(norms["d"].dropna().iloc[0])
         lines.append(f"- Regime: per-head median ‖q̃‖ {fmt(qn.min())}–{fmt(qn.max())} (synthetic σ = 1 at d = "
-                     f"{int(dd)}: {fmt(dd**0.25)}); t̄ = mean ‖q̃+k̃‖² {fmt(tb.median())} median over heads "
-                     f"(range {fmt(tb.min())}–{fmt(tb.max())}; synthetic σ ≤ 1: ≤ {fmt(2 * dd**0.5)}). Random features' "
-                     "relative variance grows like e^{t̄}: the heads sit far outside the regime where they work.")
+                     f"{int(dd)}: {fmt(dd**0.25)}).")
+        lines.append(f"  - t̄ = mean ‖q̃+k̃‖²: median over heads {fmt(tb.median())}, range "
+                     f"{fmt(tb.min())}–{fmt(tb.max())} (synthetic σ ≤ 1: ≤ {fmt(2 * dd**0.5)}).")
+        lines.append("  - random features' relative variance grows like e^{t̄}: the heads sit far outside "
+                     "the regime where they work.")
         lines.append(f"- Attention-row entropy per head: median {fmt(ent.median())} nats, range "
-                     f"{fmt(ent.min())}–{fmt(ent.max())} (uniform rows: {fmt(ent_u)}); "
-                     f"{int((ent < 0.5 * ent_u).sum())} of {len(ent)} heads are below half the uniform entropy "
-                     "(peaked heads, where uniform weights and low-variance-but-biased maps fail).")
+                     f"{fmt(ent.min())}–{fmt(ent.max())} (uniform rows: {fmt(ent_u)}).")
+        lines.append(f"  - {int((ent < 0.5 * ent_u).sum())} of {len(ent)} heads are below half the uniform "
+                     "entropy (peaked heads, where uniform weights and low-variance-but-biased maps fail).")
     # per-layer advice
     heads = df[(df["kind"] == "heads") & (df["metric"] == "out_rel_err")]
     n_tok = _n_tokens(df)
@@ -581,30 +583,31 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                           f"{int(b['r'])} ({fmt(b['mean'])})")
     lines.append("- Per layer (its own regime, see the norms), the estimator with the smallest feature "
                  f"dimension reaching median error ≤ {TARGETS[0]} over the layer's 12 heads (Nyström with "
-                 "r ≥ n excluded: it is exact attention): " + "; ".join(advice) + ".")
+                 "r ≥ n excluded: it is exact attention):" + "".join(f"\n  - {a}" for a in advice))
     if len(e2e):
         b = e2e.sort_values("mean").iloc[-1]
         lines.append(f"- End to end (all layers linearised): best cosine {fmt(b['mean'])} (`{b['estimator']}`, "
                      f"r = {int(b['r'])}); " + ("meets" if b["mean"] >= 0.95 else "misses")
-                     + " the 0.95 target. Best per family: "
-                     + "; ".join(f"{fam}: `{g.sort_values('mean').iloc[-1]['estimator']}` r = "
-                                 f"{int(g.sort_values('mean').iloc[-1]['r'])} → {fmt(g['mean'].max())}"
-                                 for fam, g in e2e.assign(fam=e2e["estimator"].map(_family)).groupby("fam"))
-                     + ".")
+                     + " the 0.95 target. Best per family:"
+                     + "".join(f"\n  - {fam}: `{g.sort_values('mean').iloc[-1]['estimator']}` r = "
+                               f"{int(g.sort_values('mean').iloc[-1]['r'])} → {fmt(g['mean'].max())}"
+                               for fam, g in e2e.assign(fam=e2e["estimator"].map(_family)).groupby("fam")))
         learned = table[table["estimator"].map(_family) == "learned"]
         ok = table[(table[f"median err at r={r8}"] <= TARGETS[0])
                    & (table[f"share of heads worse than uniform at r={r8}"] < 0.05)]
         clean = ("" if len(ok) else f", and no estimator reaches a median of {TARGETS[0]} at r = {r8} without "
                  "a tail of heads worse than uniform weights (≥ 5%)")
         if len(learned) and b["mean"] < 0.95:
-            lines.append(f"- Why 0.95 is missed: every linearised layer adds its own error and feeds it to the next; "
-                         f"the best per-head map here (learned, fitted per head with the model frozen) still has a "
-                         f"median head error of {fmt(learned['best median err'].min())}{clean}. "
-                         "Closing the gap needs what the learned-attention papers add on top of per-head "
+            lines.append("- Why 0.95 is missed: every linearised layer adds its own error and feeds it to the "
+                         "next.")
+            lines.append(f"  - the best per-head map here (learned, fitted per head with the model frozen) still "
+                         f"has a median head error of {fmt(learned['best median err'].min())}{clean}.")
+            lines.append("  - closing the gap needs what the learned-attention papers add on top of per-head "
                          "distillation: fine-tuning the model around its linear attention.")
     lines.append(f"- Nyström's landmarks are taken from the same sequence's n = {n_tok} keys (per head): r = n "
-                 "interpolates every key, i.e. exact softmax attention at quadratic cost; only r ≪ n saves "
-                 f"anything (r = {n_tok // 4} is n/4 here; end to end, passages of {E2E_LEN} tokens).")
+                 "interpolates every key (exact softmax attention at quadratic cost).")
+    lines.append(f"  - only r ≪ n saves anything (r = {n_tok // 4} is n/4 here; end to end, passages of "
+                 f"{E2E_LEN} tokens).")
     lines.append("- Scope: one model (MiniLM, non-causal, d_head = 32), one text (CPython help topics), "
                  f"{B_EVAL_QUICK if ctx.quick else B_EVAL} evaluation sequences of "
                  f"{N_TOKENS_QUICK if ctx.quick else N_TOKENS} tokens; learned maps fitted on "
