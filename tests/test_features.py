@@ -202,3 +202,79 @@ def test_batch_shape_per_head():
 
 # Unbiasedness of every random estimator (z-tests resolving a 1 % bias), the bandwidth-bug
 # detection and the fixed-norm SMREG check live in tests/test_unbiased.py.
+
+
+# --------------------------------------------------------------------------- fast paths
+
+
+FAST = {
+    "positive-dense": lambda **kw: ka.PositiveRF(6, 10, **kw),
+    "positive-sorf": lambda **kw: ka.PositiveRF(6, 10, sampler="structured", **kw),
+    "hyperbolic-dense": lambda **kw: ka.HyperbolicRF(6, 10, **kw),
+    "hyperbolic-sorf": lambda **kw: ka.HyperbolicRF(6, 10, sampler="structured", **kw),
+    "sincos-sorf": lambda **kw: ka.TrigRF(6, 10, sampler="structured", **kw),
+}
+
+
+def _formula_name(fm) -> str:
+    if isinstance(fm, ka.PositiveRF):
+        return "positive"
+    if isinstance(fm, ka.HyperbolicRF):
+        return "hyperbolic"
+    return "trig-sincos"
+
+
+@pytest.mark.parametrize("name", list(FAST))
+def test_fast_forward_and_backward_match_formula(name):
+    """The one-addmm forward (bias folded into the GEMM, in-place exp; SORF through its cached
+    dense W) against the float64 formula, values and gradients, with and without autograd."""
+    fm = FAST[name](seed=1, dtype=F64)
+    from kernelapprox.features import _affine_rows
+
+    xc = randn(2, 5, 6, seed=2, scale=0.6)
+    assert _affine_rows(fm.projection, xc, xc[..., 0]) is not None  # the fast path is taken
+    x = xc.clone().requires_grad_(True)
+    g = randn(2, 5, fm.feature_dim, seed=3)
+    out = fm(x)
+    (gx,) = torch.autograd.grad((out * g).sum(), x)
+    xr = xc.clone().requires_grad_(True)
+    ref = phi_by_formula(_formula_name(fm), fm, xr)
+    (gr,) = torch.autograd.grad((ref * g).sum(), xr)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(gx, gr, rtol=1e-11, atol=1e-13)
+    with torch.no_grad():  # the no-grad path writes into one preallocated buffer
+        torch.testing.assert_close(fm(xc), ref.detach(), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", list(FAST))
+def test_fast_paths_gradcheck(name):
+    fm = FAST[name](seed=4, dtype=F64)
+    x = randn(3, 6, seed=5, scale=0.5).requires_grad_(True)
+    assert torch.autograd.gradcheck(fm, (x,), eps=1e-6, atol=1e-8)
+
+    def phi_from_log(t):  # f alone has detached shifts: check the reconstructed phi
+        f, ls = fm.log_features(t)
+        return f * ls.exp().unsqueeze(-1)
+
+    assert torch.autograd.gradcheck(phi_from_log, (x,), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", ["positive-dense", "hyperbolic-dense"])
+def test_fast_paths_half_precision_inputs(name):
+    """bf16 inputs are computed in float32 (one addmm in float32) and returned in bf16."""
+    fm = FAST[name](seed=6)
+    x = randn(4, 6, seed=7, scale=0.5)
+    out = fm(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    ref = fm(x.to(torch.bfloat16).float())
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-3)
+
+
+def test_fast_path_hyperbolic_large_norm_finite_log_features():
+    """The fast forward may over/underflow where phi does, but log_features stays finite and
+    bounded at |x| = 40 (the stabilised path used by attention)."""
+    fm = ka.HyperbolicRF(8, 16, seed=0)
+    x = with_norm(randn(2, 10, 8, seed=1), 40.0).float()
+    f, ls = fm.log_features(x)
+    assert torch.isfinite(f).all() and torch.isfinite(ls).all() and f.abs().max() <= 1 + 1e-6
+    assert not torch.isnan(fm(x)).any()
