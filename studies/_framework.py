@@ -74,6 +74,10 @@ class Study:
         concurrent_cells: ``False`` for a study whose cells measure their own run time (a cost
             study): the runner then computes its cells one at a time in this process whatever
             ``--jobs``/``--scheduler`` say, so that no other cell competes for the cores.
+        cell_threads: torch intra-op threads each cell computes with (``None``, default: the
+            process's setting). A study of many small tensors can be faster on one thread; the
+            runner sets it around ``run_cell``, restores it, and records it in the provenance
+            (``torch_threads``).
 
     Cells may run in other processes (``--jobs N``) or on other machines (``--scheduler``): a
     worker imports the module that defines the study and finds the ``Study`` object there (see
@@ -93,6 +97,7 @@ class Study:
     install: str = ""
     dtypes: dict[str, str] | None = field(default=None, hash=False)
     concurrent_cells: bool = True
+    cell_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtypes is None:
@@ -557,9 +562,14 @@ def _load_study(module: str, attr: str, file: str | None) -> Study:
 
 def _evaluate(study: Study, cell: dict, ctx: Context) -> dict:
     """Compute one cell: the cache record ``{cell, rows, seconds, cpu_s, threads, code_hash}``."""
-    threads = torch.get_num_threads()
-    tc, c0 = time.perf_counter(), time.process_time()
-    cell_rows = study.run_cell(dict(cell), ctx)
+    outer = torch.get_num_threads()
+    threads = study.cell_threads or outer
+    torch.set_num_threads(threads)
+    try:
+        tc, c0 = time.perf_counter(), time.process_time()
+        cell_rows = study.run_cell(dict(cell), ctx)
+    finally:
+        torch.set_num_threads(outer)
     return {"cell": cell, "rows": [_clean_row(r) for r in cell_rows],
             "seconds": time.perf_counter() - tc, "cpu_s": time.process_time() - c0, "threads": threads,
             "code_hash": code_hash()}

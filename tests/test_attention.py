@@ -377,3 +377,184 @@ def test_softmax_attention_float32_large_logits_finite():
         assert out.dtype == torch.float32 and torch.isfinite(out).all()
         ref = softmax_attn_ref(q.double(), k.double(), v.double(), causal)
         torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- chunked causal backward
+
+
+def _paths(monkeypatch) -> dict[str, int]:
+    """Count the calls of the shared-scale path's custom autograd Function (training) and of its
+    plain forward (inference), so a test knows which path it checked."""
+    from kernelapprox.attention import _chunked_fn
+
+    calls = {"function": 0, "forward": 0}
+    apply, forward = _chunked_fn.ChunkedCausal.apply, _chunked_fn.chunked_forward
+
+    def counted_apply(*a):
+        calls["function"] += 1
+        return apply(*a)
+
+    def counted_forward(*a):
+        calls["forward"] += 1
+        return forward(*a)
+
+    monkeypatch.setattr(_chunked_fn.ChunkedCausal, "apply", counted_apply)
+    monkeypatch.setattr(_chunked_fn, "chunked_forward", counted_forward)
+    return calls
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["prefix", "suffix"])
+def test_scan_equals_cumsum(reverse):
+    """The two-sweep in-place scan of the chunk states equals torch.cumsum (flipped for suffix
+    sums) for every length, powers of two and not."""
+    from kernelapprox.attention._chunked_fn import _scan_
+
+    for g in range(1, 41):
+        x = randn(2, g, 3, 2, seed=g)
+        ref = x.flip(1).cumsum(1).flip(1) if reverse else x.cumsum(1)
+        torch.testing.assert_close(_scan_(x.clone(), reverse=reverse), ref, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-scale", "running-max"])
+@pytest.mark.parametrize(("n", "chunk_size", "r"), [(23, 1, 16), (37, 5, 16), (37, 64, 16), (150, 4, 64)])
+def test_causal_backward_equals_naive(monkeypatch, shared, n, chunk_size, r):
+    """Both causal paths (the shared-scale one with its recomputing backward, and the
+    running-maximum one with autograd through every chunk) equal autograd through the naive
+    quadratic reference, forward (1e-10) and backward (1e-8), normaliser included (the output is
+    the ratio). Groups are made small, so the shared-scale state is carried and rescaled between
+    groups (except with a single chunk). The path counter proves which path ran."""
+    import kernelapprox.attention.chunk as chunk
+
+    monkeypatch.setattr(chunk, "_SHARED_SCALE", shared)
+    monkeypatch.setattr(chunk, "_GROUP_TOKENS", 8)  # groups of 2-3 chunks: states carried between groups
+    calls = _paths(monkeypatch)
+    fm = ka.PositiveRF(D, r, sampler="orthogonal", seed=0, dtype=F64)
+    q, k, v = (t.clone().requires_grad_(True) for t in qkv(n=n, seed=21))
+    out = ka.linear_attention(q, k, v, fm, causal=True, chunk_size=chunk_size)
+    ref = ka.naive_linear_attention(q, k, v, fm, causal=True)
+    torch.testing.assert_close(out, ref, **TOL)
+    w = randn(*out.shape, seed=6)
+    g_fast = torch.autograd.grad((out * w).sum(), (q, k, v))
+    g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b, what in zip(g_fast, g_ref, "qkv", strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=f"d/d{what}")
+    assert calls["function"] == (1 if shared else 0), calls
+
+
+def test_causal_backward_with_key_padding(monkeypatch):
+    """Right-padded batches (sequences of lengths 37 and 21 in one tensor, garbage after each
+    end): causal rows never see later keys, so with the loss on the real rows only, the real
+    tokens' gradients equal those of the naive reference on each unpadded sequence and the
+    padding tokens' gradients are exactly 0."""
+    calls = _paths(monkeypatch)
+    fm = ka.PositiveRF(D, 16, sampler="orthogonal", seed=0, dtype=F64)
+    q, k, v = qkv(n=N, seed=31, lead=(2, H))
+    lengths = (37, 21)
+    keep = torch.arange(N) < torch.tensor(lengths)[:, None]  # (2, N): the key padding mask
+    pad = ~keep[:, None, :, None]
+    q, k = q.masked_fill(pad, 0.7), k.masked_fill(pad, -0.9)  # arbitrary padding values
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    w = randn(2, H, N, DV, seed=7).masked_fill(pad, 0.0)  # loss on real rows only
+    out = ka.linear_attention(q, k, v, fm, causal=True, chunk_size=8)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    assert calls["function"] == 1
+    for b, n_b in enumerate(lengths):
+        qb, kb, vb = (t[b:b + 1, :, :n_b].detach().clone().requires_grad_(True) for t in (q, k, v))
+        ref = ka.naive_linear_attention(qb, kb, vb, fm, causal=True)
+        torch.testing.assert_close(out[b:b + 1, :, :n_b], ref, **TOL)
+        g_ref = torch.autograd.grad((ref * w[b:b + 1, :, :n_b]).sum(), (qb, kb, vb))
+        for g, gr, what in zip(grads, g_ref, "qkv", strict=True):
+            torch.testing.assert_close(g[b:b + 1, :, :n_b], gr, rtol=1e-8, atol=1e-10, msg=f"d/d{what}")
+            assert (g[b, :, n_b:] == 0).all(), what
+
+
+def test_causal_gradcheck():
+    """Finite differences (torch.autograd.gradcheck, float64) of the causal path through the
+    custom Function: several chunks, a partial last chunk, the normaliser, and an initial state
+    whose kv also receives gradients."""
+    fm = ka.PositiveRF(D, 8, sampler="orthogonal", seed=0, dtype=F64)
+    q, k, v = (t.clone().requires_grad_(True) for t in qkv(n=11, seed=41, lead=(1, 2)))
+    _, st = ka.linear_attention(q[..., :3, :].detach(), k[..., :3, :].detach(), v[..., :3, :].detach(),
+                                fm, causal=True, return_state=True)
+    kv0 = st.kv.clone().requires_grad_(True)
+
+    def f(q, k, v, kv0):
+        state = ka.LinearAttentionState(kv0, st.log_scale)
+        return ka.linear_attention(q, k, v, fm, causal=True, chunk_size=3, initial_state=state)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, kv0))
+
+
+def test_chunked_function_gradcheck():
+    """gradcheck of the custom Function alone, both outputs (chunk outputs and final state) and
+    all four inputs, with three groups of chunks and the rescaling factors between them."""
+    from kernelapprox.attention._chunked_fn import ChunkedCausal
+
+    L, nc, C, Fd, dv1 = 2, 5, 3, 4, 3
+    fq, fk = (randn(L, nc, C, Fd, seed=s).abs().requires_grad_(True) for s in (1, 2))
+    vw = randn(L, nc, C, dv1, seed=3).requires_grad_(True)
+    S0 = randn(L, Fd, dv1, seed=4).requires_grad_(True)
+    decay = (None, torch.tensor([0.5, 0.9], dtype=F64).view(L, 1, 1), torch.tensor([0.7, 1.0], dtype=F64).view(L, 1, 1))
+    bounds = ((0, 2), (2, 4), (4, 5))
+    mask = torch.ones(C, C, dtype=torch.bool).tril()
+    assert torch.autograd.gradcheck(lambda *x: ChunkedCausal.apply(*x, decay, bounds, mask), (fq, fk, vw, S0))
+
+
+def _saved_numels(fn) -> list[int]:
+    """Element counts of every tensor autograd saves while ``fn`` runs."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sizes
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-scale", "running-max"])
+def test_causal_training_saves_no_chunk_states(monkeypatch, shared):
+    """Training memory: with the shared-scale path nothing that autograd saves is larger than the
+    features or [v, 1] (n x max(F, d_v + 1) per head), and the total is a few such tensors, so no
+    (n_c, F, d_v + 1) stack of chunk states is kept for the backward. Shapes make the state stack
+    4x the larger of the two (F = 16, d_v + 1 = 32, C = 4).
+    The running-maximum path (autograd through every chunk) keeps them: checked to exceed the
+    bounds, so the test can tell the two apart."""
+    import kernelapprox.attention.chunk as chunk
+
+    monkeypatch.setattr(chunk, "_SHARED_SCALE", shared)
+    n, Fd, dv, C = 256, 16, 31, 4
+    fm = ka.PositiveRF(D, Fd, seed=0, dtype=F64)
+    q, k = (randn(1, 2, n, D, seed=s, scale=0.5).requires_grad_(True) for s in (1, 2))
+    v = randn(1, 2, n, dv, seed=3).requires_grad_(True)
+    sizes = _saved_numels(lambda: ka.linear_attention(q, k, v, fm, causal=True, chunk_size=C))
+    row = 2 * n * max(Fd, dv + 1)  # the larger of the features and [v, 1] (2 heads)
+    within = max(sizes) <= row and sum(sizes) <= 8 * row
+    assert within == shared, (max(sizes) / row, sum(sizes) / row)
+
+
+def test_causal_mixed_paths_equal_naive(monkeypatch):
+    """Where a key's scale jumps above its group's reference by more than the allowed spread
+    (made 0.2 nats here, so it happens at some token of each sequence), the rows before that
+    token come from the shared-scale path and the rest from the running-maximum path: together
+    they equal the naive reference, forward and backward."""
+    import kernelapprox.attention.chunk as chunk
+
+    monkeypatch.setattr(chunk, "_SPREAD", 0.2)
+    calls = _paths(monkeypatch)
+    masks = []
+    orig = chunk._clean_mask
+    monkeypatch.setattr(chunk, "_clean_mask", lambda *a: masks.append(orig(*a)) or masks[-1])
+    fm = ka.PositiveRF(D, 16, sampler="orthogonal", seed=0, dtype=F64)
+    q, k, v = (t.clone().requires_grad_(True) for t in qkv(seed=51))
+    out = ka.linear_attention(q, k, v, fm, causal=True, chunk_size=4)
+    keep = masks[0]
+    assert keep is not None and 0 < int(keep.sum()) < keep.numel(), keep  # both paths have rows
+    assert calls["function"] == 1
+    ref = ka.naive_linear_attention(q, k, v, fm, causal=True)
+    torch.testing.assert_close(out, ref, **TOL)
+    w = randn(*out.shape, seed=8)
+    for a, b, what in zip(torch.autograd.grad((out * w).sum(), (q, k, v)),
+                          torch.autograd.grad((ref * w).sum(), (q, k, v)), "qkv", strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=f"d/d{what}")

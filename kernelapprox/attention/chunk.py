@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -43,6 +45,118 @@ def _scan_states(
     return scan(step, state, (decay, kv), dim=dim)
 
 
+# Largest excess (in nats) of a key log-scale over its group's reference scale for which the
+# shared-scale path runs: key weights stay <= e^30 (no overflow in float32, whose range is e^88),
+# and every query's own running maximum is >= the reference, so nothing it depends on underflows.
+_SPREAD = 30.0
+# False forces the running-maximum path (autograd through every chunk): for benchmarks and tests.
+_SHARED_SCALE = True
+
+
+# Tokens whose features a group's stack of chunk states may match: groups have a fixed number of
+# chunks (so a prefix of a sequence is cut into the same groups as the whole sequence).
+_GROUP_TOKENS = 16384
+
+
+def _group_chunks(Fd: int, dv1: int) -> int:
+    """Chunks per group: their states ($F \times d_v+1$ each) never outweigh the features
+    ($F + d_v + 1$ per token) of ``_GROUP_TOKENS`` tokens."""
+    return max(1, (_GROUP_TOKENS * (Fd + dv1)) // (Fd * dv1))
+
+
+def _references(
+    sd: torch.Tensor, span: int, initial_state: LinearAttentionState | None, lead: torch.Size
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per group of ``span`` tokens of ``sd`` (L, n): its largest key log-scale ``gmax`` and the
+    reference ``R`` = the largest before it (initial state and first key for the first group),
+    both (L, groups); and the initial state's scale (L, 1) or ``None``."""
+    L = sd.shape[0]
+    R0, G0 = sd[:, :1], None
+    if initial_state is not None:
+        ls = initial_state.log_scale.detach().to(sd.dtype)
+        G0 = ls.reshape(*ls.shape[:-2], 1).expand(*lead, 1).reshape(L, 1)
+        R0 = torch.maximum(R0, G0)
+    gmax = torch.stack([sd[:, a:a + span].amax(-1) for a in range(0, sd.shape[-1], span)], dim=-1)
+    R = torch.cummax(torch.cat((R0, gmax[:, :-1]), dim=-1), dim=-1).values
+    return gmax, R, G0
+
+
+def _clean_mask(
+    fq: torch.Tensor, v1: torch.Tensor, s: torch.Tensor,
+    initial_state: LinearAttentionState | None, C: int, lead: torch.Size,
+) -> torch.Tensor | None:
+    """Tokens the shared-scale path may take, (L, n) bool: in each sequence (row of ``L``), those
+    before its first token with a non-finite value or key scale, or a key scale more than
+    ``_SPREAD`` above its group's reference; ``None`` when that is every token (one host read).
+
+    Non-finite features need no cut: a query's reach only its own row, and a key's enter the
+    intra-chunk scores of later rows only (masked scores are replaced, not multiplied by 0) and
+    the states of later chunks; a non-finite value would reach earlier rows of its chunk through
+    0 * Inf in the intra-chunk product, and a non-finite key scale the group's weights."""
+    n = s.shape[-1]
+    L = math.prod(lead)
+    sd = s.detach().expand(*lead, n).reshape(L, n)
+    span = _group_chunks(fq.shape[-1], v1.shape[-1]) * C
+    gmax, R, _ = _references(sd, span, initial_state, lead)
+    ok = torch.isfinite(R).all() & (gmax - R <= _SPREAD).all() & torch.isfinite(v1.sum())
+    if bool(ok.item()):
+        return None
+    R_tok = R.repeat_interleave(span, dim=-1)[:, :n]
+    bad = ~(sd - R_tok <= _SPREAD)  # NaN and +Inf scales too; -Inf (weight 0) is fine
+    bad = bad | ~torch.isfinite(v1).all(-1).expand(*lead, n).reshape(L, n)
+    return torch.cumsum(bad, dim=-1) == 0
+
+
+def _shared_scale_path(
+    fq: torch.Tensor, fk: torch.Tensor, v1: torch.Tensor, s: torch.Tensor, mask: torch.Tensor,
+    initial_state: LinearAttentionState | None, cdt: torch.dtype, lead: torch.Size,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    r"""The causal product with one key scale per group of chunks (on a prefix from `_clean_prefix`).
+
+    ``fq, fk`` (..., n, F), ``v1`` (..., n, dv1), ``s`` (..., n). Group $g$ uses the reference
+    $R_g$ = the largest key log-scale *before* the group (the initial state's and the first
+    key's for the first group): a scale every query of the group has already seen, so a later key
+    never shifts an earlier output's scale. Keys are weighted $e^{s_j - R_g} \le e^{30}$
+    (values and the ones column, so the per-query factor cancels in the ratio), and the chunk
+    states are then a plain prefix sum (`._chunked_fn`). Returns ``[num | den]`` (*lead, n, dv1)
+    and the state after the last token.
+    """
+    from ._chunked_fn import ChunkedCausal, chunked_forward
+
+    n, Fd, dv1 = fq.shape[-2], fq.shape[-1], v1.shape[-1]
+    C = mask.shape[-1]
+    nc = (n + C - 1) // C
+    pad = nc * C - n
+    if pad:
+        fq, fk, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (fq, fk, v1))
+        s = F.pad(s, (0, pad), value=float("-inf"))
+    L = math.prod(lead)
+    fq = fq.expand(*lead, nc * C, Fd).reshape(L, nc, C, Fd)
+    fk = fk.expand(*lead, nc * C, Fd).reshape(L, nc, C, Fd)
+    v1 = v1.expand(*lead, nc * C, dv1).reshape(L, nc * C, dv1)
+    s = s.expand(*lead, nc * C).reshape(L, nc * C)
+    group = _group_chunks(Fd, dv1)
+    bounds = tuple((a, min(nc, a + group)) for a in range(0, nc, group))
+    gmax, R, G0 = _references(s.detach(), group * C, initial_state, lead)
+    R_tok = R.repeat_interleave(group * C, dim=-1)[:, : nc * C]
+    w = torch.exp(s - R_tok).to(cdt)  # key weights <= e^_SPREAD; gradients reach s
+    vw = (v1 * w.unsqueeze(-1)).view(L, nc, C, dv1)
+    if initial_state is None:
+        S0 = fq.new_zeros(L, Fd, dv1)
+    else:
+        kv0 = initial_state.kv.to(cdt).expand(*lead, Fd, dv1).reshape(L, Fd, dv1)
+        S0 = kv0 * torch.exp(G0 - R[:, :1]).to(cdt).unsqueeze(-1)
+    decay = (None, *(torch.exp(R[:, g - 1] - R[:, g]).to(cdt).view(L, 1, 1) for g in range(1, len(bounds))))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (fq, fk, vw, S0)):
+        out, S = ChunkedCausal.apply(fq, fk, vw, S0, decay, bounds, mask)
+    else:
+        out, S = chunked_forward(fq, fk, vw, S0, decay, bounds, mask)
+    out = out.reshape(*lead, nc * C, dv1)[..., :n, :]
+    Gf = torch.maximum(R[:, -1:], gmax[:, -1:])  # running maximum after the last key
+    S = S * torch.exp(R[:, -1:] - Gf).to(cdt).unsqueeze(-1)
+    return out, LinearAttentionState(S.reshape(*lead, Fd, dv1), Gf.reshape(*lead, 1, 1))
+
+
 @no_autocast
 def chunk_linear_attention(
     q: torch.Tensor,
@@ -64,24 +178,45 @@ def chunk_linear_attention(
     [\text{num}, \text{den}]_c = \varphi(Q_c)\, S_{<c} + A_c\,[V_c, 1].
     $$
 
-    Causal stabilisation: every key keeps its own log scale $s_j$, and query $i$ works at
-    the scale $M_i = \max_{j \le i} s_j$ (with the initial state's), so no output depends,
-    even through rounding, on a later key (a global key maximum would let one large future key
-    underflow the past). The carried state is rescaled to the running maximum, exactly as in
-    `RecurrentLinearAttention`, so the two forms agree to rounding.
+    Causal stabilisation: every key keeps its own log scale $s_j$, and no output may depend on
+    a later key's scale (a global key maximum would let one large future key underflow the
+    past). Two paths, equal to rounding:
+
+    - *Shared scale per group of chunks* (eager, CPU, positive maps: a signed
+      map's denominators can nearly cancel, and there the order of operations of the compiled
+      form is kept, so that eager and compiled results agree). Group $g$
+      of chunks works at the scale $R_g$ = the largest key log-scale before it (the first key's
+      or the initial state's for the first group): every query of the group has seen it, and
+      its own running maximum is $\ge R_g$. Keys are weighted $e^{s_j - R_g}$, which applies
+      when no key of the group exceeds $R_g$ by more than 30 nats (checked on the host; no
+      overflow, and nothing a query depends on can underflow). The chunk states are then one
+      GEMM and one in-place scan over chunks, the intra-chunk block one batched masked GEMM, and
+      training uses a custom backward (`kernelapprox.attention._chunked_fn`) that saves only
+      its inputs ($\varphi(Q)$, $\varphi(K)$, the weighted $[V, 1]$) and recomputes the
+      states, forward for $\partial\varphi(Q)$ and by reverse accumulation for
+      $\partial\varphi(K)$, $\partial V$: no per-chunk state or score is kept for the
+      backward [Kat20]_.
+    - *Running maximum* (everywhere else: ``torch.compile``, other devices, signed maps; and,
+      in each sequence, the rows from its first non-finite value or key scale, or key scale
+      more than 30 nats above its group's reference, on): query $i$ works at
+      $M_i = \max_{j \le i} s_j$ (with the initial state's), and the carried state is rescaled
+      to the running maximum as in `RecurrentLinearAttention`; autograd differentiates it as
+      written.
 
     Output $i$ depends on positions $\le i$ only, also for non-finite inputs: a NaN or
     Inf at position $j$ reaches rows $\ge j$ (as in the recurrent form), never rows
-    before it, whatever the chunk size; padding after the sequence has no effect.
+    before it, whatever the chunk size, bitwise (the rows before a token the shared-scale path
+    cannot take are computed as if it were absent); padding after the sequence has no effect.
 
-    Chunk states are formed for groups of chunks sized so that they never outweigh the features:
+    Chunk states are formed for groups of chunks sized so that they never outweigh the features
+    (of the sequence on the running-maximum path, of 16 384 tokens on the shared-scale path):
     peak memory $O(n(F + d_v) + F d_v)$ per head for any ``chunk_size``, and no
     $(n, F, d_v)$ tensor. Cost $O(nFd_v + nC(F + d_v))$ for chunk size $C$.
 
     Under ``torch.compile`` the scan over chunks is one scan operator and all chunks form one
     group (their states, $\lceil n/C\rceil \times F \times (d_v + 1)$, are held at once), so
     that one graph serves every sequence length with ``dynamic=True``; the values are those of
-    the eager loop.
+    the eager running-maximum loop (equal to the shared-scale path's to rounding).
 
     Parameters
     ----------
@@ -121,10 +256,31 @@ def chunk_linear_attention(
     lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v1.shape[:-2], s.shape[:-1])
     n, Fd, dv1 = fq.shape[-2], fq.shape[-1], v1.shape[-1]
     C = chunk_size
+    compiling = torch.compiler.is_compiling()
+    mask = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()
+    # The shared-scale path takes every token (the usual case) or, per sequence, the tokens
+    # before the first one it cannot take (`_clean_mask`), so that rows before a bad token are
+    # computed the same whatever follows them; the running-maximum path then does the rest.
+    head = None
+    if not compiling and _SHARED_SCALE and feature_map.positive and fq.device.type == "cpu":
+        keep = _clean_mask(fq, v1, s, initial_state, C, lead)
+        if keep is None:
+            head, st = _shared_scale_path(fq, fk, v1, s, mask, initial_state, cdt, lead)
+            out = normalise(*split(head), feature_map.positive, eps).to(out_dtype)
+            return (out, st) if return_state else out
+        if bool(keep.any()):
+            # Rows before each sequence's first bad token: the whole sequence with the keys and
+            # values from that token on given weight 0 (same shapes, hence the same GEMMs and
+            # bitwise the same rows as without the bad token); the running-maximum path below
+            # gives every other row and the final state.
+            keep = keep.reshape(*lead, n)
+            head = _shared_scale_path(
+                fq, fk, v1.expand(*lead, n, dv1).masked_fill(~keep.unsqueeze(-1), 0.0),
+                s.expand(*lead, n).masked_fill(~keep, float("-inf")), mask, initial_state, cdt, lead,
+            )[0]
     # Under torch.compile the sequence length may be symbolic (dynamic=True): integer arithmetic
     # only, padding applied unconditionally (a zero pad is a no-op), and the scan over chunks is a
     # scan operator instead of a Python loop, so one graph serves every length.
-    compiling = torch.compiler.is_compiling()
     nc = (n + C - 1) // C  # ceil(n / C)
     pad = nc * C - n
     s_in = s  # (..., n): its shape carries the (possibly symbolic) length, see _scan_states
@@ -148,7 +304,8 @@ def chunk_linear_attention(
     # The value masking costs ~10% of the call: on CPU (where reading a scalar is free) it is
     # skipped when the values are all finite (a finite sum implies finite entries; an overflowing
     # sum only takes the exact path). On other devices it always runs, so there is no host sync.
-    if v.device.type == "cpu" and not torch.compiler.is_compiling() and bool(torch.isfinite(v.sum())):
+    v_finite = v.device.type == "cpu" and not compiling and bool(torch.isfinite(v.sum()))
+    if v_finite:
         v1_finite, v_poison = v1, None
     else:
         v_bad = ~torch.isfinite(v1)
@@ -174,7 +331,6 @@ def chunk_linear_attention(
     w_state = _exp_diff(s, G_incl.unsqueeze(-1), cdt).unsqueeze(-1)  # (..., nc, C, 1)
     # Intra-chunk weights exp(s_j - M_i), j <= i (masked before the product too, so that an
     # overflowing future weight cannot turn a zero gradient into NaN).
-    mask = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()
     E = _exp_diff(s.unsqueeze(-2).expand(*s.shape, C), M.unsqueeze(-1), cdt)
     E = E.masked_fill(~mask, 0.0)  # (..., nc, C_i, C_j)
     w_inter = _exp_diff(G_excl.unsqueeze(-1), M, cdt).unsqueeze(-1)  # (..., nc, C, 1)
@@ -211,6 +367,8 @@ def chunk_linear_attention(
         group = max(1, (nc * C * (Fd + dv1)) // (Fd * dv1))
         out = torch.cat([chunks(a, min(nc, a + group)) for a in range(0, nc, group)], dim=-3)
     out = out.reshape(*lead, nc * C, dv1)[..., :n, :]
+    if head is not None:
+        out = torch.where(keep.unsqueeze(-1), head, out)
     out = normalise(*split(out), feature_map.positive, eps).to(out_dtype)
     if return_state:
         g_last = G_incl[..., -1:]

@@ -11,7 +11,7 @@ $$
 ``radius`` bounds the inputs of $\exp(q^\top k)$ as the library receives them, i.e. *after*
 the attention scaling $q/d^{1/4}$.
 
-From the Gaussian to the softmax kernel [DERIVED, ``estimators.md`` §6]: trig features estimate
+From the Gaussian to the softmax kernel [DERIVED]: trig features estimate
 $e^{x^\top y} = e^{\|x\|^2/2}K_G(x,y)e^{\|y\|^2/2}$ by $e^{\|x\|^2/2}\hat K_G(x,y)
 e^{\|y\|^2/2}$, so on $B(R)$
 
@@ -34,8 +34,19 @@ Sources and how sure we are (read the tags):
 * Performer 2021, Thm 4 / Thm 7 [SOURCE, up to an unknown Θ constant]:
   $r = c\,\frac{d}{\delta_P^2}\log\frac{4d^{3/4}R_P}{\delta_P}$.
 
-These bounds are very conservative: ``tests/test_theory_bounds.py`` measures the sup error at
-the returned ``r`` and records by how much.
+How far each value can be trusted is recorded in `CONSTANT_STATUS` (read it before quoting a
+number): only the Rahimi–Recht constants come from (secondary) transcriptions of the paper; the
+Sutherland–Schneider and Sriperumbudur–Szabó constants are RECALLED and have not been checked
+against the papers; the Performer value is a *shape* with its unknown Θ-constant set to 1, so a
+measurement below it says nothing about validity.  ``tests/test_theory_bounds.py`` pins the
+formulas to hand-computed golden values and shape properties (the $\log$ term, the $d$, $\delta$
+and $R$ dependence) and pins their ratio to a measured $r^*$; it cannot verify recalled constants.
+
+In $d$ every bound has the form $a\,d\log(C d)$ with a large $C$ (the $\log$ comes from the
+$\varepsilon$-net over the ball); on $d\in[4, 128]$ they look like $d^{0.96}$–$d^{1.2}$.  A chaining
+argument (Dudley's entropy integral) gives $E\sup\lesssim R\sqrt{d/r}$ without the
+$\log d$, and Sudakov minoration the matching lower bound, i.e. $r^*\asymp d/\varepsilon^2$ at
+fixed $R$ (van Handel, *Probability in High Dimension*, 2016 lecture notes, ch. 5–6).
 
 References
 ----------
@@ -57,6 +68,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "CONSTANT_STATUS",
     "UNIFORM_BOUNDS",
     "rahimi_recht_features",
     "sutherland_schneider_features",
@@ -67,6 +79,17 @@ __all__ = [
 
 #: Names accepted by ``required_features_uniform(bound=...)``.
 UNIFORM_BOUNDS = ("rahimi-recht", "sutherland-schneider", "sriperumbudur-szabo", "performer")
+
+#: How each bound's constants are known.  "SOURCE-2nd": read in secondary transcriptions of the
+#: paper (not the paper itself); "RECALLED": from memory, NOT verified against the paper;
+#: "SHAPE-ONLY": the theorem is a Θ statement, its constant is unknown and set to ``constant``
+#: (default 1), so the value is a d/ε/R-shape, never a guarantee.
+CONSTANT_STATUS = {
+    "rahimi-recht": "SOURCE-2nd",
+    "sutherland-schneider": "RECALLED",
+    "sriperumbudur-szabo": "RECALLED",
+    "performer": "SHAPE-ONLY",
+}
 
 
 def _number(name: str, value: object) -> float:
@@ -168,8 +191,9 @@ def sutherland_schneider_features(
 ) -> int:
     r"""Sutherland–Schneider's improved uniform bound, transported to the softmax kernel on $B(R)$.
 
-    RECALLED, unverified — the constants 66/98 and the exponents below are from memory of the
-    paper (``estimators.md`` §6b); check them in the paper before relying on them.
+    RECALLED, NOT VERIFIED (``CONSTANT_STATUS``) — the constants 66/98 and the exponents below
+    are from memory of the paper; check them in the paper before relying on them.  A measured
+    $r^*$ below this value is not evidence that the bound holds.
 
     * ``variant="sincos"`` ($\tilde z$, ``D = 2r`` coordinates):
       $P[\|f\|_\infty\ge\varepsilon]\le66\big(\frac{\sigma_p\ell}{\varepsilon}\big)^2
@@ -214,7 +238,8 @@ def sutherland_schneider_features(
 def sriperumbudur_szabo_features(eps: float, delta: float, dim: int, radius: float) -> int:
     r"""Sriperumbudur–Szabó Theorem 1 (optimal $\sqrt{\log|S|/m}$ rate), transported to $B(R)$.
 
-    RECALLED, unverified constants (``estimators.md`` §6c): with probability $\ge1-e^{-\tau}$,
+    RECALLED, NOT VERIFIED constants (``CONSTANT_STATUS``): with probability
+    $\ge1-e^{-\tau}$,
 
     $$
     \sup_{x,y\in S}|\hat k_m-k|\le\frac{h(d,|S|,\sigma_p)+\sqrt{2\tau}}{\sqrt m},\quad
@@ -276,7 +301,9 @@ def performer_theorem4_features(
     $\lceil c\,\frac{d}{\delta_P^2}\log\frac{4 d R}{\delta_P}\rceil$ (at least 1).
 
     The Θ constant ``c`` is not given in the paper: ``constant=1.0`` is a placeholder, so this is
-    the *shape* of the requirement (for plotting against measurements), not a guarantee. The
+    the *shape* of the requirement (for plotting against measurements), not a guarantee
+    (``CONSTANT_STATUS["performer"] == "SHAPE-ONLY"``): comparing it with a measured $r^*$ is
+    not a validity check, whichever side the measurement falls on. The
     failure probability ``delta`` does not appear in the theorem (it is absorbed in the constant):
     it is validated and otherwise ignored. The OpenReview version states $\|\cdot\|_1$
     where arXiv v4 states $\|\cdot\|_\infty$.
