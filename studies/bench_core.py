@@ -3,9 +3,13 @@
 Run: ``python -m studies.bench_core [--device cpu|cuda] [--dtype float32|bfloat16] [--quick]
 [--threads N] [--only league] [--json FILE]``
 
-Prints six groups of ratios for B=4, H=8, n=4096, d=64, r=256:
+Prints these groups of ratios for B=4, H=8, n=4096, d=64, r=256:
 
-1. feature map time / bare ``x @ W.mT`` of the same shape (positive and trigonometric maps);
+0. the Monte Carlo engine: every ``ka.montecarlo`` driver (and error-vs-r's inner loop) / the
+   batched-matmul floor of the same work (``studies.bench_mc``; target <= 2x);
+1. feature map time / bare ``x @ W.mT`` of the same shape (positive and trigonometric maps;
+   targets 1.2x and 1.6x); 1b. the structured (SORF) projection / a dense projection (target
+   1.5x) and QMC milliseconds per draw, vectorised scramble vs one scipy engine per draw;
 2. non-causal ``linear_attention`` / its floor (two feature matmuls with their exp, phi(K)^T V,
    phi(Q) S);
 3. causal / non-causal time, and peak memory of the causal form at n = 4096 and 16384, in
@@ -437,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's own)")
     p.add_argument("--only", default="", help="run only the groups whose name starts with this "
-                   "(feature maps | attention | memory | memory in training | recurrent | league)")
+                   "(monte carlo | feature maps | attention | memory | memory in training | recurrent | league)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype)
@@ -447,7 +451,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     reps = 2 if a.quick else a.repeats
     print(f"device={device} dtype={dtype} B={B} H={H} n={n} d={d} r={r} threads={torch.get_num_threads()}")
     results: dict[str, float] = {}
+    from studies.bench_mc import bench_mc
+
     for name, fn in (
+        ("monte carlo (driver / batched-matmul floor)",
+         lambda: bench_mc(device, dtype, reps,
+                          quick=a.quick)),
         ("feature maps", lambda: bench_feature_maps(B, H, n, d, r, device, dtype, reps)),
         ("feature maps: structured projection and QMC draws",
          lambda: bench_structured_qmc(B, H, n, d, r, device, dtype, reps)),
