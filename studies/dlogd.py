@@ -263,10 +263,14 @@ def trig_sup_delta(fm: torch.nn.Module, R: float, *, starts: int, steps: int,
     """
     import kernelapprox as ka
 
-    if not isinstance(fm, ka.TrigRF) or fm.variant != "sincos":
-        raise TypeError("fm must be a TrigRF(variant='sincos') (shift-invariant); got "
-                        f"{type(fm).__name__}" + (f"(variant={fm.variant!r})"
-                                                   if isinstance(fm, ka.TrigRF) else ""))
+    try:
+        name = ka.estimator_of(fm).name
+    except (TypeError, LookupError):
+        name = None
+    if name != "trig-sincos":
+        raise TypeError("fm must be the registered 'trig-sincos' estimator (TrigRF(variant='sincos'), "
+                        f"shift-invariant); got {type(fm).__name__}"
+                        + (f" (registered as {name!r})" if name else ""))
     if isinstance(R, bool) or not isinstance(R, (int, float)) or not math.isfinite(R) or R <= 0:
         raise ValueError(f"R must be a finite number > 0, got {R!r}")
     for name, v, lo in (("starts", starts, 1), ("steps", steps, 0)):
