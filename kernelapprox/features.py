@@ -744,11 +744,16 @@ class HyperbolicRF(RandomFeatureMap):
             C = torch.einsum("...d,...d->...", xc, xc).add_(math.log(2 * r))
             negC = C.neg().reshape(-1, 1)
             if _grad(xc, C, W) or torch.compiler.is_compiling():
-                a = _affine_rows(self.projection, xc, C, beta=-0.5).reshape(-1, r)
+                a = _affine_rows(self.projection, xc, C, beta=-0.5)
+                if a is None:  # unreachable: W is one dense 2-D matrix here
+                    raise RuntimeError("HyperbolicRF: the dense projection path lost its GEMM weight")
+                a = a.reshape(-1, r)
                 o = torch.cat((a, negC - a), dim=-1)
             else:
                 o = xc.new_empty(negC.shape[0], 2 * r)
                 a = _affine_rows(self.projection, xc, C, out=o[:, :r], beta=-0.5)
+                if a is None:  # unreachable: W is one dense 2-D matrix here
+                    raise RuntimeError("HyperbolicRF: the dense projection path lost its GEMM weight")
                 torch.sub(negC, a, out=o[:, r:])
             return o.exp_().view(*xc.shape[:-1], 2 * r).to(out_dtype)
         c = self._bias(xc)

@@ -396,8 +396,9 @@ class HadamardProjection(Projection):
         cache = getattr(self, "_dense_cache", None)  # (absent on maps pickled before the cache)
         if cache is None or cache[0] != key:
             with torch.no_grad():
-                self._dense_cache = (key, self._materialise(dtype))
-        return self._dense_cache[1]
+                cache = (key, self._materialise(dtype))
+            self._dense_cache = cache
+        return cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T: x (..., n, d) -> (*broadcast(..., batch_shape), n, r); one GEMM with the cached

@@ -108,8 +108,9 @@ def chunked_forward(
     L, _, C, _ = fq.shape
     outs = []
     for gi, (a, b) in enumerate(bounds):
-        if decay[gi] is not None:
-            S = S * decay[gi]
+        dec = decay[gi]
+        if dec is not None:
+            S = S * dec
         fq_g, fk_g, vw_g = (t[:, a:b].contiguous() for t in (fq, fk, vw))  # views for one group
         incl = _inclusive_states(S, fk_g, vw_g)
         A = torch.bmm(_flat(fq_g), _flat(fk_g).mT).masked_fill_(~mask, 0.0)  # causal scores
@@ -131,8 +132,9 @@ def chunked_backward(
     S_in = []
     S = S0
     for gi, (a, b) in enumerate(bounds):
-        if decay[gi] is not None:
-            S = S * decay[gi]
+        dec = decay[gi]
+        if dec is not None:
+            S = S * dec
         S_in.append(S)
         if gi + 1 < len(bounds):
             S = _inclusive_states(S, fk[:, a:b], vw[:, a:b])[:, -1].clone()
@@ -166,12 +168,14 @@ def chunked_backward(
         _add_shifted(dvw_g, fk_g, U, dS_out, last=True)
         del U
         grads.append((dfq_g, dfk_g, dvw_g))
-        if decay[gi] is not None:
-            dS = dS * decay[gi]
+        dec = decay[gi]
+        if dec is not None:
+            dS = dS * dec
     grads.reverse()
     if len(grads) == 1:
         return (*grads[0], dS)
-    return (*(torch.cat(gs, dim=1) for gs in zip(*grads, strict=True)), dS)
+    dfq, dfk, dvw = (torch.cat(gs, dim=1) for gs in zip(*grads, strict=True))
+    return dfq, dfk, dvw, dS
 
 
 class ChunkedCausal(torch.autograd.Function):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -145,7 +146,7 @@ def _shared_scale_path(
         S0 = fq.new_zeros(L, Fd, dv1)
     else:
         kv0 = initial_state.kv.to(cdt).expand(*lead, Fd, dv1).reshape(L, Fd, dv1)
-        S0 = kv0 * torch.exp(G0 - R[:, :1]).to(cdt).unsqueeze(-1)
+        S0 = kv0 * torch.exp(cast(torch.Tensor, G0) - R[:, :1]).to(cdt).unsqueeze(-1)  # set with a state
     decay = (None, *(torch.exp(R[:, g - 1] - R[:, g]).to(cdt).view(L, 1, 1) for g in range(1, len(bounds))))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (fq, fk, vw, S0)):
         out, S = ChunkedCausal.apply(fq, fk, vw, S0, decay, bounds, mask)
@@ -367,7 +368,7 @@ def chunk_linear_attention(
         group = max(1, (nc * C * (Fd + dv1)) // (Fd * dv1))
         out = torch.cat([chunks(a, min(nc, a + group)) for a in range(0, nc, group)], dim=-3)
     out = out.reshape(*lead, nc * C, dv1)[..., :n, :]
-    if head is not None:
+    if head is not None and keep is not None:
         out = torch.where(keep.unsqueeze(-1), head, out)
     out = normalise(*split(out), feature_map.positive, eps).to(out_dtype)
     if return_state:
