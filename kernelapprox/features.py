@@ -273,6 +273,20 @@ class FeatureMap(nn.Module):
         """
         return self.log_features(x)[0]
 
+    #: `key_log_features` returns a fresh, contiguous tensor that nothing else references, so
+    #: that a caller done with it may recycle its memory (see `_query_features_into`).
+    _fresh_key_features: ClassVar[bool] = False
+
+    def _query_features_into(self, x: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+        """`query_features`, written into the memory of ``buf`` where the map can.
+
+        ``buf`` is a dead contiguous tensor (the key features of the same call, which the
+        non-causal attention no longer needs once $\varphi(K)^\top V$ is formed). Writing into
+        it spares a fresh allocation of the same size, whose first touch costs ~0.25 ms per MB
+        on CPU (page faults): ~35 ms for (4, 8, 4096, 256) float32 features, ~15 % of a
+        non-causal call. Maps that cannot ignore ``buf`` (the default)."""
+        return self.query_features(x)
+
     @no_autocast
     def key_log_features(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         r"""Stabilised *key* features $\psi(y) = f\,e^{\text{log\_scale}}$, with
@@ -608,6 +622,21 @@ class PositiveRF(RandomFeatureMap):
         with torch.no_grad():
             m = u.amax(dim=-1, keepdim=True)
         return torch.exp(u - m) if _grad(u) else u.sub_(m).exp_()
+
+    _fresh_key_features = True  # log_features returns the projection's fresh output
+
+    def _query_features_into(self, x, buf):
+        xc, _ = self._prepare("x", x)
+        lead = torch.broadcast_shapes(xc.shape[:-2], self.batch_shape)
+        shape = (*lead, xc.shape[-2], self.num_features)
+        numel = math.prod(shape)
+        if (
+            buf is None or buf.dtype != xc.dtype or buf.device != xc.device or not buf.is_contiguous()
+            or buf.numel() < numel or _grad(xc, *self.projection.buffers()) or torch.compiler.is_compiling()
+        ):
+            return self.query_features(x)
+        u = self.projection.project_into(xc, buf.view(-1)[:numel].view(shape))
+        return u.sub_(u.amax(dim=-1, keepdim=True)).exp_()
 
 
 register_estimator(

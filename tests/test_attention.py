@@ -318,6 +318,54 @@ def test_noncausal_with_initial_state():
     torch.testing.assert_close(out, ka.naive_linear_attention(q[..., 15:, :], k, v, fm, causal=False), **TOL)
 
 
+@pytest.mark.parametrize("name", MAP_NAMES)
+def test_noncausal_returned_state_and_padding(name):
+    """The non-causal state is [S | z] of width dv + 1 (the GEMMs' zero padding to a multiple of
+    8 columns is internal), with the true values; a state handed over reproduces attention over
+    all keys; dv = 7 (dv + 1 a multiple of 8, no padding) and dv = 3 (padded to 8) both."""
+    fm = make_map(name)
+    for dv in (3, 7):
+        q, k, _ = qkv(scale=scale_for(name))
+        v = randn(B, H, N, dv, seed=5)
+        out, st = ka.linear_attention(q, k, v, fm, return_state=True)
+        assert st.kv.shape == (B, H, fm.feature_dim, dv + 1) and st.kv.is_contiguous()
+        pk = fm.key_features(k)
+        torch.testing.assert_close(st.S, pk.mT @ v, **TOL)
+        torch.testing.assert_close(st.z, pk.sum(-2), **TOL)
+        torch.testing.assert_close(out, ka.naive_linear_attention(q, k, v, fm, causal=False), **TOL)
+        out2 = ka.linear_attention(q[..., 20:, :], k[..., 20:, :], v[..., 20:, :], fm,
+                                   initial_state=ka.linear_attention(q[..., :20, :], k[..., :20, :],
+                                                                     v[..., :20, :], fm, return_state=True)[1])
+        torch.testing.assert_close(out2, ka.naive_linear_attention(q[..., 20:, :], k, v, fm, causal=False), **TOL)
+
+
+def test_noncausal_recycled_buffers():
+    """Without autograd the non-causal form writes phi(Q) into the memory of phi(K) and the
+    product into that of [wV, w] (`FeatureMap._query_features_into`): the values equal those of
+    the autograd path (which recycles nothing) and of the naive reference, the output owns no
+    memory of a recycled buffer, and the inputs are untouched."""
+    fm = make_map("positive")
+    q, k, v = qkv()
+    q0, k0, v0 = q.clone(), k.clone(), v.clone()
+    buf = torch.full((B, H, N, fm.feature_dim + 3), float("nan"), dtype=F64)
+    fq = fm._query_features_into(q, buf)
+    assert fq.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    torch.testing.assert_close(fq, fm.query_features(q), rtol=0, atol=0)
+    with torch.no_grad():
+        out = ka.linear_attention(q, k, v, fm)
+    with torch.enable_grad():
+        ref = ka.linear_attention(q.requires_grad_(), k, v, fm).detach()
+    q.requires_grad_(False)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(out, ka.naive_linear_attention(q, k, v, fm, causal=False), **TOL)
+    assert out.untyped_storage().nbytes() == out.numel() * out.element_size()
+    assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0)
+    # a buffer of the wrong dtype or too small is not used
+    for bad in (buf.float(), buf[..., :2].contiguous()):
+        f2 = fm._query_features_into(q, bad)
+        assert f2.untyped_storage().data_ptr() != bad.untyped_storage().data_ptr()
+
+
 # --------------------------------------------------------------------------- batch shapes of the map
 
 

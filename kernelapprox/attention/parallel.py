@@ -6,8 +6,11 @@ import torch
 
 from .._validation import inputs_validated, no_autocast
 from ..features import FeatureMap
-from ._common import key_side, normalise, prepare, split, with_ones
+from ._common import key_side, normalise, prepare
 from .state import LinearAttentionState
+
+#: Width multiple of the value GEMMs ($[V, 1]$ padded with zero columns, see `with_ones`).
+_GEMM_COLUMNS = 8
 
 
 @no_autocast
@@ -54,15 +57,30 @@ def parallel_linear_attention(
     """
     q, k, v, out_dtype, _ = prepare(q, k, v, feature_map, False, initial_state)
     with inputs_validated():
-        fk, old, g = key_side(feature_map, k, initial_state)
+        fk, v1, kv0, g = key_side(feature_map, k, v, initial_state, _GEMM_COLUMNS)
         # [S | z] = phi(K)^T [V, 1] in one GEMM: numerator and denominator then share their
         # rounding (a constant v is returned exactly; separate reductions disagree by ~n*eps).
-        kv = torch.matmul(fk.mT, with_ones(v))
-        if old is not None:
-            w, kv0 = old
-            kv = kv * w + kv0
-        fq = feature_map.query_features(q)  # the per-query scale cancels
-    out = normalise(*split(torch.matmul(fq, kv)), feature_map.positive, eps).to(out_dtype)
+        # The GEMMs run at a width padded to a multiple of 8 (zero columns after the ones).
+        kv = torch.matmul(fk.mT, v1)  # (..., F, P)
+        if kv0 is not None:
+            kv = kv + kv0
+        # The per-query scale cancels. Without autograd, phi(Q) may reuse the memory of phi(K)
+        # and the product that of [wV, w] (both dead by now): fresh buffers of that size cost
+        # page faults on CPU (~0.25 ms per MB).
+        recycle = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
+        if recycle and feature_map._fresh_key_features:
+            fq = feature_map._query_features_into(q, fk)
+        else:
+            fq = feature_map.query_features(q)
+        del fk
+    dv = v.shape[-1]
+    o_shape = (*torch.broadcast_shapes(fq.shape[:-2], kv.shape[:-2]), fq.shape[-2], kv.shape[-1])
+    if recycle and v1.shape == o_shape and v1.dtype == fq.dtype == kv.dtype:
+        o = torch.matmul(fq, kv, out=v1)
+    else:
+        o = torch.matmul(fq, kv)  # (..., n, P)
+    out = normalise(o[..., :dv], o[..., dv:dv + 1], feature_map.positive, eps).to(out_dtype)
     if return_state:
+        kv = kv[..., :dv + 1].contiguous()
         return out, LinearAttentionState(kv, g.expand(*kv.shape[:-2], 1, 1))
     return out
