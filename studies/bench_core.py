@@ -299,14 +299,21 @@ def status(key):
                 return int(line.split()[1]) / 1024  # MiB
 
 n, path, B = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-chunk._SHARED_SCALE = path == "new"  # "old": autograd through the running-maximum path
+# "old": plain autograd through the running-maximum path; "new": the shared-scale path with its
+# recomputing backward; "runmax": the running-maximum path with recomputed runs (what CUDA and
+# signed maps take); "trig" / "trig-autograd": TrigRF (signed) with / without recomputation.
+chunk._SHARED_SCALE = path == "new"
+chunk._RECOMPUTE_GROUPS = path in ("new", "runmax", "trig")
 H, d, r = 8, 64, 256
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(B, H, n, d, generator=g) for _ in range(3))
 q.mul_(d ** -0.25)
 k.mul_(d ** -0.25)
 q, k, v = (t.requires_grad_() for t in (q, k, v))
-fm = ka.PositiveRF(d, r, sampler="orthogonal", seed=0)
+if path.startswith("trig"):
+    fm = ka.TrigRF(d, r, seed=0)
+else:
+    fm = ka.PositiveRF(d, r, sampler="orthogonal", seed=0)
 small = ka.linear_attention(q[..., :64, :], k[..., :64, :], v[..., :64, :], fm, causal=True)
 small.sum().backward()
 q.grad = k.grad = v.grad = None
@@ -319,28 +326,38 @@ print(json.dumps({"peak_mib": peak - base, "features_mib": 2 * B * H * n * r * 4
 """
 
 
+TRAIN_PATHS = ("old", "new", "runmax", "trig-autograd", "trig")
+
+
 def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1) -> dict[str, float]:
     """Peak memory of causal training (forward + backward of ``linear_attention(causal=True)``,
-    B x H=8 heads, d=64, r=256, float32): the running-maximum path with autograd through every
-    chunk ("old") against the shared-scale path with the recomputing backward ("new"), which
-    saves only its inputs. CPU: the ``VmHWM`` method of `bench_memory` in a fresh subprocess;
-    CUDA: ``max_memory_allocated``."""
+    B x H=8 heads, d=64, r=256, float32), per path of `TRAIN_PATHS`: FAVOR+ on the
+    running-maximum path with autograd through every chunk ("old"), on the shared-scale path with
+    the recomputing backward ("new", which saves only its inputs), and on the running-maximum
+    path with recomputed runs of 8 chunks ("runmax", the path of CUDA tensors); ``TrigRF``
+    (signed features, always the running-maximum path) without and with recomputation. CPU: the
+    ``VmHWM`` method of `bench_memory` in a fresh subprocess; CUDA: ``max_memory_allocated``."""
     from kernelapprox.attention import chunk
 
     out: dict[str, float] = {}
     for n in ns:
-        for path in ("old", "new"):
+        for path in TRAIN_PATHS:
             if device.type == "cuda":
                 chunk._SHARED_SCALE = path == "new"
+                chunk._RECOMPUTE_GROUPS = path in ("new", "runmax", "trig")
                 try:
                     q, k, v = (t.requires_grad_() for t in _inputs(B, 8, n, 64, device, torch.float32))
-                    fm = ka.PositiveRF(64, 256, sampler="orthogonal", seed=0).to(device)
+                    if path.startswith("trig"):
+                        fm = ka.TrigRF(64, 256, seed=0).to(device)
+                    else:
+                        fm = ka.PositiveRF(64, 256, sampler="orthogonal", seed=0).to(device)
                     torch.cuda.reset_peak_memory_stats(device)
                     base = torch.cuda.memory_allocated(device)
                     ka.linear_attention(q, k, v, fm, causal=True, check=False).sum().backward()
                     peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
                 finally:
                     chunk._SHARED_SCALE = True
+                    chunk._RECOMPUTE_GROUPS = True
             else:
                 res = subprocess.run(
                     [sys.executable, "-c", _TRAIN_CHILD, str(n), path, str(B)],
@@ -349,6 +366,9 @@ def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1) -> di
                 peak = json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"]
             out[f"train_{path}_peak_mib_n{n}"] = peak
         out[f"train_new/old_n{n}"] = out[f"train_new_peak_mib_n{n}"] / out[f"train_old_peak_mib_n{n}"]
+        out[f"train_runmax/old_n{n}"] = out[f"train_runmax_peak_mib_n{n}"] / out[f"train_old_peak_mib_n{n}"]
+        out[f"train_trig/trig-autograd_n{n}"] = (out[f"train_trig_peak_mib_n{n}"]
+                                                 / out[f"train_trig-autograd_peak_mib_n{n}"])
     return out
 
 
