@@ -427,6 +427,38 @@ def test_softmax_attention_float32_large_logits_finite():
         torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("groups", [1, 3], ids=["one-group", "three-groups"])
+@pytest.mark.parametrize("budget", [1, 10**9], ids=["block-per-sequence", "one-block"])
+def test_causal_inference_blocks(monkeypatch, groups, budget):
+    """The shared-scale forward without autograd takes the sequences in blocks sized to
+    ``_chunked_fn._BLOCK_BYTES`` and writes its output into the memory of the weighted values:
+    with a block per sequence or one block, one group of chunks or several (another code path),
+    and an initial state, output and final state equal the naive reference (1e-10, float64), the
+    state shape carries no zero padding, and the inputs are untouched."""
+    from kernelapprox.attention import _chunked_fn, chunk
+
+    monkeypatch.setattr(_chunked_fn, "_BLOCK_BYTES", budget)
+    if groups > 1:
+        monkeypatch.setattr(chunk, "_GROUP_TOKENS", 1)  # the smallest groups the rule allows
+    fm = make_map("positive")
+    q, k, v = qkv(n=41)
+    q0, k0, v0 = q.clone(), k.clone(), v.clone()
+    calls = _paths(monkeypatch)
+    with torch.no_grad():
+        _, st0 = ka.linear_attention(q[..., :9, :], k[..., :9, :], v[..., :9, :], fm, causal=True,
+                                     chunk_size=4, return_state=True)
+        out, st = ka.linear_attention(q[..., 9:, :], k[..., 9:, :], v[..., 9:, :], fm, causal=True,
+                                      chunk_size=4, initial_state=st0, return_state=True)
+    assert calls["forward"] == 2 and calls["function"] == 0
+    ref = ka.naive_linear_attention(q, k, v, fm, causal=True)[..., 9:, :]
+    torch.testing.assert_close(out, ref, **TOL)
+    assert st.kv.shape == (B, H, fm.feature_dim, DV + 1)
+    pk = fm(k)
+    torch.testing.assert_close(st.S, pk.mT @ v, **TOL)
+    torch.testing.assert_close(st.z, pk.sum(-2), **TOL)
+    assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0)
+
+
 # --------------------------------------------------------------------------- chunked causal backward
 
 
@@ -442,9 +474,9 @@ def _paths(monkeypatch) -> dict[str, int]:
         calls["function"] += 1
         return apply(*a)
 
-    def counted_forward(*a):
+    def counted_forward(*a, **kw):
         calls["forward"] += 1
-        return forward(*a)
+        return forward(*a, **kw)
 
     monkeypatch.setattr(_chunked_fn.ChunkedCausal, "apply", counted_apply)
     monkeypatch.setattr(_chunked_fn, "chunked_forward", counted_forward)

@@ -18,6 +18,7 @@ from conftest import F64, randn
 
 import kernelapprox as ka
 import kernelapprox.attention.chunk as chunk
+from kernelapprox.attention.parallel import _GEMM_COLUMNS
 
 D = 4
 # float64 at 1e-10 against the naive reference: both compute the same sums (the fast form in
@@ -59,7 +60,8 @@ def leaves(n: int, dv: int = 3, seed: int = 0, lead=(2, 2)) -> list[torch.Tensor
 def groups_of(n: int, C: int, Fd: int, dv: int, recompute: bool = True) -> int:
     """The number of groups of the running-maximum loop (its formula in `chunk_linear_attention`),
     in training with recomputation split into runs of at most ``chunk._RECOMPUTE_CHUNKS`` chunks."""
-    nc, dv1 = -(-n // C), dv + 1
+    m = _GEMM_COLUMNS  # [v, 1] is zero-padded to a multiple of m columns
+    nc, dv1 = -(-n // C), -(-(dv + 1) // m) * m
     group = max(1, (nc * C * (Fd + dv1)) // (Fd * dv1))
     if recompute:
         group = min(group, chunk._RECOMPUTE_CHUNKS)

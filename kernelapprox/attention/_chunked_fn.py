@@ -100,11 +100,58 @@ def _add_shifted(o: torch.Tensor, x: torch.Tensor, y: torch.Tensor, edge: torch.
     o[:, e] = fixed
 
 
+#: Bytes of chunk states formed at once in the forward: the sequences (L) are taken in blocks
+#: whose states fit this budget, so that these buffers are reused from the heap and stay in the
+#: last-level cache instead of being fresh, page-faulting allocations of the whole batch.
+_BLOCK_BYTES = 8 * 2**20
+
+
 def chunked_forward(
     fq: torch.Tensor, fk: torch.Tensor, vw: torch.Tensor, S: torch.Tensor,
     decay: tuple[torch.Tensor | None, ...], bounds: tuple[tuple[int, int], ...], mask: torch.Tensor,
+    overwrite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``O`` (L, nc, C, dv1) and the final state (L, F, dv1); see the module docstring."""
+    """``O`` (L, nc, C, dv1) and the final state (L, F, dv1); see the module docstring.
+
+    The sequences are processed in blocks of ``Lb`` whose chunk states, ``Lb x g x F x dv1``
+    for the largest group ``g``, fit `_BLOCK_BYTES` (every sequence is independent; the values
+    are those of one block of all ``L``). ``overwrite`` (no autograd, ``vw`` contiguous and
+    owned by the caller): ``O`` is written into the memory of ``vw``, each block once its
+    values are no longer read (one fresh (L, n, dv1) buffer less)."""
+    L, nc, C, dv1 = vw.shape
+    g_max = max(b - a for a, b in bounds)
+    per_seq = g_max * fq.shape[-1] * dv1 * fq.element_size()
+    block = max(1, _BLOCK_BYTES // per_seq)
+    if block >= L and not overwrite:
+        return _forward_block(fq, fk, vw, S, decay, bounds, mask)
+    if overwrite and len(bounds) == 1 and vw.is_contiguous():
+        # one group: block l's O is formed in a block-sized scratch buffer (reused from the heap)
+        # and copied over block l of vw, which nothing reads afterwards
+        S_out = []
+        for l0 in range(0, L, block):
+            l1 = min(L, l0 + block)
+            dec = tuple(None if d is None else d[l0:l1] for d in decay)
+            o, S_b = _forward_block(fq[l0:l1], fk[l0:l1], vw[l0:l1], S[l0:l1], dec, bounds, mask)
+            vw[l0:l1] = o
+            del o
+            S_out.append(S_b)
+        return vw, torch.cat(S_out, dim=0)
+    out = vw.new_empty(L, nc, C, dv1)
+    S_out = []
+    for l0 in range(0, L, block):
+        l1 = min(L, l0 + block)
+        dec = tuple(None if d is None else d[l0:l1] for d in decay)
+        o, S_b = _forward_block(fq[l0:l1], fk[l0:l1], vw[l0:l1], S[l0:l1], dec, bounds, mask, out=out[l0:l1])
+        S_out.append(S_b)
+    return out, torch.cat(S_out, dim=0)
+
+
+def _forward_block(
+    fq: torch.Tensor, fk: torch.Tensor, vw: torch.Tensor, S: torch.Tensor,
+    decay: tuple[torch.Tensor | None, ...], bounds: tuple[tuple[int, int], ...], mask: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_forward` on one block of sequences; written into ``out`` (Lb, nc, C, dv1) if given."""
     L, _, C, _ = fq.shape
     outs = []
     for gi, (a, b) in enumerate(bounds):
@@ -114,11 +161,19 @@ def chunked_forward(
         fq_g, fk_g, vw_g = (t[:, a:b].contiguous() for t in (fq, fk, vw))  # views for one group
         incl = _inclusive_states(S, fk_g, vw_g)
         A = torch.bmm(_flat(fq_g), _flat(fk_g).mT).masked_fill_(~mask, 0.0)  # causal scores
-        o = torch.bmm(A, _flat(vw_g)).view(L, b - a, C, -1)
+        if out is not None and out[:, a:b].is_contiguous():
+            o = out[:, a:b]
+            torch.bmm(A, _flat(vw_g), out=o.view(L * (b - a), C, -1))
+        else:
+            o = torch.bmm(A, _flat(vw_g)).view(L, b - a, C, -1)
         del A
         _add_shifted(o, fq_g, incl, S, last=False)  # + fq_c Y_c, Y_c = state entering chunk c
         S = incl[:, -1].clone()
+        if out is not None and o.data_ptr() != out[:, a:b].data_ptr():
+            out[:, a:b] = o
         outs.append(o)
+    if out is not None:
+        return out, S
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), S
 
 

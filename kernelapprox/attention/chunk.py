@@ -11,7 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .._validation import inputs_validated, no_autocast
 from ..features import FeatureMap
-from ._common import normalise, prepare, split, with_ones
+from ._common import normalise, prepare, with_ones
+from .parallel import _GEMM_COLUMNS
 from .state import LinearAttentionState
 
 
@@ -147,7 +148,10 @@ def _shared_scale_path(
     gmax, R, G0 = _references(s.detach(), group * C, initial_state, lead)
     R_tok = R.repeat_interleave(group * C, dim=-1)[:, : nc * C]
     w = torch.exp(s - R_tok).to(cdt)  # key weights <= e^_SPREAD; gradients reach s
-    vw = (v1 * w.unsqueeze(-1)).view(L, nc, C, dv1)
+    if torch.is_grad_enabled() and (v1.requires_grad or w.requires_grad):
+        vw = (v1 * w.unsqueeze(-1)).view(L, nc, C, dv1)
+    else:  # v1 is this call's own [v, 1] (or a masked copy of it), not used after this path
+        vw = v1.mul_(w.unsqueeze(-1)).view(L, nc, C, dv1)
     if initial_state is None:
         S0 = fq.new_zeros(L, Fd, dv1)
     else:
@@ -156,8 +160,8 @@ def _shared_scale_path(
     decay = (None, *(torch.exp(R[:, g - 1] - R[:, g]).to(cdt).view(L, 1, 1) for g in range(1, len(bounds))))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (fq, fk, vw, S0)):
         out, S = ChunkedCausal.apply(fq, fk, vw, S0, decay, bounds, mask)
-    else:
-        out, S = chunked_forward(fq, fk, vw, S0, decay, bounds, mask)
+    else:  # vw is this call's own buffer (see above): the output may take its memory
+        out, S = chunked_forward(fq, fk, vw, S0, decay, bounds, mask, overwrite=True)
     out = out.reshape(*lead, nc * C, dv1)[..., :n, :]
     Gf = torch.maximum(R[:, -1:], gmax[:, -1:])  # running maximum after the last key
     S = S * torch.exp(R[:, -1:] - Gf).to(cdt).unsqueeze(-1)
@@ -312,7 +316,13 @@ def chunk_linear_attention(
         fq = feature_map.query_features(q)  # the per-query scale cancels
         fk, s = feature_map.key_log_features(k)  # per-key log scales s: (..., n), float64 for random maps
     s = s.double()  # keeps the gradient of the per-key scale; the stabilisers below are detached
-    v1 = with_ones(v)
+    # [v, 1] with zero columns up to a multiple of 8: GEMMs of width 72 are faster than of 65
+    # on CPU; the padding is stripped from the outputs and the states returned.
+    dv = v.shape[-1]
+    v1 = with_ones(v, _GEMM_COLUMNS)
+    if initial_state is not None and v1.shape[-1] != dv + 1:
+        initial_state = LinearAttentionState(
+            F.pad(initial_state.kv, (0, v1.shape[-1] - dv - 1)), initial_state.log_scale)
     lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v1.shape[:-2], s.shape[:-1])
     n, Fd, dv1 = fq.shape[-2], fq.shape[-1], v1.shape[-1]
     C = chunk_size
@@ -326,8 +336,10 @@ def chunk_linear_attention(
         keep = _clean_mask(fq, v1, s, initial_state, C, lead)
         if keep is None:
             head, st = _shared_scale_path(fq, fk, v1, s, mask, initial_state, cdt, lead)
-            out = normalise(*split(head), feature_map.positive, eps).to(out_dtype)
-            return (out, st) if return_state else out
+            out = normalise(head[..., :dv], head[..., dv:dv + 1], feature_map.positive, eps).to(out_dtype)
+            if return_state:
+                return out, LinearAttentionState(st.kv[..., :dv + 1].contiguous(), st.log_scale)
+            return out
         if bool(keep.any()):
             # Rows before each sequence's first bad token: the whole sequence with the keys and
             # values from that token on given weight 0 (same shapes, hence the same GEMMs and
@@ -422,9 +434,9 @@ def chunk_linear_attention(
     out = out.reshape(*lead, nc * C, dv1)[..., :n, :]
     if head is not None and keep is not None:
         out = torch.where(keep.unsqueeze(-1), head, out)
-    out = normalise(*split(out), feature_map.positive, eps).to(out_dtype)
+    out = normalise(out[..., :dv], out[..., dv:dv + 1], feature_map.positive, eps).to(out_dtype)
     if return_state:
         g_last = G_incl[..., -1:]
         g_last = torch.where(torch.isfinite(g_last), g_last, torch.zeros_like(g_last))
-        return out, LinearAttentionState(state, g_last.unsqueeze(-1))
+        return out, LinearAttentionState(state[..., :dv + 1].contiguous(), g_last.unsqueeze(-1))
     return out
