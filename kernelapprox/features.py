@@ -273,9 +273,10 @@ class FeatureMap(nn.Module):
         """
         return self.log_features(x)[0]
 
-    #: `key_log_features` returns a fresh, contiguous tensor that nothing else references, so
-    #: that a caller done with it may recycle its memory (see `_query_features_into`).
-    _fresh_key_features: ClassVar[bool] = False
+    def _fresh_key_features(self) -> bool:
+        """Whether `key_log_features` returns a fresh tensor that nothing else references, so
+        that a caller done with it may recycle its memory (see `_query_features_into`)."""
+        return False
 
     def _query_features_into(self, x: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
         """`query_features`, written into the memory of ``buf`` where the map can.
@@ -623,9 +624,16 @@ class PositiveRF(RandomFeatureMap):
             m = u.amax(dim=-1, keepdim=True)
         return torch.exp(u - m) if _grad(u) else u.sub_(m).exp_()
 
-    _fresh_key_features = True  # log_features returns the projection's fresh output
+    def _fresh_key_features(self) -> bool:
+        # log_features returns the projection's fresh output; a subclass that overrides how
+        # features are computed does not inherit the promise (nor _query_features_into)
+        cls = type(self)
+        return all(getattr(cls, m) is getattr(PositiveRF, m)
+                   for m in ("log_features", "key_log_features", "query_features", "_query_features_into"))
 
     def _query_features_into(self, x, buf):
+        if not PositiveRF._fresh_key_features(self):
+            return self.query_features(x)
         xc, _ = self._prepare("x", x)
         lead = torch.broadcast_shapes(xc.shape[:-2], self.batch_shape)
         shape = (*lead, xc.shape[-2], self.num_features)

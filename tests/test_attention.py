@@ -365,6 +365,20 @@ def test_noncausal_recycled_buffers():
         f2 = fm._query_features_into(q, bad)
         assert f2.untyped_storage().data_ptr() != bad.untyped_storage().data_ptr()
 
+    # a subclass that computes its features otherwise does not inherit the recycling
+    class Halved(ka.PositiveRF):
+        def query_features(self, x):
+            return 0.5 * super().query_features(x) + 0.5 * super().query_features(x).flip(-1)
+
+    sub = Halved.from_projection(fm.weight)
+    assert not sub._fresh_key_features()
+    torch.testing.assert_close(sub._query_features_into(q, buf), sub.query_features(q), rtol=0, atol=0)
+    with torch.no_grad():
+        got = ka.linear_attention(q, k, v, sub)
+    with torch.enable_grad():  # the autograd path recycles nothing
+        want = ka.linear_attention(q.clone().requires_grad_(), k, v, sub).detach()
+    torch.testing.assert_close(got, want, **TOL)
+
 
 # --------------------------------------------------------------------------- batch shapes of the map
 

@@ -68,7 +68,7 @@ def parallel_linear_attention(
         # and the product that of [wV, w] (both dead by now): fresh buffers of that size cost
         # page faults on CPU (~0.25 ms per MB).
         recycle = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
-        if recycle and feature_map._fresh_key_features:
+        if recycle and feature_map._fresh_key_features():
             fq = feature_map._query_features_into(q, fk)
         else:
             fq = feature_map.query_features(q)
