@@ -473,6 +473,24 @@ def test_causal_inference_blocks(monkeypatch, groups, budget):
     assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["parallel", "causal"])
+def test_values_broadcast_over_heads(causal):
+    """Values shared by the heads (shape (1, n, dv), or a stride-0 expanded tensor) against
+    per-head queries and keys, without autograd: the in-place weighting and buffer reuse of the
+    fast paths must not write through a broadcast (a RuntimeError before the fix) nor into the
+    caller's tensor."""
+    fm = make_map("positive")
+    q = randn(3, 37, D, seed=0, scale=0.5)
+    k = randn(3, 37, D, seed=1, scale=0.5)
+    for v in (randn(1, 37, DV, seed=2), randn(37, DV, seed=3).expand(3, 37, DV)):
+        v0 = v.clone()
+        with torch.no_grad():
+            out = ka.linear_attention(q, k, v, fm, causal=causal, chunk_size=8)
+        ref = ka.naive_linear_attention(q, k, v.expand(3, 37, DV).contiguous(), fm, causal=causal)
+        torch.testing.assert_close(out, ref, **TOL)
+        assert torch.equal(v, v0)
+
+
 # --------------------------------------------------------------------------- chunked causal backward
 
 

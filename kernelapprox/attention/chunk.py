@@ -148,7 +148,8 @@ def _shared_scale_path(
     gmax, R, G0 = _references(s.detach(), group * C, initial_state, lead)
     R_tok = R.repeat_interleave(group * C, dim=-1)[:, : nc * C]
     w = torch.exp(s - R_tok).to(cdt)  # key weights <= e^_SPREAD; gradients reach s
-    if torch.is_grad_enabled() and (v1.requires_grad or w.requires_grad):
+    if (torch.is_grad_enabled() and (v1.requires_grad or w.requires_grad)) or not v1.is_contiguous():
+        # (not contiguous: v1 broadcasts over the batch, one memory location per broadcast row)
         vw = (v1 * w.unsqueeze(-1)).view(L, nc, C, dv1)
     else:  # v1 is this call's own [v, 1] (or a masked copy of it), not used after this path
         vw = v1.mul_(w.unsqueeze(-1)).view(L, nc, C, dv1)
