@@ -613,29 +613,35 @@ def test_chunked_function_gradcheck():
 
 
 def _saved_numels(fn) -> list[int]:
-    """Element counts of every tensor autograd saves while ``fn`` runs."""
-    sizes = []
+    """Element counts of the tensors autograd saves while ``fn`` runs, one per storage (a tensor
+    saved twice, or a view of one already saved, counts once: what the memory holds)."""
+    sizes: dict[tuple[int, int], int] = {}
 
     def pack(t):
-        sizes.append(t.numel())
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        sizes[key] = max(sizes.get(key, 0), st.nbytes() // t.element_size())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
-    return sizes
+    return list(sizes.values())
 
 
-@pytest.mark.parametrize("shared", [True, False], ids=["shared-scale", "running-max"])
-def test_causal_training_saves_no_chunk_states(monkeypatch, shared):
-    """Training memory: with the shared-scale path nothing that autograd saves is larger than the
-    features or [v, 1] (n x max(F, d_v + 1) per head), and the total is a few such tensors, so no
-    (n_c, F, d_v + 1) stack of chunk states is kept for the backward. Shapes make the state stack
-    4x the larger of the two (F = 16, d_v + 1 = 32, C = 4).
-    The running-maximum path (autograd through every chunk) keeps them: checked to exceed the
-    bounds, so the test can tell the two apart."""
+@pytest.mark.parametrize(("shared", "recompute"), [(True, True), (False, True), (False, False)],
+                         ids=["shared-scale", "running-max-recomputed", "running-max-autograd"])
+def test_causal_training_saves_no_chunk_states(monkeypatch, shared, recompute):
+    """Training memory: with the shared-scale path, and with the running-maximum path in
+    recomputed runs, nothing that autograd saves is larger than the features or [v, 1]
+    (n x max(F, d_v + 1) per head), and the total is a few such tensors, so no (n_c, F, d_v + 1)
+    stack of chunk states is kept for the backward. Shapes make the state stack 4x the larger of
+    the two (F = 16, d_v + 1 = 32, C = 4). The running-maximum path with plain autograd
+    (``_RECOMPUTE_GROUPS = False``) keeps them: checked to exceed the bounds, so the test can
+    tell the cases apart."""
     import kernelapprox.attention.chunk as chunk
 
     monkeypatch.setattr(chunk, "_SHARED_SCALE", shared)
+    monkeypatch.setattr(chunk, "_RECOMPUTE_GROUPS", recompute)
     n, Fd, dv, C = 256, 16, 31, 4
     fm = ka.PositiveRF(D, Fd, seed=0, dtype=F64)
     q, k = (randn(1, 2, n, D, seed=s, scale=0.5).requires_grad_(True) for s in (1, 2))
@@ -643,7 +649,7 @@ def test_causal_training_saves_no_chunk_states(monkeypatch, shared):
     sizes = _saved_numels(lambda: ka.linear_attention(q, k, v, fm, causal=True, chunk_size=C))
     row = 2 * n * max(Fd, dv + 1)  # the larger of the features and [v, 1] (2 heads)
     within = max(sizes) <= row and sum(sizes) <= 8 * row
-    assert within == shared, (max(sizes) / row, sum(sizes) / row)
+    assert within == recompute, (max(sizes) / row, sum(sizes) / row)
 
 
 def test_causal_mixed_paths_equal_naive(monkeypatch):
