@@ -57,6 +57,7 @@ from .samplers import (
     GivenSampler,
     Projection,
     Sampler,
+    _dense_apply,
     get_sampler,
     make_generator,
 )
@@ -773,6 +774,16 @@ class HyperbolicRF(RandomFeatureMap):
     def forward(self, x):
         xc, out_dtype = self._prepare("x", x)
         W = self.projection.gemm_weight(xc.dtype)
+        if torch.compiler.is_compiling():
+            # one GEMM with [W; -W], then the bias and the exp as one fused epilogue over 2r
+            # columns: 2.2x the r-wide GEMM compiled, where the addmm/cat forms below compiled to
+            # 3.4-3.9x (inductor does not fuse the concatenation into the exp)
+            c = self._bias(xc).unsqueeze(-1)
+            if W is not None:
+                u = _dense_apply(torch.cat((W, -W), dim=-2), xc)
+            else:
+                u = self._pm(self.projection(xc))
+            return torch.exp(u + c.to(u.dtype)).to(out_dtype)
         if W is not None and W.dim() == 2:
             # [u + c, c - u], c = -(|x|^2 + log 2r)/2 = -C/2: u + c from one addmm (bias folded
             # in with beta = -1/2) and c - u = -C - (u + c), then one exp over the whole
@@ -780,7 +791,7 @@ class HyperbolicRF(RandomFeatureMap):
             r = self.num_features
             C = torch.einsum("...d,...d->...", xc, xc).add_(math.log(2 * r))
             negC = C.neg().reshape(-1, 1)
-            if _grad(xc, C, W) or torch.compiler.is_compiling():
+            if _grad(xc, C, W):
                 a = _affine_rows(self.projection, xc, C, beta=-0.5)
                 if a is None:  # unreachable: W is one dense 2-D matrix here
                     raise RuntimeError("HyperbolicRF: the dense projection path lost its GEMM weight")
