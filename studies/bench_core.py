@@ -51,6 +51,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -245,7 +246,8 @@ def bench_attention(B, H, n, d, r, device, dtype, repeats, rounds: int = 3) -> d
     }
 
 
-_MEM_CHILD = r"""
+# What both peak-memory subprocesses start with: imports and VmRSS/VmHWM from /proc.
+_CHILD_PRELUDE = r"""
 import json, sys, torch, kernelapprox as ka
 
 def status(key):
@@ -253,7 +255,9 @@ def status(key):
         for line in f:
             if line.startswith(key):
                 return int(line.split()[1]) / 1024  # MiB
+"""
 
+_MEM_CHILD = _CHILD_PRELUDE + r"""
 n, causal = int(sys.argv[1]), sys.argv[2] == "1"
 B, H, d, r = 4, 8, 64, 256
 g = torch.Generator().manual_seed(0)
@@ -307,32 +311,17 @@ def bench_memory(device: torch.device, ns=(4096, 16384)) -> dict[str, float]:
     return out
 
 
-_TRAIN_CHILD = r"""
-import json, sys, torch, kernelapprox as ka
-import kernelapprox.attention.chunk as chunk
-
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) / 1024  # MiB
+_TRAIN_CHILD = _CHILD_PRELUDE + r"""
+from studies.bench_core import train_path
 
 n, path, B = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-# "old": plain autograd through the running-maximum path; "new": the shared-scale path with its
-# recomputing backward; "runmax": the running-maximum path with recomputed runs (what CUDA and
-# signed maps take); "trig" / "trig-autograd": TrigRF (signed) with / without recomputation.
-chunk._SHARED_SCALE = path == "new"
-chunk._RECOMPUTE_GROUPS = path in ("new", "runmax", "trig")
 H, d, r = 8, 64, 256
+fm = train_path(path, d, r)
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(B, H, n, d, generator=g) for _ in range(3))
 q.mul_(d ** -0.25)
 k.mul_(d ** -0.25)
 q, k, v = (t.requires_grad_() for t in (q, k, v))
-if path.startswith("trig"):
-    fm = ka.TrigRF(d, r, seed=0)
-else:
-    fm = ka.PositiveRF(d, r, sampler="orthogonal", seed=0)
 small = ka.linear_attention(q[..., :64, :], k[..., :64, :], v[..., :64, :], fm, causal=True)
 small.sum().backward()
 q.grad = k.grad = v.grad = None
@@ -345,7 +334,23 @@ print(json.dumps({"peak_mib": peak - base, "features_mib": 2 * B * H * n * r * 4
 """
 
 
+_REPO = str(Path(__file__).resolve().parents[1])  # where `studies` is importable
 TRAIN_PATHS = ("old", "new", "runmax", "trig-autograd", "trig")
+
+
+def train_path(path: str, d: int, r: int) -> ka.FeatureMap:
+    """Set the causal form's path flags for ``path`` (one of `TRAIN_PATHS`) and return its map:
+    "old" plain autograd through the running-maximum path; "new" the shared-scale path with its
+    recomputing backward; "runmax" the running-maximum path with recomputed runs (what CUDA and
+    signed maps take); "trig" / "trig-autograd" ``TrigRF`` (signed) with / without recomputation.
+    The caller restores the flags (both True) when it runs in-process."""
+    from kernelapprox.attention import chunk
+
+    chunk._SHARED_SCALE = path == "new"
+    chunk._RECOMPUTE_GROUPS = path in ("new", "runmax", "trig")
+    if path.startswith("trig"):
+        return ka.TrigRF(d, r, seed=0)
+    return ka.PositiveRF(d, r, sampler="orthogonal", seed=0)
 
 
 def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1) -> dict[str, float]:
@@ -362,14 +367,9 @@ def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1) -> di
     for n in ns:
         for path in TRAIN_PATHS:
             if device.type == "cuda":
-                chunk._SHARED_SCALE = path == "new"
-                chunk._RECOMPUTE_GROUPS = path in ("new", "runmax", "trig")
                 try:
+                    fm = train_path(path, 64, 256).to(device)
                     q, k, v = (t.requires_grad_() for t in _inputs(B, 8, n, 64, device, torch.float32))
-                    if path.startswith("trig"):
-                        fm = ka.TrigRF(64, 256, seed=0).to(device)
-                    else:
-                        fm = ka.PositiveRF(64, 256, sampler="orthogonal", seed=0).to(device)
                     torch.cuda.reset_peak_memory_stats(device)
                     base = torch.cuda.memory_allocated(device)
                     ka.linear_attention(q, k, v, fm, causal=True, check=False).sum().backward()
@@ -378,9 +378,9 @@ def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1) -> di
                     chunk._SHARED_SCALE = True
                     chunk._RECOMPUTE_GROUPS = True
             else:
-                res = subprocess.run(
+                res = subprocess.run(  # the child imports train_path from this package
                     [sys.executable, "-c", _TRAIN_CHILD, str(n), path, str(B)],
-                    capture_output=True, text=True, check=True,
+                    capture_output=True, text=True, check=True, cwd=_REPO,
                 )
                 peak = json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"]
             out[f"train_{path}_peak_mib_n{n}"] = peak
