@@ -944,8 +944,9 @@ class GivenSampler(Sampler):
 
     def sample(self, num_features, dim, *, batch_shape=(), generator):
         raise ValueError(
-            "this feature map was built from a given projection; pass sampler=... to "
-            "from_projection (or to redraw) to draw new projections"
+            "this feature map was built from a given projection of unknown provenance, so redraw() "
+            "cannot draw a new one; pass sampler=... to from_projection (how W was drawn, e.g. "
+            "sampler='gaussian'), or build the map with a sampler, e.g. PositiveRF(dim, r, sampler='gaussian')"
         )
 
 

@@ -455,7 +455,11 @@ def code_hash() -> str:
     change in any study or library file invalidates every study's cache.
     """
     spec = importlib.util.find_spec("kernelapprox")  # where it is, without importing it (workers)
-    assert spec is not None and spec.origin is not None
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(
+            "code_hash: the kernelapprox package is not importable from this interpreter "
+            f"(sys.path[0] = {sys.path[0]!r}); install it with pip install -e . from the repository root"
+        )
     lib = Path(spec.origin).resolve().parent
     h = hashlib.sha256()
     for prefix, root, pattern in (("kernelapprox", lib, "**/*.py"), ("studies", REPO_ROOT / "studies", "*.py")):
@@ -550,7 +554,8 @@ def _load_study(module: str, attr: str, file: str | None) -> Study:
         if not file or e.name != module or not Path(file).exists():
             raise
         spec = importlib.util.spec_from_file_location(module, file)
-        assert spec is not None and spec.loader is not None
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load study module {module!r} from {file!r}") from e
         mod = importlib.util.module_from_spec(spec)
         sys.modules[module] = mod
         spec.loader.exec_module(mod)

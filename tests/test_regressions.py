@@ -187,3 +187,18 @@ def test_every_path_runs_on_the_meta_device(fm):
     assert out.device.type == "meta" and state.kv.device.type == "meta"
     assert ka.RecurrentLinearAttention(fm, state=state).step(x[:, 0], x[:, 0], x[:, 0]).device.type == "meta"
     assert ka.softmax_attention(x, x, x, causal=True).device.type == "meta"
+
+
+def test_redraw_of_a_given_projection_says_how_to_get_a_sampler():
+    """A map built from a bare W cannot redraw; the message must point at what exists
+    (``from_projection(sampler=...)`` or a constructor with a sampler), not at a ``redraw``
+    argument that does not exist."""
+    fm = ka.PositiveRF.from_projection(torch.randn(8, 4))
+    with pytest.raises(ValueError, match=r"redraw\(\) cannot draw") as e:
+        fm.redraw(seed=0)
+    assert "from_projection" in str(e.value) and "sampler='gaussian'" in str(e.value)
+    assert "to redraw" not in str(e.value)
+    fm = ka.PositiveRF.from_projection(torch.randn(8, 4), sampler="gaussian")
+    W0 = fm.weight.clone()
+    fm.redraw(seed=0)
+    assert not torch.equal(W0, fm.weight)
