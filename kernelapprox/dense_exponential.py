@@ -59,7 +59,7 @@ import math
 import torch
 
 from ._validation import check_floating, check_last_dim
-from .features import RandomFeatureMap, _exp_shifted, _grad, _sqnorm_half
+from .features import LOG2E, RandomFeatureMap, _exp_shifted, _grad, _sqnorm_half
 from .registry import register_estimator
 
 __all__ = ["OptimalPositiveRF", "SADERF", "SDERF", "optimal_A"]
@@ -173,7 +173,7 @@ class _DenseExponentialRF(RandomFeatureMap):
     def _log_features(self, x: torch.Tensor, shared: bool, key: bool) -> tuple[torch.Tensor, torch.Tensor]:
         xc, _ = self._prepare("x", x)
         W, a, c = self._weights(xc, key)
-        u = self._affine(xc, W, a)
+        u = self._affine(xc, W * LOG2E, a * LOG2E)  # base-2 exponents (features.LOG2E: exp2 is faster)
         with torch.no_grad():
             m = u.amax(dim=-1)
         if c.shape != m.shape:
@@ -183,13 +183,13 @@ class _DenseExponentialRF(RandomFeatureMap):
                 u = u.expand(*c.shape, u.shape[-1])
                 if not _grad(u):
                     u = u.contiguous()
-        return _exp_shifted(u, m, c, shared)
+        return _exp_shifted(u, m, c, shared, base2=True)
 
     def _plain(self, x: torch.Tensor, key: bool) -> torch.Tensor:
         xc, out_dtype = self._prepare("x", x)
         W, a, c = self._weights(xc, key)
-        u = self._affine(xc, W, a, c)
-        return (torch.exp(u) if _grad(u) else u.exp_()).to(out_dtype)
+        u = self._affine(xc, W * LOG2E, a * LOG2E, c * LOG2E)
+        return (torch.exp2(u) if _grad(u) else u.exp2_()).to(out_dtype)
 
     def log_features(self, x, shared=False):
         return self._log_features(x, shared, key=False)

@@ -236,13 +236,14 @@ class Projection(nn.Module):
         one GEMM (the feature maps then fold their bias into it), else ``None``."""
         return None
 
-    def project_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Write $xW^\\top$ into ``out`` (shape (..., n, r), possibly a strided view); return ``out``."""
+    def project_into(self, x: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """Write ``scale`` $\\cdot xW^\\top$ into ``out`` (shape (..., n, r), possibly a strided view);
+        return ``out``. The factor scales $W$ (r x d), not the output."""
         W = self.gemm_weight(x.dtype)
         if W is not None and x.shape[:-2] == out.shape[:-2] and W.dim() == 2 and not torch.compiler.is_compiling():
             # (an out= into a strided slice breaks torch.compile's graph: copy there instead)
-            return torch.matmul(x, W.mT, out=out)
-        return out.copy_(self(x))
+            return torch.matmul(x, W.mT if scale == 1.0 else (W * scale).mT, out=out)
+        return out.copy_(self(x) if scale == 1.0 else self(x * scale))
 
     @torch.no_grad()
     def copy_from(self, other: Projection) -> bool:
