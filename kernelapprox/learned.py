@@ -38,7 +38,7 @@ from ._validation import (
     inputs_validated,
     no_autocast,
 )
-from .features import FeatureMap, _grad, _op_into
+from .features import LOG2E, FeatureMap, _grad, _op_into
 from .registry import register_estimator
 from .samplers import make_generator
 
@@ -200,26 +200,37 @@ class HedgehogFeatures(FeatureMap):
         return self
 
     # ------------------------------------------------------------------ computation
-    def _project(self, xc: torch.Tensor) -> torch.Tensor:
-        """$z = Wx + b$, shape (*broadcast(lead, batch_shape), n, f), in ``xc``'s dtype."""
-        z = torch.matmul(xc, self.weight.to(xc.dtype).mT)
+    def _project(self, xc: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """$z = \\text{scale}\\cdot(Wx + b)$, shape (*broadcast(lead, batch_shape), n, f), in ``xc``'s
+        dtype (``scale`` folded into the f x d weight, not applied to the output)."""
+        W = self.weight.to(xc.dtype)
+        z = torch.matmul(xc, W.mT if scale == 1.0 else (W * scale).mT)
         if self.bias is not None:
-            z = z + self.bias.to(xc.dtype).unsqueeze(-2)
+            b = self.bias.to(xc.dtype)
+            b = (b if scale == 1.0 else b * scale).unsqueeze(-2)
+            z = z.add_(b) if not _grad(z, b) and z.shape == torch.broadcast_shapes(z.shape, b.shape) else z + b
         return z
 
+    def _no_grad(self, xc: torch.Tensor) -> bool:
+        """Whether autograd records nothing here (the in-place, base-2 paths may run)."""
+        return not _grad(xc, *self.parameters())
+
     def _phi(self, xc: torch.Tensor) -> torch.Tensor:
-        z = self._project(xc)
-        if self.variant == "lolcats" and not _grad(z):
-            # [softmax(z), softmax(-z)] in one buffer, in place (no concatenation of two softmaxes)
+        if self.variant == "lolcats" and self._no_grad(xc):
+            # [softmax(z), softmax(-z)] in one buffer, in place (no concatenation of two
+            # softmaxes); z in base-2 units (LOG2E folded into W and b), so exp2 (2.5x faster
+            # than exp on CPU) gives the same exp(z - max z)
+            z = self._project(xc, LOG2E)
             lo, hi = torch.aminmax(z, dim=-1, keepdim=True)
             f = z.shape[-1]
             out = z.new_empty(*z.shape[:-1], 2 * f)
             _op_into(torch.sub, out[..., :f], z, hi)
             _op_into(torch.sub, out[..., f:], lo, z)
-            out.exp_()
+            out.exp2_()
             out[..., :f].div_(out[..., :f].sum(-1, keepdim=True))
             out[..., f:].div_(out[..., f:].sum(-1, keepdim=True))
             return out
+        z = self._project(xc)
         if self.variant == "fla":
             return torch.softmax(torch.cat((2 * z, -2 * z), dim=-1), dim=-1)
         return torch.cat((torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)), dim=-1)
@@ -237,18 +248,16 @@ class HedgehogFeatures(FeatureMap):
         Written into one buffer, exponentiated in place: the softmax without its per-row
         normalisation, which attention either cancels (queries) or carries in the log scale (keys).
         """
-        if self.variant != "fla":
+        if self.variant != "fla" or not self._no_grad(xc):
             return None
-        z = self._project(xc)
-        if _grad(z):
-            return None
+        z = self._project(xc, LOG2E)  # base 2: exp2 below
         lo, hi = torch.aminmax(z, dim=-1)
         neg_m = (-2.0 * torch.maximum(hi, -lo)).unsqueeze(-1)
         f = z.shape[-1]
         out = z.new_empty(*z.shape[:-1], 2 * f)
         _op_into(torch.add, out[..., :f], neg_m, z, alpha=2.0)  # 2z - m
         _op_into(torch.add, out[..., f:], neg_m, z, alpha=-2.0)  # -2z - m
-        return out.exp_()
+        return out.exp2_()
 
     def log_features(self, x, shared=False):
         xc, _ = self._prepare("x", x)
