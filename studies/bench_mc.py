@@ -84,10 +84,12 @@ def paired_ratio(
 def _positive_features(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     r"""$e^{Wx - \|x\|^2/2}/\sqrt r$ of all draws, transposed: W (c, r, d), x (n, d) -> (c, r, n).
 
-    One (c r, d) x (d, n) GEMM for all draws, bias and exp in place."""
+    One (c r, d) x (d, n) GEMM for all draws, bias and exp in place; in base 2 ($\log_2 e$ folded
+    into x, then ``exp2``: the fastest exponential on CPU, as the library's maps use it)."""
     c, r, d = W.shape
-    u = (W.reshape(c * r, d) @ x.mT).reshape(c, r, -1)
-    return u.sub_(0.5 * (x * x).sum(-1) + 0.5 * math.log(r)).exp_()
+    L = 1.4426950408889634  # log2(e)
+    u = (W.reshape(c * r, d) @ (x * L).mT).reshape(c, r, -1)
+    return u.sub_(L * (0.5 * (x * x).sum(-1) + 0.5 * math.log(r))).exp2_()
 
 
 def _gram(W: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
