@@ -31,8 +31,9 @@ measurements, at d = 64 and r in {64, 256} (``PositiveRF`` with orthogonal proje
   (``mallopt``), so that freed memory is not silently reused; it counts every byte the call
   touches (intermediates, output, allocator overhead), with a resolution of a few pages.
 
-The measured crossover n is where the linear/softmax ratio crosses 1, interpolated on log-log
-axes between neighbouring grid points (reported as below/above the grid when it is not bracketed).
+The measured crossover n is where the linear/softmax ratio crosses 1 for good (it stays <= 1 at
+every larger n of the grid), interpolated on log-log axes between neighbouring grid points
+(reported as below/above the grid when it is not bracketed).
 """
 
 from __future__ import annotations
@@ -248,20 +249,24 @@ def _cpu_name() -> str:
 
 
 def _crossover(ns: np.ndarray, ratio: np.ndarray) -> tuple[float, str]:
-    """First n where ``ratio`` (linear/softmax) drops to <= 1, log-log interpolated."""
+    """The n from which on ``ratio`` (linear/softmax) stays <= 1, log-log interpolated with the
+    grid point before it. A dip below 1 that the larger n do not keep (a non-monotone cost, or
+    peak memories of a few KiB at the smallest n, below what the RSS measurement resolves) is
+    not a crossover."""
     ok = np.isfinite(ratio) & (ratio > 0)
     ns, ratio = ns[ok], ratio[ok]
     if not len(ns):
         return math.nan, "no data"
-    if ratio[0] <= 1:
+    above = np.nonzero(ratio > 1)[0]
+    if not len(above):
         return float(ns[0]), f"<= {int(ns[0])}"
-    for i in range(1, len(ns)):
-        if ratio[i] <= 1:
-            x0, x1 = math.log(ns[i - 1]), math.log(ns[i])
-            y0, y1 = math.log(ratio[i - 1]), math.log(ratio[i])
-            t = y0 / (y0 - y1) if y0 != y1 else 0.0
-            return float(math.exp(x0 + t * (x1 - x0))), "interpolated"
-    return math.nan, f"> {int(ns[-1])}"
+    i = int(above[-1]) + 1
+    if i == len(ns):
+        return math.nan, f"> {int(ns[-1])}"
+    x0, x1 = math.log(ns[i - 1]), math.log(ns[i])
+    y0, y1 = math.log(ratio[i - 1]), math.log(ratio[i])
+    t = y0 / (y0 - y1) if y0 != y1 else 0.0
+    return float(math.exp(x0 + t * (x1 - x0))), "interpolated"
 
 
 def run_cell(cell: dict, ctx: Context) -> list[dict]:

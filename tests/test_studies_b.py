@@ -255,3 +255,8 @@ def test_crossover_interpolation() -> None:
     assert cost_crossover._crossover(ns, np.array([4.0, 2.0, 1.5]))[1] == "> 512"
     assert cost_crossover._crossover(ns, np.array([0.5, 0.2, 0.1]))[1] == "<= 128"
     assert math.isnan(cost_crossover._crossover(ns, np.array([4.0, 2.0, 1.5]))[0])
+    # a dip below 1 that larger n do not keep is not a crossover (the r = 64 memory row once
+    # read "<= 128" from peaks of 0.03 against 0.13 MiB at n = 128, linear above SDPA beyond)
+    assert cost_crossover._crossover(ns, np.array([0.5, 2.0, 1.5]))[1] == "> 512"
+    x, how = cost_crossover._crossover(ns, np.array([0.5, 2.0, 0.5]))
+    assert how == "interpolated" and x == pytest.approx(256 * 2 ** 0.5, rel=1e-9)
