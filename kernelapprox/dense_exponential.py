@@ -59,7 +59,7 @@ import math
 import torch
 
 from ._validation import check_floating, check_last_dim
-from .features import LOG2E, RandomFeatureMap, _exp_shifted, _grad, _sqnorm_half
+from .features import LOG2E, RandomFeatureMap, _exp_shifted, _grad, _log2e_operands, _sqnorm_half
 from .registry import register_estimator
 
 __all__ = ["OptimalPositiveRF", "SADERF", "SDERF", "optimal_A"]
@@ -176,10 +176,7 @@ class _DenseExponentialRF(RandomFeatureMap):
     ) -> torch.Tensor:
         """`_affine` times ``LOG2E`` (base-2 exponents for ``exp2``): the factor scales the smaller
         of ``W`` and ``xc`` (as `kernelapprox.features._project2`), and the vectors ``a``, ``row``."""
-        if W.numel() <= xc.numel():
-            W = W * LOG2E
-        else:
-            xc = xc * LOG2E
+        W, xc = _log2e_operands(W, xc)
         return cls._affine(xc, W, a * LOG2E, None if row is None else row * LOG2E)
 
     def _log_features(self, x: torch.Tensor, shared: bool, key: bool) -> tuple[torch.Tensor, torch.Tensor]:

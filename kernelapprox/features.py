@@ -90,9 +90,14 @@ def _project2(proj: Projection, xc: torch.Tensor) -> torch.Tensor:
     layout, where $W$ is (S, r, d)) and for a projection without a dense $W$ (SORF above
     ``dense_max_dim``). Either way one rounding of the scaled operand (<= 1/2 ulp) is added."""
     W = proj.gemm_weight(xc.dtype)
-    if W is not None and W.numel() <= xc.numel():
-        return _dense_apply(W * LOG2E, xc)
-    return proj(xc * LOG2E)
+    if W is None:
+        return proj(xc * LOG2E)
+    return _dense_apply(*_log2e_operands(W, xc))
+
+
+def _log2e_operands(W: torch.Tensor, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W, xc)`` with the smaller of the two multiplied by ``LOG2E`` (see `_project2`)."""
+    return (W * LOG2E, xc) if W.numel() <= xc.numel() else (W, xc * LOG2E)
 
 
 def _sqnorm_half(x: torch.Tensor) -> torch.Tensor:

@@ -252,7 +252,8 @@ def _crossover(ns: np.ndarray, ratio: np.ndarray) -> tuple[float, str]:
     """The n from which on ``ratio`` (linear/softmax) stays <= 1, log-log interpolated with the
     grid point before it. A dip below 1 that the larger n do not keep (a non-monotone cost, or
     peak memories of a few KiB at the smallest n, below what the RSS measurement resolves) is
-    not a crossover."""
+    not a crossover. Grid points whose ratio is not finite and positive (a missing timing, a
+    peak of 0 bytes) are left out before both the test and the interpolation."""
     ok = np.isfinite(ratio) & (ratio > 0)
     ns, ratio = ns[ok], ratio[ok]
     if not len(ns):

@@ -278,3 +278,43 @@ def test_fast_path_hyperbolic_large_norm_finite_log_features():
     f, ls = fm.log_features(x)
     assert torch.isfinite(f).all() and torch.isfinite(ls).all() and f.abs().max() <= 1 + 1e-6
     assert not torch.isnan(fm(x)).any()
+
+
+@pytest.mark.parametrize("layout", ["dense", "draws", "sorf-transform"])
+@pytest.mark.parametrize("name", ["positive", "hyperbolic"])
+def test_base2_exponent_paths_match_formula(name, layout, monkeypatch):
+    """The exponential maps compute e^u as exp2(u log2 e) with log2 e folded into the smaller GEMM
+    operand (`features._project2`): W for attention-sized inputs ("dense"), x for many draws
+    against a few rows ("draws": W of shape (S, r, d)), x for the Walsh-Hadamard transform
+    ("sorf-transform", dense_max_dim 0). Each layout, every entry point, against the float64
+    formula; natural-log scales, f <= 1. A wrong factor on any branch (base-2 units left in a
+    log scale, or a missing log2 e) moves values by O(1), far outside these tolerances."""
+    from kernelapprox.samplers import HadamardProjection
+
+    d, r = 6, 10
+    kw = {"seed": 5, "dtype": F64}
+    if layout == "draws":
+        kw["batch_shape"] = (40,)  # S r d = 2400 > n d = 18: x is the operand scaled
+    if layout == "sorf-transform":
+        monkeypatch.setattr(HadamardProjection, "dense_max_dim", 0)
+        kw["sampler"] = "structured"
+    fm = MAPS[name](d, r, **kw)
+    x = randn(3, d, seed=6, scale=0.8)
+    ref = phi_by_formula(name, fm, x)
+    for grad in (False, True):
+        xx = x.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            torch.testing.assert_close(fm(xx), ref, rtol=1e-12, atol=0)
+            for shared in (False, True):
+                f, ls = fm.log_features(xx, shared=shared)
+                assert f.max() <= 1.0
+                torch.testing.assert_close(f * ls.exp().unsqueeze(-1), ref, rtol=1e-12, atol=0)
+            q = fm.query_features(xx)
+            torch.testing.assert_close(q / q.sum(-1, keepdim=True), ref / ref.sum(-1, keepdim=True),
+                                       rtol=1e-12, atol=0)
+    if layout != "draws" and name == "positive":
+        with torch.no_grad():
+            buf = torch.empty(2 * x.shape[0] * r, dtype=F64)
+            q = fm._query_features_into(x, buf)
+            torch.testing.assert_close(q / q.sum(-1, keepdim=True), ref / ref.sum(-1, keepdim=True),
+                                       rtol=1e-12, atol=0)
