@@ -201,11 +201,12 @@ def _finite_positive(values: Sequence[np.ndarray]) -> np.ndarray:
     return v[np.isfinite(v) & (v > 0)]
 
 
-def _legend(fig: Figure, ax: Axes | None, handles: list[Any], one_panel: bool) -> None:
+def _legend(fig: Figure, cells: Sequence[tuple[Any, Any, Axes, Any]], handles: list[Any]) -> None:
+    """One panel: a legend in it; a grid: one legend above the panels."""
     if not handles:
         return
-    if one_panel and ax is not None:
-        ax.legend(handles=handles, loc="best")
+    if len(cells) == 1:
+        cells[0][2].legend(handles=handles, loc="best")
     else:
         fig.legend(handles=handles, loc="outside upper center", ncol=min(4, len(handles)))
 
@@ -296,6 +297,9 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
     _check_frame(df, [x, y, hue, row, col, style_by, *(ci or ()), ], where)
     data = _select_metric(df, metric, where)
     data = data[np.isfinite(data[y].to_numpy(dtype=float))]  # a cell without a value: no point
+    if len(data) == 0:
+        raise ValueError(f"{where}: nothing to draw: no row of df has a finite {y!r}"
+                         + (f" for metric {metric!r}" if metric is not None else ""))
     if closed_form is not None and closed_form not in data.columns:
         closed_form = None
     keys = [c for c in (row, col, hue, style_by, x) if c is not None]
@@ -361,7 +365,7 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
             handles.append(Line2D([], [], color="0.3", marker=markers[s], ls="", label=str(s)))
     if any_closed:
         handles.append(Line2D([], [], color="k", ls="--", lw=1.0, label="closed form"))
-    _legend(fig, ax, handles, one_panel=len(cells) == 1)
+    _legend(fig, cells, handles)
     if title is not None:
         fig.suptitle(title)
     return fig
@@ -543,6 +547,8 @@ def plot_required_features(df: pd.DataFrame, *, x: str = "d", y: str = "r_star",
         raise ValueError(f"{where}: no rows with a {hue!r} in hue_order={list(hue_order or [])}")
     data = df if hue is None else df[df[hue].isin(hues)]
     data = data[np.isfinite(data[y].to_numpy(dtype=float))]  # no value (e.g. censored): no point
+    if len(data) == 0:
+        raise ValueError(f"{where}: nothing to draw: no row of df has a finite {y!r}")
     pal = _palette(hues, palette)
     if isinstance(laws, Mapping):
         shapes = dict(laws)
@@ -610,7 +616,7 @@ def plot_required_features(df: pd.DataFrame, *, x: str = "d", y: str = "r_star",
             lambda v: bool(v) and v != "False").any():
         handles.append(Line2D([], [], color="k", marker="o", mfc="none", ls="",
                               label="censored (not fitted)"))
-    _legend(fig, ax, handles, one_panel=len(cells) == 1)
+    _legend(fig, cells, handles)
     if title is not None:
         fig.suptitle(title)
     fig.kernelapprox_fits = (pd.concat(fits, ignore_index=True)  # type: ignore[attr-defined]
