@@ -336,7 +336,7 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
                 gs = gs.sort_values(x)
                 xs = gs[x].to_numpy(dtype=float)
                 ys = tf(gs[y])
-                lab = str(h) if style_by is None else f"{h}, {s}"
+                lab = (y if hue is None else str(h)) if style_by is None else f"{h}, {s}"
                 a.plot(xs, ys, marker=markers[s], color=pal[h], label=lab)
                 curves.append(ys)
                 if ci is not None:

@@ -51,6 +51,7 @@ __all__ = [
     "format_verdict",
     "paired_ranking",
     "pairwise_differences",
+    "score_table",
     "slope_with_uncertainty",
 ]
 
@@ -193,6 +194,9 @@ def compare_to_reference(estimate: float, ci_low: float, ci_high: float, referen
     if not lo <= est <= hi:
         raise ValueError(f"expected ci_low <= estimate <= ci_high, got ci_low={lo!r}, "
                          f"estimate={est!r}, ci_high={hi!r}")
+    if relative and ref == 0.0:
+        raise ValueError("a relative tolerance needs a reference != 0 (got reference=0); pass "
+                         "relative=False for an absolute margin")
     half = tol * abs(ref) if relative else tol
     m_lo, m_hi = ref - half, ref + half
     if m_lo <= lo and hi <= m_hi:
@@ -275,6 +279,51 @@ def adjust_pvalues(pvalues: ArrayLike, method: Correction = "holm") -> np.ndarra
 # --------------------------------------------------------------------------------------------
 # paired comparisons of methods
 # --------------------------------------------------------------------------------------------
+def score_table(df: Any, *, unit: str | Sequence[str], method: str = "estimator",
+                value: str = "mean") -> Any:
+    """The wide table of paired scores (rows = units, columns = methods) from a tidy frame.
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+        Tidy results, one row per (unit, method).
+    unit : str or sequence of str
+        Column(s) naming the unit that pairs the methods (a head, a seed, a data set).
+    method : str
+        Column of the methods.
+    value : str
+        Column of the scores.
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``df.pivot(index=unit, columns=method, values=value)``; NaN where a method has no score.
+
+    Examples
+    --------
+    >>> import pandas as pd
+    >>> from studies.verdicts import score_table
+    >>> df = pd.DataFrame({"head": [0, 0, 1, 1], "estimator": ["a", "b", "a", "b"],
+    ...                    "mean": [1.0, 2.0, 1.5, 2.5]})
+    >>> score_table(df, unit="head").to_numpy().tolist()
+    [[1.0, 2.0], [1.5, 2.5]]
+    """
+    units = [unit] if isinstance(unit, str) else list(unit)
+    cols = [*units, method, value]
+    missing = [c for c in cols if c not in getattr(df, "columns", [])]
+    if missing:
+        raise ValueError(f"score_table: column(s) {missing} not in df; its columns are "
+                         f"{list(getattr(df, 'columns', []))}")
+    dup = df.duplicated(subset=[*units, method])
+    if dup.any():
+        first = df.loc[dup, [*units, method]].iloc[0].to_dict()
+        raise ValueError(f"score_table: several rows for {first}: one score per (unit, method); "
+                         "add the column that differs to unit or filter df")
+    wide = df.pivot(index=units, columns=method, values=value)
+    wide.columns.name = None
+    return wide
+
+
 def _as_score_table(scores: Any) -> tuple[list[str], np.ndarray]:
     """(method names, (n_units, n_methods) float array) from a wide DataFrame or a mapping."""
     if hasattr(scores, "columns") and hasattr(scores, "to_numpy"):
@@ -352,8 +401,8 @@ def pairwise_differences(scores: Any, *, pairs: Sequence[tuple[str, str]] | None
     Parameters
     ----------
     scores : pandas.DataFrame or mapping
-        Wide table, one row per unit and one column per method (e.g.
-        ``df.pivot(index="head", columns="estimator", values="error")``), or a mapping
+        Wide table, one row per unit and one column per method (from a tidy frame:
+        :func:`score_table`), or a mapping
         ``method -> per-unit scores`` (equal lengths, aligned by position). NaN marks a unit a
         method did not score.
     pairs : sequence of (str, str), optional
@@ -434,7 +483,8 @@ def paired_ranking(scores: Any, *, lower_is_better: bool = True, alpha: float = 
     methods are ordered by their mean score; the rank of a method is 1 + the number of methods
     that beat it (corrected interval of the difference excludes 0 in their favour), so tied
     methods can share a rank. The statement walks the order: "A beats B" where the pair's
-    interval excludes 0, "A ties B" where it contains 0.
+    interval excludes 0, "A ties B" where it contains 0, then names each win between
+    non-neighbours that a tie in between hides ("A ties B; B ties C; A beats C").
 
     Parameters
     ----------
@@ -461,7 +511,7 @@ def paired_ranking(scores: Any, *, lower_is_better: bool = True, alpha: float = 
     >>> v.label, v.evidence["rank"]
     ('ties', {'A': 1, 'B': 1, 'C': 3})
     >>> print(v.statement)
-    ranking by error (lower is better; paired t, Holm correction over 3 pairs, α = 0.05): A ties B; B beats C
+    ranking by error (lower is better; paired t, Holm correction over 3 pairs, α = 0.05): A ties B; B beats C; A beats C
     """
     names, arr = _as_score_table(scores)
     rows = pairwise_differences(scores, alpha=alpha, correction=correction, ci=ci,
@@ -484,6 +534,11 @@ def paired_ranking(scores: Any, *, lower_is_better: bool = True, alpha: float = 
         sep = x in better[y]
         all_sep &= sep
         steps.append(f"{x} {'beats' if sep else 'ties'} {y}")
+    # a win the neighbour steps do not show: x beats z with a tie somewhere between them
+    for i, j in itertools.combinations(range(len(order)), 2):
+        chain = all(order[t] in better[order[t + 1]] for t in range(i, j))
+        if j > i + 1 and order[i] in better[order[j]] and not chain:
+            steps.append(f"{order[i]} beats {order[j]}")
     how = "paired t" if ci == "t" else "paired bootstrap"
     head = (f"ranking by {what} ({'lower' if lower_is_better else 'higher'} is better; {how}, "
             f"{_CORRECTION_NAME[correction]} correction over {len(rows)} pairs, α = {alpha:g})")

@@ -17,6 +17,7 @@ from studies.verdicts import (
     format_verdict,
     paired_ranking,
     pairwise_differences,
+    score_table,
     slope_with_uncertainty,
 )
 
@@ -66,6 +67,9 @@ def test_reference_bad_input():
         compare_to_reference(1.0, 0.9, 1.1, 1.0, tolerance=-0.1)
     with pytest.raises(ValueError, match="ci_high must not be NaN"):
         compare_to_reference(1.0, 0.9, float("nan"), 1.0, tolerance=0.1)
+    with pytest.raises(ValueError, match="relative tolerance needs a reference != 0"):
+        compare_to_reference(0.0, -0.1, 0.1, 0.0, tolerance=0.1)
+    assert compare_to_reference(0.0, -0.1, 0.1, 0.0, tolerance=0.2, relative=False).label == "agrees"
     with pytest.raises(TypeError, match="estimate must be a real number"):
         compare_to_reference("a", 0.9, 1.1, 1.0, tolerance=0.1)
 
@@ -145,6 +149,7 @@ def test_ranking_tie_becomes_a_win_when_the_difference_grows():
     assert tie.label == "ties"
     assert "A ties B" in tie.statement and "B beats C" in tie.statement
     assert tie.evidence["rank"] == {"A": 1, "B": 1, "C": 3}
+    assert tie.statement.endswith("A ties B; B beats C; A beats C")  # the hidden win is named
     win = paired_ranking(ranking_scores(delta=0.2), what="error")
     # t = 0.2 sqrt(20) / 0.1 = 8.9
     assert win.label == "ordered"
@@ -154,6 +159,36 @@ def test_ranking_tie_becomes_a_win_when_the_difference_grows():
     # higher is better reverses the order
     rev = paired_ranking(ranking_scores(delta=0.2), lower_is_better=False)
     assert rev.evidence["order"] == ["C", "B", "A"]
+
+
+def test_ranking_names_a_win_hidden_by_ties_between():
+    # B sits between A and C, tied with both; A vs C is separated
+    base = np.random.default_rng(6).normal(size=20)
+    z = orthonormal_noise(20, 2, seed=7)
+    s = {"A": base, "B": base + 0.03 + 0.1 * z[:, 0], "C": base + 0.06 + 0.1 * z[:, 1]}
+    # exact t statistics (orthonormal noise): t(A, B) = 0.03 sqrt(20) / 0.1 = 1.34 and
+    # t(B, C) = 0.03 sqrt(20) / (0.1 sqrt(2)) = 0.95, ties; t(A, C) = 0.06 sqrt(20) / 0.1 = 2.68,
+    # p = 0.0147, Holm 3 p = 0.044 < 0.05
+    v = paired_ranking(s)
+    rows = {(r["a"], r["b"]): r for r in v.evidence["pairs"]}
+    assert not rows[("A", "B")]["significant"] and not rows[("B", "C")]["significant"]
+    assert rows[("A", "C")]["significant"]
+    assert v.statement.endswith("A ties B; B ties C; A beats C")
+    assert v.evidence["rank"] == {"A": 1, "B": 1, "C": 2}
+
+
+def test_score_table_pivots_a_tidy_frame():
+    pd = pytest.importorskip("pandas")
+    s = ranking_scores(delta=0.2)
+    tidy = pd.DataFrame([{"head": u, "estimator": m, "mean": float(v[u])}
+                         for m, v in s.items() for u in range(20)])
+    wide = score_table(tidy, unit="head")
+    assert list(wide.columns) == ["A", "B", "C"] and wide.shape == (20, 3)
+    assert paired_ranking(wide).statement == paired_ranking(s).statement
+    with pytest.raises(ValueError, match="several rows"):
+        score_table(pd.concat([tidy, tidy]), unit="head")
+    with pytest.raises(ValueError, match=r"column\(s\) \['draw'\]"):
+        score_table(tidy, unit="draw")
 
 
 def test_ranking_accepts_a_wide_dataframe_and_skips_missing_units():
