@@ -223,7 +223,9 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
                     transform: Callable[[np.ndarray], np.ndarray] | None = None,
                     xscale: str = "log", yscale: str = "log",
                     xlabel: str | None = None, ylabel: str | None = None,
-                    title: str | None = None, ax: Axes | None = None) -> Figure:
+                    title: str | None = None,
+                    facet_title: Callable[[Any, Any], str] | None = None,
+                    ax: Axes | None = None) -> Figure:
     r"""Error against the number of features: one line per ``hue``, its confidence band, and
     the closed form dashed in the same colour.
 
@@ -263,6 +265,9 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
         Axis scales (``"log"`` axes are base 2 on x).
     xlabel, ylabel, title : str, optional
         Labels (default: the column names).
+    facet_title : callable, optional
+        ``facet_title(row value, col value) -> str`` (``None`` for an absent facet); default
+        ``"row = value, col = value"``.
     ax : matplotlib.axes.Axes, optional
         Draw into this panel (no facets).
 
@@ -277,6 +282,13 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
     ValueError
         A missing column, several metrics without ``metric``, no data left to draw, or several
         rows for one point (filter the frame or add a facet).
+
+    References
+    ----------
+    .. [1] A. Rahimi and B. Recht, "Random features for large-scale kernel machines", NeurIPS
+       (2007): the :math:`r^{-1/2}` Monte Carlo rate.
+    .. [2] K. Choromanski et al., "Rethinking attention with Performers", ICLR (2021): the
+       closed-form MSE of positive and trigonometric features (their Lemma 2).
 
     Examples
     --------
@@ -352,7 +364,7 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
         vals = _finite_positive(curves)
         if yscale == "log" and vals.size:  # limits from the curves: a band reaching 0 runs off
             a.set_ylim(vals.min() / 3, vals.max() * 3)
-        a.set_title(_title(row, rv, col, cv))
+        a.set_title(_title(row, rv, col, cv) if facet_title is None else facet_title(rv, cv))
     _outer_labels(cells, xlabel if xlabel is not None else x, ylabel if ylabel is not None else y)
     handles: list[Any] = []
     if hue is not None or style_by is not None:
@@ -393,6 +405,11 @@ def fit_laws(d: Any, r: Any, laws: Sequence[str] | Mapping[str, Callable[[np.nda
         ``lambda d: d * np.log(1e5 * d)``).
     se : array_like, shape (n,), optional
         Standard errors of :math:`\log r`.
+
+    References
+    ----------
+    .. [1] C. M. Hurvich and C.-L. Tsai, "Regression and time series model selection in small
+       samples", Biometrika 76 (1989): the AICc.
 
     Returns
     -------
@@ -476,7 +493,9 @@ def plot_required_features(df: pd.DataFrame, *, x: str = "d", y: str = "r_star",
                            col_order: Sequence[Any] | None = None,
                            palette: Mapping[Any, Any] | None = None,
                            xlabel: str | None = None, ylabel: str | None = None,
-                           title: str | None = None, ax: Axes | None = None) -> Figure:
+                           title: str | None = None,
+                           facet_title: Callable[[Any, Any], str] | None = None,
+                           ax: Axes | None = None) -> Figure:
     r"""The required number of features :math:`r^*` against :math:`d`, with fitted laws.
 
     Points with error bars (``ci``) per ``hue`` level; for each level, every law of ``laws`` is
@@ -506,8 +525,18 @@ def plot_required_features(df: pd.DataFrame, *, x: str = "d", y: str = "r_star",
         left out of the fits. Rows whose ``y`` is NaN are not drawn.
     per_x : bool
         Plot :math:`r^*/d`.
-    row, col, hue_order, row_order, col_order, palette, xlabel, ylabel, title, ax
+    row, col, hue_order, row_order, col_order, palette, xlabel, ylabel, title, facet_title, ax
         As in :func:`plot_error_vs_r` (missing facets are skipped).
+
+    References
+    ----------
+    .. [1] A. Rahimi and B. Recht, "Random features for large-scale kernel machines", NeurIPS
+       (2007), Claim 1: a uniform error :math:`\varepsilon` on a set of diameter
+       :math:`\mathrm{diam}` with :math:`r = \Omega(d\,\varepsilon^{-2}
+       \log(\sigma_p\,\mathrm{diam}/\varepsilon))` features, :math:`\sigma_p^2 =
+       E\|\omega\|^2` (:math:`= d` for the Gaussian kernel): a :math:`d\log d`-type law.
+    .. [2] B. Sriperumbudur and Z. Szabó, "Optimal rates for random Fourier features", NeurIPS
+       (2015).
 
     Returns
     -------
@@ -604,7 +633,7 @@ def plot_required_features(df: pd.DataFrame, *, x: str = "d", y: str = "r_star",
                 fits.append(tab)
         a.set_xscale("log", base=2)
         a.set_yscale("log")
-        a.set_title(_title(row, rv, col, cv))
+        a.set_title(_title(row, rv, col, cv) if facet_title is None else facet_title(rv, cv))
     _outer_labels(cells, xlabel if xlabel is not None else x,
                   ylabel if ylabel is not None else (f"{y} / {x}" if per_x else y))
     handles: list[Any] = []

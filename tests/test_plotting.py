@@ -110,6 +110,15 @@ def test_error_vs_r_facets_and_missing_facets_skipped():
     assert len(fig.axes) == 4
 
 
+def test_facet_title_formats_the_panels():
+    fig = plotting.plot_error_vs_r(tidy(), row="regime", col="d",
+                                   facet_title=lambda reg, d: f"{reg} at d={d}")
+    assert sorted(a.get_title() for a in fig.axes)[0] == "attention at d=16"
+    # axis labels only on the outer panels
+    assert [a.get_xlabel() for a in fig.axes] == ["", "", "r", "r"]
+    assert [a.get_ylabel() for a in fig.axes] == ["mean", "", "mean", ""]
+
+
 def test_error_vs_r_empty_grid_is_a_clear_error():
     df = tidy()
     with pytest.raises(ValueError, match="nothing to draw"):
