@@ -5,14 +5,14 @@ row per cell and metric, with columns such as ``estimator``, ``label``, ``d``, `
 ``metric``, ``mean``, ``ci_low``, ``ci_high`` and ``theory``), so a user's own results in the
 same shape give the same figures:
 
-- :func:`plot_error_vs_r`: error against the number of features, one line per ``hue`` with its
+- `plot_error_vs_r`: error against the number of features, one line per ``hue`` with its
   confidence band, the closed form dashed, optional facets;
-- :func:`plot_required_features`: the required number of features :math:`r^*` against the
-  input dimension :math:`d` with laws such as :math:`c\,d` and :math:`c\,d\log d` fitted by least
-  squares in log space (:func:`fit_laws`);
-- :func:`ratio_table`: each method's value over a baseline's, as a table
-  (:func:`to_markdown` for a report);
-- :func:`style` (the shipped style file, :data:`STYLE_PATH`) and :func:`save_figure`
+- `plot_required_features`: the required number of features $r^*$ against the
+  input dimension $d$ with laws such as $c\,d$ and $c\,d\log d$ fitted by least
+  squares in log space (`fit_laws`);
+- `ratio_table`: each method's value over a baseline's, as a table
+  (`to_markdown` for a report);
+- `style` (the shipped style file, `STYLE_PATH`) and `save_figure`
   (byte-stable PNG, SVG and PDF).
 
 matplotlib and pandas are imported when a function needs them: they come with the ``studies``
@@ -67,8 +67,8 @@ __all__ = [
 #: The style file shipped with the package (a matplotlib ``.mplstyle``).
 STYLE_PATH: Path = Path(__file__).resolve().with_name("kernelapprox.mplstyle")
 
-#: Named laws of :math:`r^*(d)`: the d-shape whose constant :math:`c` :func:`fit_laws` fits.
-#: ``"c·d^p"`` is special: the exponent :math:`p` is fitted too.
+#: Named laws of $r^*(d)$: the d-shape whose constant $c$ `fit_laws` fits.
+#: ``"c·d^p"`` is special: the exponent $p$ is fitted too.
 LAWS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "c·d": lambda d: d,
     "c·d·log d": lambda d: d * np.log(d),
@@ -229,10 +229,10 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
     r"""Error against the number of features: one line per ``hue``, its confidence band, and
     the closed form dashed in the same colour.
 
-    For a Monte Carlo estimator with :math:`r` independent features the mean squared error is
-    :math:`\mathrm{MSE}(r) = V/r` (so the RMS error falls like :math:`r^{-1/2}`, a straight
-    line of slope :math:`-1/2` on log-log axes); ``closed_form`` is a column holding such a
-    prediction (e.g. :func:`kernelapprox.theory.mse_formula`'s, as the studies write it).
+    For a Monte Carlo estimator with $r$ independent features the mean squared error is
+    $\mathrm{MSE}(r) = V/r$ (so the RMS error falls like $r^{-1/2}$, a straight
+    line of slope $-1/2$ on log-log axes); ``closed_form`` is a column holding such a
+    prediction (e.g. `kernelapprox.theory.mse_formula`'s, as the studies write it).
 
     Parameters
     ----------
@@ -285,10 +285,10 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
 
     References
     ----------
-    .. [1] A. Rahimi and B. Recht, "Random features for large-scale kernel machines", NeurIPS
-       (2007): the :math:`r^{-1/2}` Monte Carlo rate.
-    .. [2] K. Choromanski et al., "Rethinking attention with Performers", ICLR (2021): the
-       closed-form MSE of positive and trigonometric features (their Lemma 2).
+    - [RR07] A. Rahimi and B. Recht, "Random features for large-scale kernel machines", NeurIPS
+      (2007): the $r^{-1/2}$ Monte Carlo rate.
+    - [Cho21] K. Choromanski et al., "Rethinking attention with Performers", ICLR (2021): the
+      closed-form MSE of positive and trigonometric features (their Lemma 2).
 
     Examples
     --------
@@ -385,15 +385,15 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
 
 def fit_laws(d: Any, r: Any, laws: Sequence[str] | Mapping[str, Callable[[np.ndarray], np.ndarray]]
              = ("c·d", "c·d·log d"), *, se: Any = None) -> pd.DataFrame:
-    r"""Fit laws :math:`r^*(d) = c\, f(d)` by (weighted) least squares in log space.
+    r"""Fit laws $r^*(d) = c\, f(d)$ by (weighted) least squares in log space.
 
-    For a law with a fixed shape :math:`f`, :math:`\log c = \sum_i w_i (\log r_i - \log f(d_i))
-    / \sum_i w_i` with :math:`w_i = 1/\mathrm{se}_i^2` (``se`` is the standard error of
-    :math:`\log r_i`; equal weights without it). ``"c·d^p"`` fits :math:`\log r = \log c +
-    p \log d` (WLS line). The residual sum of squares :math:`\mathrm{RSS} = \sum_i w_i
-    \hat\epsilon_i^2` (with unit weights when ``se`` is None) gives
-    :math:`\mathrm{AICc} = n \log(\mathrm{RSS}/n) + 2k + 2k(k+1)/(n-k-1)`, :math:`k` = fitted
-    parameters + 1 (the noise level), NaN when :math:`n \le k + 1`.
+    For a law with a fixed shape $f$, $\log c = \sum_i w_i (\log r_i - \log f(d_i))
+    / \sum_i w_i$ with $w_i = 1/\mathrm{se}_i^2$ (``se`` is the standard error of
+    $\log r_i$; equal weights without it). ``"c·d^p"`` fits $\log r = \log c +
+    p \log d$ (WLS line). The residual sum of squares $\mathrm{RSS} = \sum_i w_i
+    \hat\epsilon_i^2$ (with unit weights when ``se`` is None) gives
+    $\mathrm{AICc} = n \log(\mathrm{RSS}/n) + 2k + 2k(k+1)/(n-k-1)$, $k$ = fitted
+    parameters + 1 (the noise level), NaN when $n \le k + 1$.
 
     Parameters
     ----------
@@ -401,15 +401,15 @@ def fit_laws(d: Any, r: Any, laws: Sequence[str] | Mapping[str, Callable[[np.nda
         Positive dimensions and required numbers of features; non-finite or non-positive
         points are left out.
     laws : sequence of str or mapping str -> callable
-        Names from :data:`LAWS`, or ``name -> f`` with ``f(d)`` the law's shape (e.g.
+        Names from `LAWS`, or ``name -> f`` with ``f(d)`` the law's shape (e.g.
         ``lambda d: d * np.log(1e5 * d)``).
     se : array_like, shape (n,), optional
-        Standard errors of :math:`\log r`.
+        Standard errors of $\log r$.
 
     References
     ----------
-    .. [1] C. M. Hurvich and C.-L. Tsai, "Regression and time series model selection in small
-       samples", Biometrika 76 (1989): the AICc.
+    - [HT89] C. M. Hurvich and C.-L. Tsai, "Regression and time series model selection in small
+      samples", Biometrika 76 (1989): the AICc.
 
     Returns
     -------
@@ -496,13 +496,13 @@ def plot_required_features(df: pd.DataFrame, *, x: str = "d", y: str = "r_star",
                            title: str | None = None,
                            facet_title: Callable[[Any, Any], str] | None = None,
                            ax: Axes | None = None) -> Figure:
-    r"""The required number of features :math:`r^*` against :math:`d`, with fitted laws.
+    r"""The required number of features $r^*$ against $d$, with fitted laws.
 
     Points with error bars (``ci``) per ``hue`` level; for each level, every law of ``laws`` is
-    fitted to that level's points by :func:`fit_laws` (log space, weights :math:`1/\mathrm{se}^2`
+    fitted to that level's points by `fit_laws` (log space, weights $1/\mathrm{se}^2$
     from the ``se`` column when given) and drawn in the level's colour, one line style per law.
-    With ``per_x=True`` the y axis is :math:`r^*/d`: a flat curve is linear in :math:`d` and a
-    :math:`c\,d\log d` law rises like :math:`\log d`.
+    With ``per_x=True`` the y axis is $r^*/d$: a flat curve is linear in $d$ and a
+    $c\,d\log d$ law rises like $\log d$.
 
     Parameters
     ----------
@@ -510,39 +510,39 @@ def plot_required_features(df: pd.DataFrame, *, x: str = "d", y: str = "r_star",
         One row per (facet, hue, x) (e.g. the studies' ``rstar_table``: ``d``, ``eps``,
         ``r_star``, ``r_star_lo``, ``r_star_hi``, ``se_log``, ``censored``).
     x, y : str
-        Columns of :math:`d` and :math:`r^*`.
+        Columns of $d$ and $r^*$.
     ci : (str, str) or None
         Columns of the interval of ``y``.
     hue : str, optional
         Column of the levels drawn in different colours (e.g. ``"eps"``).
     laws : sequence of str or mapping
-        See :func:`fit_laws`; empty: no fits.
+        See `fit_laws`; empty: no fits.
     se : str, optional
-        Column of the standard error of :math:`\log r^*` (fit weights).
+        Column of the standard error of $\log r^*$ (fit weights).
     censored : str, optional
         Column flagging censored points (any non-empty, non-False value): drawn hollow at their
         ``y`` (put the bound there, e.g. the largest r of the grid for "r* above the grid") and
         left out of the fits. Rows whose ``y`` is NaN are not drawn.
     per_x : bool
-        Plot :math:`r^*/d`.
+        Plot $r^*/d$.
     row, col, hue_order, row_order, col_order, palette, xlabel, ylabel, title, facet_title, ax
-        As in :func:`plot_error_vs_r` (missing facets are skipped).
+        As in `plot_error_vs_r` (missing facets are skipped).
 
     References
     ----------
-    .. [1] A. Rahimi and B. Recht, "Random features for large-scale kernel machines", NeurIPS
-       (2007), Claim 1: a uniform error :math:`\varepsilon` on a set of diameter
-       :math:`\mathrm{diam}` with :math:`r = \Omega(d\,\varepsilon^{-2}
-       \log(\sigma_p\,\mathrm{diam}/\varepsilon))` features, :math:`\sigma_p^2 =
-       E\|\omega\|^2` (:math:`= d` for the Gaussian kernel): a :math:`d\log d`-type law.
-    .. [2] B. Sriperumbudur and Z. Szabó, "Optimal rates for random Fourier features", NeurIPS
-       (2015).
+    - [RR07] A. Rahimi and B. Recht, "Random features for large-scale kernel machines", NeurIPS
+      (2007), Claim 1: a uniform error $\varepsilon$ on a set of diameter
+      $\mathrm{diam}$ with $r = \Omega(d\,\varepsilon^{-2}
+      \log(\sigma_p\,\mathrm{diam}/\varepsilon))$ features, $\sigma_p^2 =
+      E\|\omega\|^2$ ($= d$ for the Gaussian kernel): a $d\log d$-type law.
+    - [SS15] B. Sriperumbudur and Z. Szabó, "Optimal rates for random Fourier features", NeurIPS
+      (2015).
 
     Returns
     -------
     matplotlib.figure.Figure
         The fitted constants are in ``fig.kernelapprox_fits`` (a DataFrame: the facet and hue
-        values and :func:`fit_laws`' columns).
+        values and `fit_laws`' columns).
 
     Examples
     --------
@@ -656,7 +656,7 @@ def plot_required_features(df: pd.DataFrame, *, x: str = "d", y: str = "r_star",
 def ratio_table(df: pd.DataFrame, *, baseline: Any, by: str = "estimator", values: str = "mean",
                 index: str | Sequence[str] | None = None, metric: str | None = None,
                 order: Sequence[Any] | None = None) -> pd.DataFrame:
-    r"""Each method's value over the baseline's, :math:`v_m / v_{\text{baseline}}`, per row of
+    r"""Each method's value over the baseline's, $v_m / v_{\text{baseline}}$, per row of
     ``index``.
 
     A ratio below 1 (for an error) is a method better than the baseline at that point. The
@@ -780,7 +780,7 @@ def to_markdown(table: pd.DataFrame, digits: int = 3, index: bool = True) -> str
 
 @contextlib.contextmanager
 def style() -> Iterator[None]:
-    """Context manager applying the shipped style file (:data:`STYLE_PATH`).
+    """Context manager applying the shipped style file (`STYLE_PATH`).
 
     Examples
     --------

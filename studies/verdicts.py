@@ -4,29 +4,29 @@ Every finding a study prints ("agrees", "A beats B", "no estimator beats uniform
 exponent with its uncertainty) comes from one of these helpers, so the words follow from the
 numbers and change when the numbers do:
 
-- :func:`compare_to_reference`: a confidence interval against a reference value and a tolerance
+- `compare_to_reference`: a confidence interval against a reference value and a tolerance
   (an equivalence test): ``agrees`` / ``differs`` / ``inconclusive``;
-- :func:`pairwise_differences`, :func:`paired_ranking`, :func:`beats_baseline`: paired
+- `pairwise_differences`, `paired_ranking`, `beats_baseline`: paired
   per-unit scores of several methods, differences with a multiple-testing correction (Holm by
   default, or Benjamini-Hochberg), ties printed as ties;
-- :func:`adjust_pvalues`: the Holm, Benjamini-Hochberg and Bonferroni adjustments;
-- :func:`bootstrap_median_ci`: a (hierarchical) bootstrap interval of a median or any quantile,
+- `adjust_pvalues`: the Holm, Benjamini-Hochberg and Bonferroni adjustments;
+- `bootstrap_median_ci`: a (hierarchical) bootstrap interval of a median or any quantile,
   e.g. over heads x draws;
-- :func:`slope_with_uncertainty`: a log-log slope whose interval is the envelope over stated
+- `slope_with_uncertainty`: a log-log slope whose interval is the envelope over stated
   analysis choices (statistic x fit range), not the noise of one choice;
-- :func:`format_verdict`: one markdown bullet.
+- `format_verdict`: one markdown bullet.
 
 References
 ----------
-.. [1] D. J. Schuirmann, "A comparison of the two one-sided tests procedure and the power
-   approach for assessing the equivalence of average bioavailability", J. Pharmacokinet.
-   Biopharm. 15 (1987).
-.. [2] S. Holm, "A simple sequentially rejective multiple test procedure", Scand. J. Stat. 6
-   (1979).
-.. [3] Y. Benjamini and Y. Hochberg, "Controlling the false discovery rate: a practical and
-   powerful approach to multiple testing", J. R. Stat. Soc. B 57 (1995).
-.. [4] A. C. Davison and D. V. Hinkley, "Bootstrap Methods and their Application", Cambridge
-   University Press (1997), section 3.8 (hierarchical data).
+- [Sch87] D. J. Schuirmann, "A comparison of the two one-sided tests procedure and the power
+  approach for assessing the equivalence of average bioavailability", J. Pharmacokinet.
+  Biopharm. 15 (1987).
+- [Hol79] S. Holm, "A simple sequentially rejective multiple test procedure", Scand. J. Stat. 6
+  (1979).
+- [BH95] Y. Benjamini and Y. Hochberg, "Controlling the false discovery rate: a practical and
+  powerful approach to multiple testing", J. R. Stat. Soc. B 57 (1995).
+- [DH97] A. C. Davison and D. V. Hinkley, "Bootstrap Methods and their Application", Cambridge
+  University Press (1997), section 3.8 (hierarchical data).
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ class Verdict:
     ----------
     label : str
         The call: ``"agrees"``, ``"differs"`` or ``"inconclusive"``
-        (:func:`compare_to_reference`); ``"ordered"`` or ``"ties"`` (:func:`paired_ranking`);
-        ``"beats"``, ``"ties"`` or ``"worse"`` (:func:`beats_baseline`).
+        (`compare_to_reference`); ``"ordered"`` or ``"ties"`` (`paired_ranking`);
+        ``"beats"``, ``"ties"`` or ``"worse"`` (`beats_baseline`).
     statement : str
         One sentence, generated from the numbers.
     evidence : dict
@@ -137,19 +137,19 @@ def compare_to_reference(estimate: float, ci_low: float, ci_high: float, referen
                          what: str = "the estimate") -> Verdict:
     r"""Equivalence test of an estimate's confidence interval against ``reference ± tolerance``.
 
-    With the margin :math:`M = [\rho - \tau, \rho + \tau]` (:math:`\tau` = ``tolerance``,
-    multiplied by :math:`|\rho|` when ``relative``) and the interval
-    :math:`[\ell, u]` = ``[ci_low, ci_high]``:
+    With the margin $M = [\rho - \tau, \rho + \tau]$ ($\tau$ = ``tolerance``,
+    multiplied by $|\rho|$ when ``relative``) and the interval
+    $[\ell, u]$ = ``[ci_low, ci_high]``:
 
-    - ``agrees`` if :math:`[\ell, u] \subseteq M`;
-    - ``differs`` if :math:`[\ell, u] \cap M = \emptyset` (:math:`u < \rho - \tau` or
-      :math:`\ell > \rho + \tau`);
+    - ``agrees`` if $[\ell, u] \subseteq M$;
+    - ``differs`` if $[\ell, u] \cap M = \emptyset$ ($u < \rho - \tau$ or
+      $\ell > \rho + \tau$);
     - ``inconclusive`` otherwise (the interval straddles an end of the margin).
 
-    With a :math:`(1 - 2\alpha)` interval, ``agrees`` is Schuirmann's two one-sided tests at
-    level :math:`\alpha` [1]_ (both "the difference is below :math:`-\tau`" and "above
-    :math:`+\tau`" rejected), and ``differs`` rejects "the difference is within the margin" at
-    level :math:`\alpha`; a 95% interval gives both at 2.5%. The tolerance must be stated before
+    With a $(1 - 2\alpha)$ interval, ``agrees`` is Schuirmann's two one-sided tests at
+    level $\alpha$ [Sch87] (both "the difference is below $-\tau$" and "above
+    $+\tau$" rejected), and ``differs`` rejects "the difference is within the margin" at
+    level $\alpha$; a 95% interval gives both at 2.5%. The tolerance must be stated before
     the data are seen: it is part of the claim, and the statement prints it.
 
     Parameters
@@ -222,17 +222,17 @@ def compare_to_reference(estimate: float, ci_low: float, ci_high: float, referen
 # multiple testing
 # --------------------------------------------------------------------------------------------
 def adjust_pvalues(pvalues: ArrayLike, method: Correction = "holm") -> np.ndarray:
-    r"""Adjusted p-values: reject hypothesis :math:`i` at family level :math:`\alpha` iff
-    :math:`\tilde p_i < \alpha`.
+    r"""Adjusted p-values: reject hypothesis $i$ at family level $\alpha$ iff
+    $\tilde p_i < \alpha$.
 
-    With the sorted p-values :math:`p_{(1)} \le \dots \le p_{(m)}`:
+    With the sorted p-values $p_{(1)} \le \dots \le p_{(m)}$:
 
-    - Holm [2]_ (family-wise error): :math:`\tilde p_{(k)} = \max_{j \le k}
-      \min(1, (m - j + 1)\, p_{(j)})`;
-    - Benjamini-Hochberg [3]_ (false discovery rate, independent or positively dependent tests):
-      :math:`\tilde p_{(k)} = \min_{j \ge k} \min(1, m\, p_{(j)} / j)`
+    - Holm [Hol79] (family-wise error): $\tilde p_{(k)} = \max_{j \le k}
+      \min(1, (m - j + 1)\, p_{(j)})$;
+    - Benjamini-Hochberg [BH95] (false discovery rate, independent or positively dependent tests):
+      $\tilde p_{(k)} = \min_{j \ge k} \min(1, m\, p_{(j)} / j)$
       (``scipy.stats.false_discovery_control``);
-    - Bonferroni: :math:`\min(1, m\, p_i)`; ``"none"``: :math:`p_i`.
+    - Bonferroni: $\min(1, m\, p_i)$; ``"none"``: $p_i$.
 
     Parameters
     ----------
@@ -390,19 +390,19 @@ def pairwise_differences(scores: Any, *, pairs: Sequence[tuple[str, str]] | None
                          seed: int = 0) -> list[dict[str, Any]]:
     r"""Paired differences of per-unit scores with multiple-testing corrected intervals.
 
-    For each pair :math:`(a, b)` the per-unit differences :math:`\Delta_u = s_{a,u} - s_{b,u}`
+    For each pair $(a, b)$ the per-unit differences $\Delta_u = s_{a,u} - s_{b,u}$
     over the units scored by both (a unit: a head, a seed, a data set) give a two-sided test of
-    :math:`E\Delta = 0` (paired t test, or a percentile bootstrap of the mean) with p-value
-    :math:`p`. The p-values of all pairs are adjusted together (:func:`adjust_pvalues`), and the
-    interval of each pair is reported at level :math:`1 - \alpha\, p / \tilde p`, the level at
+    $E\Delta = 0$ (paired t test, or a percentile bootstrap of the mean) with p-value
+    $p$. The p-values of all pairs are adjusted together (`adjust_pvalues`), and the
+    interval of each pair is reported at level $1 - \alpha\, p / \tilde p$, the level at
     which the procedure tests that pair, so that **the interval excludes 0 exactly when the
-    corrected test rejects** (:math:`\tilde p < \alpha`) and a tie is an interval that contains 0.
+    corrected test rejects** ($\tilde p < \alpha$) and a tie is an interval that contains 0.
 
     Parameters
     ----------
     scores : pandas.DataFrame or mapping
         Wide table, one row per unit and one column per method (from a tidy frame:
-        :func:`score_table`), or a mapping
+        `score_table`), or a mapping
         ``method -> per-unit scores`` (equal lengths, aligned by position). NaN marks a unit a
         method did not score.
     pairs : sequence of (str, str), optional
@@ -422,7 +422,7 @@ def pairwise_differences(scores: Any, *, pairs: Sequence[tuple[str, str]] | None
     -------
     list of dict
         One record per pair: ``a``, ``b``, ``n`` (paired units), ``diff`` (mean of
-        :math:`s_a - s_b`), ``p``, ``p_adj``, ``level``, ``ci_low``, ``ci_high``, ``significant``.
+        $s_a - s_b$), ``p``, ``p_adj``, ``level``, ``ci_low``, ``ci_high``, ``significant``.
 
     Examples
     --------
@@ -479,7 +479,7 @@ def paired_ranking(scores: Any, *, lower_is_better: bool = True, alpha: float = 
     r"""Rank methods by paired per-unit scores; methods that the corrected tests cannot separate
     are printed as ties.
 
-    All :math:`m(m-1)/2` pairs are tested with :func:`pairwise_differences` (one family). The
+    All $m(m-1)/2$ pairs are tested with `pairwise_differences` (one family). The
     methods are ordered by their mean score; the rank of a method is 1 + the number of methods
     that beat it (corrected interval of the difference excludes 0 in their favour), so tied
     methods can share a rank. The statement walks the order: "A beats B" where the pair's
@@ -489,11 +489,11 @@ def paired_ranking(scores: Any, *, lower_is_better: bool = True, alpha: float = 
     Parameters
     ----------
     scores : pandas.DataFrame or mapping
-        See :func:`pairwise_differences`.
+        See `pairwise_differences`.
     lower_is_better : bool
         Whether a lower score is better (an error) or a higher one (an accuracy).
     alpha, correction, ci, n_boot, seed
-        See :func:`pairwise_differences`.
+        See `pairwise_differences`.
     what : str
         The name of the score in the statement.
 
@@ -553,8 +553,8 @@ def beats_baseline(scores: Any, baseline: str, *, lower_is_better: bool = True,
                    what: str = "estimator") -> Verdict:
     r"""Does the best method beat a baseline (e.g. uniform attention weights)?
 
-    Every other method is compared with ``baseline`` (:func:`pairwise_differences` on the
-    :math:`m - 1` pairs, one family: the best is chosen after looking, so all comparisons
+    Every other method is compared with ``baseline`` (`pairwise_differences` on the
+    $m - 1$ pairs, one family: the best is chosen after looking, so all comparisons
     count). The best method is the one with the best mean score. Its corrected interval of
     the difference to the baseline decides:
 
@@ -565,11 +565,11 @@ def beats_baseline(scores: Any, baseline: str, *, lower_is_better: bool = True,
     Parameters
     ----------
     scores : pandas.DataFrame or mapping
-        See :func:`pairwise_differences`; must contain ``baseline``.
+        See `pairwise_differences`; must contain ``baseline``.
     baseline : str
         The baseline's column.
     lower_is_better, alpha, correction, ci, n_boot, seed
-        See :func:`paired_ranking`.
+        See `paired_ranking`.
     what : str
         What the methods are called in the statement.
 
@@ -639,8 +639,8 @@ def bootstrap_median_ci(values: ArrayLike, *, groups: ArrayLike | None = None,
     Flat (``groups=None``): resample the values with replacement. Hierarchical (``groups``
     given, e.g. the head of each (head, draw) value): each replicate resamples the groups with
     replacement and then, when ``resample_within``, the values within each chosen group, and
-    takes the quantile of the pooled resampled values [4]_. Values in one group are correlated
-    (the same head), so the flat bootstrap treats :math:`n_{\text{heads}} \times n_{\text{draws}}`
+    takes the quantile of the pooled resampled values [DH97]. Values in one group are correlated
+    (the same head), so the flat bootstrap treats $n_{\text{heads}} \times n_{\text{draws}}$
     values as independent and its interval is too narrow; resampling the groups carries the
     between-group variance. Resampling within as well adds the within-group variance a second
     time (slightly conservative when it is large); ``resample_within=False`` resamples groups
@@ -740,10 +740,10 @@ def slope_with_uncertainty(x: ArrayLike, y: ArrayLike | Mapping[str, ArrayLike],
     r"""Log-log slope whose interval includes the spread across stated analysis choices.
 
     Each variant, a statistic (one ``y`` series, e.g. the 90% quantile, the median, the mean)
-    fitted over one ``x`` range, gives the OLS slope of :math:`\log y` on :math:`\log x` with
-    its t interval, :math:`\hat p \pm t_{1-(1-\text{level})/2,\, n-2}\, \mathrm{se}(\hat p)`.
+    fitted over one ``x`` range, gives the OLS slope of $\log y$ on $\log x$ with
+    its t interval, $\hat p \pm t_{1-(1-\text{level})/2,\, n-2}\, \mathrm{se}(\hat p)$.
     The reported interval is the **envelope** of the variants' intervals,
-    :math:`[\min_v \ell_v, \max_v u_v]`: an exponent is only known to the precision that
+    $[\min_v \ell_v, \max_v u_v]$: an exponent is only known to the precision that
     survives every reasonable choice of statistic and range, not to the noise of one of them.
     The primary slope is the first statistic over the first range.
 
