@@ -10,6 +10,7 @@ same shape give the same figures:
 - `plot_required_features`: the required number of features $r^*$ against the
   input dimension $d$ with laws such as $c\,d$ and $c\,d\log d$ fitted by least
   squares in log space (`fit_laws`);
+- `plot_forest`: estimates with intervals, one row each (e.g. fitted slopes), a reference line;
 - `ratio_table`: each method's value over a baseline's, as a table
   (`to_markdown` for a report);
 - `style` (the shipped style file, `STYLE_PATH`) and `save_figure`
@@ -57,6 +58,7 @@ __all__ = [
     "STYLE_PATH",
     "fit_laws",
     "plot_error_vs_r",
+    "plot_forest",
     "plot_required_features",
     "ratio_table",
     "save_figure",
@@ -650,6 +652,138 @@ def plot_required_features(df: pd.DataFrame, *, x: str = "d", y: str = "r_star",
         fig.suptitle(title)
     fig.kernelapprox_fits = (pd.concat(fits, ignore_index=True)  # type: ignore[attr-defined]
                              if fits else pd.DataFrame())
+    return fig
+
+
+def plot_forest(df: pd.DataFrame, *, x: str = "slope",
+                ci: tuple[str, str] | None = ("slope_lo", "slope_hi"), y: str = "label",
+                hue: str | None = None, col: str | None = None,
+                reference: float | None = None, order: Sequence[Any] | None = None,
+                hue_order: Sequence[Any] | None = None, col_order: Sequence[Any] | None = None,
+                palette: Mapping[Any, Any] | None = None, xlabel: str | None = None,
+                title: str | None = None,
+                facet_title: Callable[[Any, Any], str] | None = None,
+                ax: Axes | None = None) -> Figure:
+    r"""A forest plot: one estimate with its interval per row, e.g. fitted log-log slopes.
+
+    Each level of ``y`` is a row of the panel; the levels of ``hue`` are dodged vertically
+    within it, one colour each; ``reference`` is a dashed vertical line (e.g. $-1/2$, the
+    Monte Carlo rate of an RMS error against $r$ [RR07]).
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+        One row per (col, y, hue).
+    x : str
+        Column of the estimates.
+    ci : (str, str) or None
+        Columns of the interval.
+    y : str
+        Column of the row labels.
+    hue : str, optional
+        Column of the levels dodged within a row.
+    col : str, optional
+        Facet column (panels side by side, the rows shared); levels without data are skipped.
+    reference : float, optional
+        Value drawn as a dashed vertical line.
+    order, hue_order, col_order : sequence, optional
+        Orders of the rows (default: first appearance), hues and panels (default: sorted).
+    palette, xlabel, title, facet_title, ax
+        As in `plot_error_vs_r`.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        Per panel one errorbar container per hue level.
+
+    References
+    ----------
+    - [RR07] A. Rahimi and B. Recht, "Random features for large-scale kernel machines", NeurIPS
+      (2007).
+
+    Examples
+    --------
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> import pandas as pd
+    >>> from kernelapprox.plotting import plot_forest
+    >>> df = pd.DataFrame({"label": ["trig", "trig", "positive", "positive"],
+    ...                    "d": [16, 64, 16, 64], "slope": [-0.50, -0.49, -0.51, -0.30],
+    ...                    "slope_lo": [-0.52, -0.51, -0.55, -0.45],
+    ...                    "slope_hi": [-0.48, -0.47, -0.47, -0.15]})
+    >>> fig = plot_forest(df, hue="d", reference=-0.5)
+    >>> len(fig.axes[0].containers)  # one per d
+    2
+    """
+    where = "plot_forest"
+    _check_frame(df, [x, y, hue, col, *(ci or ())], where)
+    from matplotlib.lines import Line2D
+
+    keys = [c for c in (col, y, hue) if c is not None]
+    dup = df.duplicated(subset=keys)
+    if dup.any():
+        first = df.loc[dup, keys].iloc[0].to_dict()
+        raise ValueError(f"{where}: several rows for {first}: filter df or facet by the column "
+                         "that differs (hue=, col=)")
+    data = df[np.isfinite(df[x].to_numpy(dtype=float))]
+    if len(data) == 0:
+        raise ValueError(f"{where}: nothing to draw: no row of df has a finite {x!r}")
+    rows = list(dict.fromkeys(data[y])) if order is None else [v for v in order
+                                                                if v in set(data[y])]
+    if not rows:
+        raise ValueError(f"{where}: nothing to draw: no {y!r} of order={list(order or [])} in df")
+    data = data[data[y].isin(rows)]
+    hues = _levels(data, hue, hue_order)
+    data = data if hue is None else data[data[hue].isin(hues)]
+    pal = _palette(hues, palette)
+    pos = {v: i for i, v in enumerate(rows)}
+    offs = np.linspace(-0.25, 0.25, len(hues)) if len(hues) > 1 else np.zeros(1)
+    if ax is None:
+        plt = _require("matplotlib.pyplot")
+        cols = _levels(data, col, col_order)
+        if not cols:
+            raise ValueError(f"{where}: nothing to draw: no {col!r} of col_order="
+                             f"{list(col_order or [])} in df")
+        fig, axes = plt.subplots(1, len(cols), squeeze=False, sharey=True, layout="constrained",
+                                 figsize=(3.4 * len(cols) + 1.5, 0.32 * len(rows) + 1.6))
+        cells = []
+        for j, cv in enumerate(cols):
+            g = data if col is None else data[data[col] == cv]
+            if len(g) == 0:
+                axes[0][j].set_visible(False)
+                continue
+            cells.append((None, cv, axes[0][j], g))
+    else:
+        fig, cells = _grid(data, None, col, None, col_order, ax, (3.4, 3.0), where, sharey=True)
+    for _, cv, a, g in cells:
+        for o, h in zip(offs, hues, strict=True):
+            gh = g if hue is None else g[g[hue] == h]
+            if len(gh) == 0:
+                continue
+            yy = np.array([pos[v] for v in gh[y]], dtype=float) + o
+            xv = gh[x].to_numpy(dtype=float)
+            err = None
+            if ci is not None:
+                lo, hi = gh[ci[0]].to_numpy(dtype=float), gh[ci[1]].to_numpy(dtype=float)
+                err = np.nan_to_num(np.vstack([np.clip(xv - lo, 0, None),
+                                               np.clip(hi - xv, 0, None)]))
+            a.errorbar(xv, yy, xerr=err, fmt="o", ms=3, lw=1, color=pal[h],
+                       label=str(h) if hue is not None else x)
+        if reference is not None:
+            a.axvline(reference, color="k", ls="--", lw=1)
+        a.set_yticks(np.arange(len(rows)), [str(v) for v in rows])
+        a.set_ylim(len(rows) - 0.5, -0.5)  # the first row on top
+        a.set_xlabel(xlabel if xlabel is not None else x)
+        a.set_title(_title(None, None, col, cv) if facet_title is None else facet_title(None, cv))
+    handles: list[Any] = []
+    if hue is not None:
+        handles = [Line2D([], [], color=pal[h], marker="o", ls="", label=f"{hue} = {h}")
+                   for h in hues]
+    if reference is not None:
+        handles.append(Line2D([], [], color="k", ls="--", lw=1, label=f"reference {reference:g}"))
+    _legend(fig, cells, handles)
+    if title is not None:
+        fig.suptitle(title)
     return fig
 
 

@@ -234,6 +234,40 @@ def test_fit_laws_weights_and_aicc():
         plotting.fit_laws(d, r[:3])
 
 
+def slope_frame() -> pd.DataFrame:
+    rows = []
+    for reg in ("sphere", "attention"):
+        for d in (16, 64, 256):
+            for lab, s0 in (("trig", -0.5), ("positive", -0.45), ("relu", 0.0)):
+                rows.append({"label": lab, "regime": reg, "d": d, "slope": s0 + 0.001 * d,
+                             "slope_lo": s0 - 0.05, "slope_hi": s0 + 0.05 + 0.002 * d})
+    return pd.DataFrame(rows)
+
+
+def test_forest_one_container_per_hue_rows_in_order_and_reference():
+    fig = plotting.plot_forest(slope_frame(), hue="d", col="regime", reference=-0.5,
+                               col_order=["sphere", "attention", "missing"])
+    assert [a.get_title() for a in fig.axes] == ["regime = sphere", "regime = attention"]
+    # the rows are shared: labelled on the first panel
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["trig", "positive", "relu"]
+    for a in fig.axes:
+        assert len(a.containers) == 3  # d = 16, 64, 256
+        assert list(a.get_yticks()) == [0, 1, 2]
+        ref = [ln for ln in a.get_lines() if ln.get_linestyle() == "--"]
+        assert len(ref) == 1 and list(ref[0].get_xdata()) == [-0.5, -0.5]
+        # the hues are dodged within a row, and the points are the frame's
+        ys = sorted(float(c.lines[0].get_ydata()[0]) for c in a.containers)
+        assert ys == pytest.approx([-0.25, 0.0, 0.25])
+        xs = a.containers[0].lines[0].get_xdata()
+        np.testing.assert_allclose(xs, np.array([-0.5, -0.45, 0.0]) + 0.016)
+    fig = plotting.plot_forest(slope_frame(), hue="d", col="regime", order=["relu", "trig"])
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["relu", "trig"]
+    with pytest.raises(ValueError, match="several rows"):
+        plotting.plot_forest(slope_frame(), hue="d")
+    with pytest.raises(ValueError, match="nothing to draw"):
+        plotting.plot_forest(slope_frame(), hue="d", col="regime", col_order=["missing"])
+
+
 def test_ratio_table_and_markdown():
     df = pd.DataFrame({"estimator": ["uniform", "a", "b"] * 2, "sigma": [0.5] * 3 + [2.0] * 3,
                        "metric": "err", "mean": [0.2, 0.1, 0.4, 0.5, 0.5, 0.25]})
