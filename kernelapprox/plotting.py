@@ -165,7 +165,8 @@ def _grid(df: pd.DataFrame, row: str | None, col: str | None, row_order: Sequenc
                              f"row={row!r} or col={col!r}")
         return cast("Figure", ax.figure), [(None, None, ax, df)]
     fig, axes = plt.subplots(len(rows), len(cols), squeeze=False, sharex=True, sharey=sharey,
-                             layout="constrained", figsize=(panel[0] * len(cols) + 0.6, panel[1] * len(rows) + 0.6))
+                             layout="constrained",
+                             figsize=(panel[0] * len(cols) + 0.6, panel[1] * len(rows) + 0.6))
     cells = []
     for i, rv in enumerate(rows):
         for j, cv in enumerate(cols):
@@ -188,7 +189,10 @@ def _outer_labels(cells: Sequence[tuple[Any, Any, Axes, Any]], xlabel: str, ylab
         spec = a.get_subplotspec()
         pos[a] = (spec.rowspan.start, spec.colspan.start) if spec is not None else (0, 0)
     for a, (i, j) in pos.items():
-        a.set_xlabel(xlabel if not any(q == j and p > i for p, q in pos.values()) else "")
+        lowest = not any(q == j and p > i for p, q in pos.values())
+        a.set_xlabel(xlabel if lowest else "")
+        if lowest:  # the panel below is a skipped facet: the shared x axis keeps its ticks here
+            a.tick_params(axis="x", which="both", labelbottom=True)
         a.set_ylabel(ylabel if not any(p == i and q < j for p, q in pos.values()) else "")
 
 

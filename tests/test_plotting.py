@@ -105,6 +105,11 @@ def test_error_vs_r_facets_and_missing_facets_skipped():
         "regime = attention, d = 16", "regime = sphere, d = 16", "regime = sphere, d = 64"]
     for a in visible:
         assert len(solid_lines(a)) == len(ESTIMATORS) and len(bands(a)) == len(ESTIMATORS)
+    # the panel above the skipped one is the lowest of its column: x label and tick labels
+    (above,) = [a for a in visible if a.get_title() == "regime = sphere, d = 64"]
+    fig.canvas.draw()
+    assert above.get_xlabel() == "r"
+    assert any(t.get_text() for t in above.get_xticklabels())
     # a level named in the order but absent from the data is left out, not a crash
     fig = plotting.plot_error_vs_r(df, col="d", row="regime", col_order=[16, 64, 1024])
     assert len(fig.axes) == 4
