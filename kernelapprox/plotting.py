@@ -312,7 +312,10 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
     (2, [4, 4])
     """
     where = "plot_error_vs_r"
-    _check_frame(df, [x, y, hue, row, col, style_by, *(ci or ()), ], where)
+    _check_frame(df, [x, y, hue, row, col, style_by], where)
+    if ci is not None and any(c not in df.columns for c in ci):
+        raise ValueError(f"{where}: the band's columns ci={ci} are not both in df (pass ci=None "
+                         f"for no band); its columns are {list(map(str, df.columns))}")
     data = _select_metric(df, metric, where)
     data = data[np.isfinite(data[y].to_numpy(dtype=float))]  # a cell without a value: no point
     if len(data) == 0:
@@ -373,13 +376,14 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
         a.set_title(_title(row, rv, col, cv) if facet_title is None else facet_title(rv, cv))
     _outer_labels(cells, xlabel if xlabel is not None else x, ylabel if ylabel is not None else y)
     handles: list[Any] = []
-    if hue is not None or style_by is not None:
+    if hue is not None:
         for h in hues:
             if style_by is None:
                 handles.append(Line2D([], [], color=pal[h], marker="o", label=str(h)))
             else:
                 handles.append(Line2D([], [], color=pal[h], label=str(h)))
-        for s in styles if style_by is not None else []:
+    if style_by is not None:
+        for s in styles:
             handles.append(Line2D([], [], color="0.3", marker=markers[s], ls="", label=str(s)))
     if any_closed:
         handles.append(Line2D([], [], color="k", ls="--", lw=1.0, label="closed form"))

@@ -140,6 +140,8 @@ def test_error_vs_r_bad_input_errors():
         plotting.plot_error_vs_r(df, metric="nope")
     with pytest.raises(ValueError, match=r"column\(s\) \['num_features'\] not in df"):
         plotting.plot_error_vs_r(df, x="num_features", metric="rel_mse")
+    with pytest.raises(ValueError, match="pass ci=None"):
+        plotting.plot_error_vs_r(df.drop(columns="ci_low"), metric="rel_mse")
     with pytest.raises(ValueError, match="several rows for one point"):
         plotting.plot_error_vs_r(tidy(dims=(16, 64), regimes=("sphere",)))  # d not faceted
     with pytest.raises(TypeError, match="DataFrame"):
