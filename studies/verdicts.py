@@ -396,7 +396,9 @@ def pairwise_differences(scores: Any, *, pairs: Sequence[tuple[str, str]] | None
     $p$. The p-values of all pairs are adjusted together (`adjust_pvalues`), and the
     interval of each pair is reported at level $1 - \alpha\, p / \tilde p$, the level at
     which the procedure tests that pair, so that **the interval excludes 0 exactly when the
-    corrected test rejects** ($\tilde p < \alpha$) and a tie is an interval that contains 0.
+    corrected test rejects** ($\tilde p < \alpha$; exactly for the t test, to the resolution of
+    the replicates for the bootstrap) and a tie is an interval that contains 0. The call itself
+    (``significant``) is always $\tilde p < \alpha$.
 
     Parameters
     ----------
