@@ -1,4 +1,4 @@
-r"""Monte Carlo engine benchmark (issue 12, target 1): each driver against its batched-matmul floor.
+r"""Monte Carlo engine benchmark: each driver against its batched-matmul floor.
 
 Run: ``python -m studies.bench_mc [--device cpu|cuda] [--dtype float32|float64|bfloat16] [--repeats N]
 [--quick] [--threads N] [--json FILE]``

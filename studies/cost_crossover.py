@@ -1,6 +1,6 @@
 """cost-crossover: where linear attention becomes cheaper than exact softmax attention.
 
-The seed's constant-factor claim: linear attention costs ~4 n d^2 FLOPs (r = d features) against
+The constant-factor argument: linear attention costs ~4 n d^2 FLOPs (r = d features) against
 ~4 n^2 d for softmax attention, so the crossover sits near n ~ d, and short sequences can be
 *more* expensive with linear attention.  This study puts three analytic predictions beside
 measurements, at d = 64 and r in {64, 256} (``PositiveRF`` with orthogonal projections):
@@ -9,8 +9,9 @@ measurements, at d = 64 and r in {64, 256} (``PositiveRF`` with orthogonal proje
 
   - softmax attention: ``2 n^2 d + 2 n^2 d_v + 5 n^2`` (scores, weights x values, scale, max,
     exp, sum, divide); causal: half of it (the flash kernels skip masked blocks);
-  - the seed's count ``4 n d^2`` (r = d, feature maps excluded) -> crossover ``n = d``;
-  - the reference sheet's count ``8 n r d`` (the two projections included, §9) -> ``n = 2r``;
+  - the textbook count ``4 n d^2`` (r = d, feature maps excluded) -> crossover ``n = d``;
+  - the count ``8 n r d`` with the two feature projections included (``2 n r d`` each for
+    queries and keys, ``4 n r d`` for the state and the read-out) -> ``n = 2r``;
   - the exact count of *our* implementation, read off ``kernelapprox/attention/{parallel,chunk}.py``
     and ``PositiveRF.log_features``: features ``2 (2 n d r + 4 n r + 2 n d)``, non-causal
     ``+ 4 n F (d_v + 1) + n d_v``; causal (chunks of C = 64 tokens) additionally
@@ -100,11 +101,11 @@ def flops(method: str, n: float, d: int, r: int, dv: int | None = None, chunk: i
     if method == "linear-causal":
         return (feats + 4 * n * F * (dv + 1) + n * dv + 2 * n * chunk * F + n * chunk
                 + 2 * n * chunk * (dv + 1) + (n / chunk) * F * (dv + 1))
-    if method == "seed-linear":  # the seed's 4 n d^2 (r = d, no feature maps)
+    if method == "count-4nd2":  # 4 n d^2 (r = d, no feature maps)
         return 4 * n * d * d
-    if method == "sheet-linear":  # reference sheet §9: 8 n r d
+    if method == "count-8nrd":  # 8 n r d: projections, state and read-out
         return 8 * n * r * d
-    if method == "seed-softmax":
+    if method == "count-4n2d":
         return 4 * n * n * d
     raise ValueError(method)
 
@@ -288,10 +289,10 @@ def _run_cell(cell: dict, ctx: Context) -> list[dict]:
     rows: list[dict] = []
     # analytic
     for n in ns:
-        for m in (*METHODS, "seed-linear", "sheet-linear", "seed-softmax"):
+        for m in (*METHODS, "count-4nd2", "count-8nrd", "count-4n2d"):
             rows.append(row("flops", flops(m, n, d, r) * H, method=m, n=n, **base))
-    for lin, sm in (*PAIRS.items(), ("seed-linear", "seed-softmax"),
-                    ("sheet-linear", "seed-softmax")):
+    for lin, sm in (*PAIRS.items(), ("count-4nd2", "count-4n2d"),
+                    ("count-8nrd", "count-4n2d")):
         rows.append(row("crossover_flops", predicted_crossover(lin, sm, d, r), method=lin,
                         vs=sm, bracket="analytic", **base))
     # time
@@ -399,7 +400,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
                     ax.axvline(float(xm["mean"].iloc[0]), color=pal[lin], ls="-", lw=0.8)
             ax.axhline(1.0, color="k", lw=1)
             ax.axvline(2 * r, color="gray", ls="-.", lw=0.8, label="n = 2r (8nrd vs 4n^2 d)")
-            ax.axvline(D, color="gray", ls=(0, (1, 3)), lw=0.8, label="n = d (seed: 4nd^2 vs 4n^2 d)")
+            ax.axvline(D, color="gray", ls=(0, (1, 3)), lw=0.8, label="n = d (4nd^2 vs 4n^2 d)")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length n (tokens)")
@@ -446,8 +447,8 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
             recs.append({
                 "r": r,
                 "pair": f"{METHOD_LABEL[lin]} vs {METHOD_LABEL[sm]}",
-                "seed n = d": D,
-                "sheet n = 2r": 2 * r,
+                "n = d (4nd²)": D,
+                "n = 2r (8nrd)": 2 * r,
                 "FLOPs (our impl.)": _xfmt(*f_impl),
                 "measured (time)": _xfmt(*t_meas),
                 "measured (memory)": _xfmt(*m_meas),
@@ -481,7 +482,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
     for rec in recs:
         finding.append(
             f"- r = {rec['r']}, {rec['pair']}, crossover n: FLOP count of our implementation "
-            f"{rec['FLOPs (our impl.)']} (seed n = d = {D}; 8nrd: {2 * rec['r']}); measured time "
+            f"{rec['FLOPs (our impl.)']} (4nd²: n = d = {D}; 8nrd: n = {2 * rec['r']}); measured time "
             f"{rec['measured (time)']}; measured memory {rec['measured (memory)']}."
         )
     if len(t):

@@ -971,9 +971,7 @@ def findings(df: pd.DataFrame, rst: pd.DataFrame, fits: pd.DataFrame, conv: pd.D
     if len(s8):
         parts = [f"{get(e).label} d = {int(d)}: {fmt(m)} ({int(n)} draws)" for e, d, m, n in
                  zip(s8["estimator"], s8["d"], s8["mean"], s8["n_draws"], strict=True)]
-        f.append("Mean sup at R = 1, r = 8d (standard budget): " + "; ".join(parts)
-                 + ". An independent search (audit of this study) found iid 0.429 (d = 64), 0.423 "
-                 "(d = 128), orthogonal 0.381 (d = 64), and iid 0.334 / orthogonal 0.280 at d = 4.")
+        f.append("Mean sup at R = 1, r = 8d (standard budget): " + "; ".join(parts) + ".")
     # --- fits
     ok = fits[fits["p"].notna()] if "p" in fits else fits.iloc[0:0]
     for _, x in ok.iterrows():

@@ -298,7 +298,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
             finding += [
                 f"- d = 4, the peers' input x = {PEERS_X}; every row should average 1:",
                 f"  - uncorrected QR (columns of Q, the Performer convention): per-row means {unc} "
-                f"(the reference sheet reports 0.32, 0.63, 1.21, 1.12 from NumPy/JAX);",
+                f"(the same experiment run with NumPy's QR gives 0.32, 0.63, 1.21, 1.12);",
                 f"  - sign-corrected library sampler: {cor}; {n_out} of 4 row intervals exclude 1.",
             ]
     summ = df[(df.direction != "peers") & (df.metric.isin(["overall_ratio", "max_abs_row_z",

@@ -257,7 +257,7 @@ def _sup_errors(fm: ka.FeatureMap, d: int, ctx: Context, key: str) -> tuple[np.n
     """Per-draw sup errors (S,) and the method used."""
     g = ctx.generator("sup", key, d, fm.num_features)
     try:
-        from studies.dlogd import trig_sup_delta  # written in parallel; used when present
+        from studies.dlogd import trig_sup_delta  # the Delta-space search of the dlogd study
     except ImportError:
         trig_sup_delta = None
     if trig_sup_delta is not None:

@@ -293,7 +293,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
          f"{fmt(100 * iid_in, 3)}% of the points.",
          f"- Yu's eq. (3) vs exact at z = {fmt(z1)}: " +
          ", ".join(f"{fmt(100 * g, 2)}% (d = {d})" for d, g in rel1.items()) +
-         " (the ~20% at d = 4 of the audit).",
+         ".",
          "- Largest absolute gap over z: " +
          ", ".join(f"{fmt(gaps[d], 2)} (d = {d})" for d in GAP_DIMS) +
          f"; it falls like 1/d and is below 0.05 only from d = {min(holds) if holds else '–'}.",

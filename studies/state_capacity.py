@@ -1,6 +1,6 @@
 r"""state-capacity: associative recall through a fixed-size linear-attention state.
 
-The seed's capacity claim: the recurrent form of linear attention keeps an ``F x d_v`` state
+The capacity claim of linear attention: the recurrent form of linear attention keeps an ``F x d_v`` state
 ``S = sum_j phi(k_j) v_j^T`` (plus ``z = sum_j phi(k_j)``) whatever the sequence length, so it
 cannot hold arbitrary history; exact softmax attention keeps every key and value.
 

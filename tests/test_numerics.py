@@ -1,4 +1,4 @@
-"""Numerics (issue 2): log-domain kernels in float32, finite attention in 32/16-bit, bf16 ELU, gradients.
+"""Numerics: log-domain kernels in float32, finite attention in 32/16-bit, bf16 ELU, gradients.
 
 float32 results are compared with a float64 evaluation of the *same* estimator on the *same*
 projection (``from_projection(fm.weight.double())``) and the same (float32-representable) inputs,
@@ -15,7 +15,7 @@ import kernelapprox as ka
 
 F32 = torch.finfo(torch.float32)
 D, R = 16, 64
-REL_TOL = 1e-5  # issue 2: relative error <= 1e-5 in float32 against float64
+REL_TOL = 1e-5  # contract: relative error <= 1e-5 in float32 against float64
 
 
 def inputs_with_norm(norm: float, n: int = 64):

@@ -94,7 +94,7 @@ def test_autocast_bf16_does_not_change_results():
 @pytest.mark.parametrize("cls", [ka.PositiveRF, ka.HyperbolicRF])
 @pytest.mark.parametrize("radius", [7.0, 10.0])
 def test_kernel_float32_matches_float64_at_d64(cls, radius):
-    """Issue 2: relative error <= 1e-5 in float32 against float64 with the same projection."""
+    """Contract: relative error <= 1e-5 in float32 against float64 with the same projection."""
     d = 64
     fm = cls(d, 256, sampler="orthogonal", seed=0)
     fm64 = cls.from_projection(fm.weight.double())

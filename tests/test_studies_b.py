@@ -75,9 +75,9 @@ def test_qr_sign_bias_numbers(reports: dict[str, Path]) -> None:
     peers = df[(df.metric == "row_mean") & (df.direction == "peers")]
     unc = peers[peers.variant == "uncorrected-cols"].sort_values("row")
     cor = peers[peers.variant == "corrected"].sort_values("row")
-    # the reference sheet's 0.32, 0.63, 1.21, 1.12 (d = 4, x = (1, .5, -.3, .2), NumPy's QR, 20k
+    # NumPy's QR gives 0.32, 0.63, 1.21, 1.12 (d = 4, x = (1, .5, -.3, .2), NumPy's QR, 20k
     # draws). The tolerance is not a standard error: LAPACK builds differ in the sign conventions
-    # that produce the bias (peers.md: jax.numpy gives 0.32, 0.62, 1.22, 1.16 for the same x), so
+    # that produce the bias (jax.numpy gives 0.32, 0.62, 1.22, 1.16 for the same x), so
     # the check is "the same bias pattern, within the spread between implementations" (0.04),
     # plus this run's own 4 standard errors.
     se = (unc["ci_high"] - unc["ci_low"]) / (2 * 1.96)
@@ -229,10 +229,10 @@ def test_recall_linear_matches_parallel_readout() -> None:
 def test_cost_crossover_numbers(reports: dict[str, Path]) -> None:
     df = _df(reports, "cost-crossover")
     x = df[df.metric == "crossover_flops"].set_index("method")
-    # the seed's 4nd^2 vs 4n^2 d crosses at n = d, the sheet's 8nrd at n = 2r
-    assert x.loc["seed-linear", "mean"] == pytest.approx(cost_crossover.D, rel=1e-6)
+    # 4nd^2 vs 4n^2 d crosses at n = d, 8nrd at n = 2r
+    assert x.loc["count-4nd2", "mean"] == pytest.approx(cost_crossover.D, rel=1e-6)
     r = int(x["r"].iloc[0])
-    assert x.loc["sheet-linear", "mean"] == pytest.approx(2 * r, rel=1e-6)
+    assert x.loc["count-8nrd", "mean"] == pytest.approx(2 * r, rel=1e-6)
     assert r <= x.loc["linear", "mean"] <= 4 * r
     meas = df[df.metric == "crossover_time"]
     assert set(meas["method"]) == {"linear", "linear-causal"}

@@ -1,5 +1,5 @@
 """Tests for the orthogonal-gain convergence flag, the state-capacity beta sweep and the sign of the
-large-s χ-ORF trig pair term (audit items D3, D5, D10).
+large-s χ-ORF trig pair term.
 
 References: Yu et al. (2016), "Orthogonal Random Features", NeurIPS; Choromanski et al. (2021),
 "Rethinking Attention with Performers", ICLR (Lemma 2); Schlag, Irie & Schmidhuber (2021),

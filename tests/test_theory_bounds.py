@@ -308,7 +308,7 @@ def test_uniform_golden_values():
       = 236.840 * ln(121.880) = 236.840 * 4.80303 = 1137.55 -> 1138 (x3 with constant=3: 3412.7 -> 3413).
 
     A constant changed by 2x, a dropped log, d instead of d+2, or a missing e^{R^2} transport
-    changes every one of these integers (checked by mutation, see the report of issue 10).
+    changes every one of these integers (checked by mutation: ``python -m tests.mutations``).
     """
     eps, delta, d, R = 0.3, 0.05, 8, 0.7
     assert U.CONSTANT_STATUS == {"rahimi-recht": "SOURCE-2nd", "sutherland-schneider": "RECALLED",
