@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 import kernelapprox as ka
-from studies._framework import (
+from studies._engine import (
     Context,
     Study,
     df_to_markdown,

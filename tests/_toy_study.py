@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from studies._framework import Context, Study
+from studies._engine import Context, Study
 
 N_CELLS = 5
 FAIL_SEED = 13

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import studies._framework as fw
-from studies._framework import Context, main
+from studies._engine import Context, get_study, main, run_study
+from studies._engine import cache as cache_mod
+from studies._engine import provenance as pv
 
 
 def _exit(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -31,7 +32,7 @@ def test_replot_without_results_creates_nothing(capsys, tmp_path: Path) -> None:
     assert not (tmp_path / "r").exists()
     # the library function says the same, also before creating the folder
     with pytest.raises(FileNotFoundError, match="run the study first"):
-        fw.run_study(fw.get_study("dlogd"), out=tmp_path / "r2", replot=True, progress=False)
+        run_study(get_study("dlogd"), out=tmp_path / "r2", replot=True, progress=False)
     assert not (tmp_path / "r2").exists()
 
 
@@ -63,46 +64,50 @@ def test_version(capsys) -> None:
 
 
 def test_cell_cache_is_keyed_on_the_code(monkeypatch) -> None:
-    study = fw.get_study("dlogd")
+    study = get_study("dlogd")
     ctx = Context(study="dlogd")
     cell = {"d": 4}
-    key = fw._cell_key(study, cell, ctx)
-    assert key == fw._cell_key(study, cell, ctx)
-    monkeypatch.setattr(fw, "code_hash", lambda: "0" * 16)  # any change of the code
-    assert fw._cell_key(study, cell, ctx) != key
+    key = cache_mod.cell_key(study, cell, ctx)
+    assert key == cache_mod.cell_key(study, cell, ctx)
+    monkeypatch.setattr(pv, "code_hash", lambda: "0" * 16)  # any change of the code
+    assert cache_mod.cell_key(study, cell, ctx) != key
 
 
 def test_code_hash_covers_library_and_studies(tmp_path: Path, monkeypatch) -> None:
     """Editing a study file changes the hash (a copy of the studies folder, edited)."""
     import shutil
 
-    fw.code_hash.cache_clear()
-    before = fw.code_hash()
+    pv.code_hash.cache_clear()
+    before = pv.code_hash()
     copy = tmp_path / "repo"
-    shutil.copytree(fw.REPO_ROOT / "studies", copy / "studies")
-    monkeypatch.setattr(fw, "REPO_ROOT", copy)
-    fw.code_hash.cache_clear()
-    assert fw.code_hash() == before  # same files, same hash
+    shutil.copytree(pv.REPO_ROOT / "studies", copy / "studies")
+    monkeypatch.setattr(pv, "REPO_ROOT", copy)
+    pv.code_hash.cache_clear()
+    assert pv.code_hash() == before  # same files, same hash
     (copy / "studies" / "dlogd.py").write_text((copy / "studies" / "dlogd.py").read_text() + "\n# edit\n")
-    fw.code_hash.cache_clear()
-    assert fw.code_hash() != before
+    pv.code_hash.cache_clear()
+    assert pv.code_hash() != before
     monkeypatch.undo()
-    fw.code_hash.cache_clear()
+    pv.code_hash.cache_clear()
 
 
 def test_recorded_command_has_every_flag(tmp_path: Path) -> None:
     ctx = Context(device=torch.device("cpu"), seed=3, quick=True, out=tmp_path / "rep" / "dlogd",
                   dtype=torch.float32, study="dlogd")
-    cmd = fw.command_line(ctx, use_cache=False)
-    assert cmd == (f"python -m studies run dlogd --quick --seed 3 --dtype float32 --out {(tmp_path / 'rep').as_posix()}"
-                   " --no-cache")
+    cmd = pv.command_line(ctx, use_cache=False)
+    # a temporary folder outside the working folder is no --out a user can rerun into: left out
+    assert cmd == "python -m studies run dlogd --quick --seed 3 --dtype float32 --no-cache"
+    rel = Context(out=Path("my-reports") / "dlogd", study="dlogd")
+    assert pv.command_line(rel) == "python -m studies run dlogd --out my-reports"
+    inside = Context(out=Path.cwd() / "my-reports" / "dlogd", study="dlogd")
+    assert pv.command_line(inside) == "python -m studies run dlogd --out my-reports"
     default = Context(out=Path("reports") / "dlogd", study="dlogd")
-    assert fw.command_line(default) == "python -m studies run dlogd"
+    assert pv.command_line(default) == "python -m studies run dlogd"
     # where the cells ran is part of the recorded command (results are the same either way)
     jobs = Context(out=Path("reports") / "dlogd", study="dlogd", jobs=4)
-    assert fw.command_line(jobs) == "python -m studies run dlogd --jobs 4"
+    assert pv.command_line(jobs) == "python -m studies run dlogd --jobs 4"
     dask = Context(out=Path("reports") / "dlogd", study="dlogd", scheduler="tcp://10.0.0.1:8786")
-    assert fw.command_line(dask) == "python -m studies run dlogd --scheduler tcp://10.0.0.1:8786"
+    assert pv.command_line(dask) == "python -m studies run dlogd --scheduler tcp://10.0.0.1:8786"
 
 
 def test_scheduler_without_dask_names_the_cluster_extra(capsys, tmp_path: Path, monkeypatch) -> None:
@@ -125,16 +130,16 @@ def test_jobs_and_scheduler_usage_errors(capsys, tmp_path: Path) -> None:
                       capsys)
     assert code == 2 and "give one of them" in err
     assert not (tmp_path / "r").exists()
-    study = fw.get_study("dlogd")
+    study = get_study("dlogd")
     with pytest.raises(ValueError, match="jobs must be >= 1, got 0"):
-        fw.run_study(study, out=tmp_path / "r", jobs=0)
+        run_study(study, out=tmp_path / "r", jobs=0)
     with pytest.raises(TypeError, match="jobs must be an int, got 2.0"):
-        fw.run_study(study, out=tmp_path / "r", jobs=2.0)  # type: ignore[arg-type]
+        run_study(study, out=tmp_path / "r", jobs=2.0)  # type: ignore[arg-type]
     assert not (tmp_path / "r").exists()
 
 
 def test_study_dtypes_are_checked() -> None:
-    base = fw.get_study("dlogd")
+    base = get_study("dlogd")
     import dataclasses
 
     assert dataclasses.replace(base, dtypes={"search": "float32"}).dtypes == {"search": "float32"}

@@ -1,4 +1,4 @@
-"""Cells computed by an executor (issue 12, target 4): in this process, by ``--jobs N`` spawned
+"""Cells computed by an executor: in this process, by ``--jobs N`` spawned
 processes, or on a Dask cluster (``--scheduler``); the same ``results.csv`` byte for byte, a
 killed run resumes where it stopped, a failing cell is named, the executor is recorded.
 
@@ -18,8 +18,9 @@ from pathlib import Path
 import _toy_study as toy
 import pytest
 
-import studies._framework as fw
-from studies._framework import CellError, run_study
+from studies._engine import CellError, Study, run_study
+from studies._engine import executors as ex
+from studies._engine import provenance as pv
 
 REPO = Path(__file__).resolve().parent.parent
 CSV = Path(toy.STUDY.name) / "results.csv"
@@ -38,7 +39,7 @@ def sequential(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 def _run(out: Path, **kw) -> Path:
     # hash the files now, as the workers spawned by this run will: a run that started with other
     # files than its workers import refuses to cache their cells (an edit during the run)
-    fw.code_hash.cache_clear()
+    pv.code_hash.cache_clear()
     return run_study(toy.STUDY, out=out, progress=False, **kw)
 
 
@@ -47,18 +48,18 @@ def _prov(out: Path) -> dict:
 
 
 def test_study_ref_finds_the_module_a_worker_imports() -> None:
-    module, attr, file = fw.study_ref(toy.STUDY)
+    module, attr, file = ex.study_ref(toy.STUDY)
     assert (module, attr) == ("_toy_study", "STUDY") and Path(file) == Path(toy.__file__)
-    assert fw._load_study(module, attr, file) is toy.STUDY
+    assert ex._load_study(module, attr, file) is toy.STUDY
     # a module that is not on the worker's path is loaded from its file
-    loaded = fw._load_study("_toy_study_elsewhere", attr, file)
+    loaded = ex._load_study("_toy_study_elsewhere", attr, file)
     assert loaded.name == toy.STUDY.name
     sys.modules.pop("_toy_study_elsewhere")
     # a study built in a function is no module's attribute: a worker could not find it
-    local = fw.Study(name="local", description="", grid=toy.grid, run_cell=lambda c, x: [],
+    local = Study(name="local", description="", grid=toy.grid, run_cell=lambda c, x: [],
                      plot=toy.plot, summarize=toy.summarize)
     with pytest.raises(ValueError, match="not a module-level attribute"):
-        fw.study_ref(local)
+        ex.study_ref(local)
 
 
 def test_processes_give_the_same_bytes_and_record_the_executor(sequential: bytes, tmp_path: Path) -> None:
@@ -66,9 +67,10 @@ def test_processes_give_the_same_bytes_and_record_the_executor(sequential: bytes
     assert (tmp_path / CSV).read_bytes() == sequential
     prov = _prov(tmp_path)
     assert prov["executor"] == "processes(2)"
-    assert prov["command"].endswith(f"--out {tmp_path.as_posix()} --jobs 2")
+    # a temporary --out is no folder a user can rerun into: the command leaves it out
+    assert prov["command"] == f"python -m studies run {toy.STUDY.name} --jobs 2"
     # each of the 2 workers gets max(1, cores // 2) torch threads
-    assert prov["torch_threads"] == max(1, fw._cores() // 2)
+    assert prov["torch_threads"] == max(1, ex._cores() // 2)
     assert prov["dtypes"] == {"search": "float32", "evaluation": "float64"}
     summary = (tmp_path / toy.STUDY.name / "summary.md").read_text()
     assert "- executor: processes(2)" in summary
@@ -97,9 +99,9 @@ def test_a_killed_run_resumes_where_it_stopped(sequential: bytes, tmp_path: Path
     cache keys of this test."""
     log = tmp_path / "computed.txt"
     code = (f"import sys; sys.path[:0] = [{str(REPO / 'tests')!r}, {str(REPO)!r}]\n"
-            "import _toy_study as t\nimport studies._framework as fw\n"
-            "fw.code_hash = lambda: 'pinned'\n"
-            f"fw.run_study(t.STUDY, out={str(tmp_path)!r}, progress=False)\n")
+            "import _toy_study as t\nimport studies._engine.provenance as pv\nimport studies._engine as e\n"
+            "pv.code_hash = lambda: 'pinned'\n"
+            f"e.run_study(t.STUDY, out={str(tmp_path)!r}, progress=False)\n")
     env = {**os.environ, "TOY_EXIT_AT": "3", "TOY_LOG": str(log)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=300, check=False)
@@ -110,7 +112,7 @@ def test_a_killed_run_resumes_where_it_stopped(sequential: bytes, tmp_path: Path
     assert not (tmp_path / CSV).exists()
 
     log.unlink()
-    monkeypatch.setattr(fw, "code_hash", lambda: "pinned")
+    monkeypatch.setattr(pv, "code_hash", lambda: "pinned")
     monkeypatch.setenv("TOY_LOG", str(log))
     run_study(toy.STUDY, out=tmp_path, progress=False)
     assert log.read_text().split() == ["3", "4"]
