@@ -248,24 +248,28 @@ def get_study(name: str) -> Study:
     raise KeyError(f"unknown study {name!r}{suggest(name, list(studies))}; known: {sorted(studies)}")
 
 
+_IMPORTED_FILES: dict[str, Any] = {}
+
+
 def import_user_modules(modules: Sequence[str]) -> None:
     """Import each of ``modules`` (by module name, or a ``.py`` file path): a user's module that
     registers estimators with ``ka.register_estimator`` before a study selects them."""
-    import sys
-
     for name in modules:
-        if name in sys.modules:
-            continue
         path = Path(name)
-        if name.endswith(".py") and path.exists():
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot import {name!r}")
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-        else:
-            importlib.import_module(name)
+        if not name.endswith(".py"):
+            importlib.import_module(name)  # once: Python caches it in sys.modules
+            continue
+        if not path.is_file():
+            raise FileNotFoundError(f"--import {name}: no such file")
+        where = str(path.resolve())
+        if where in _IMPORTED_FILES:
+            continue
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import {name!r}")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _IMPORTED_FILES[where] = mod
 
 
 def clean_row(r: dict) -> dict:
