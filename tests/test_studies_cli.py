@@ -148,3 +148,181 @@ def test_study_dtypes_are_checked() -> None:
     with pytest.raises(TypeError, match="dtypes must be a dict"):
         dataclasses.replace(base, dtypes=["float32"])  # type: ignore[arg-type]
     hash(dataclasses.replace(base, dtypes={"search": "float32"}))  # still hashable
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors a user meets: typos, run's own usage, Ctrl-C, a read-only folder
+# ---------------------------------------------------------------------------------------------
+def test_a_typo_gets_close_names_and_runs_own_usage(capsys, tmp_path: Path) -> None:
+    code, err = _exit(["run", "dlogdd", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "did you mean 'dlogd'" in err
+    assert err.startswith("usage: python -m studies run ")  # run's usage, not the top-level one
+    code, err = _exit(["run", "erorr-vs-r", "--out", str(tmp_path)], capsys)
+    assert "did you mean 'error-vs-r'" in err
+    code, err = _exit(["run", "dlogd", "--jobs", "0", "--out", str(tmp_path)], capsys)
+    assert code == 2 and err.startswith("usage: python -m studies run ")
+    assert not any(tmp_path.iterdir())
+
+
+def _toy_cli(monkeypatch, study) -> None:
+    """Let ``main`` find ``study`` by name (the toy study is no module of ``studies/``)."""
+    import sys
+
+    mod = sys.modules[main.__module__]
+    monkeypatch.setattr(mod, "load_studies", lambda strict=False: {study.name: study})
+    monkeypatch.setattr(mod, "get_study", lambda name: study)
+
+
+def test_ctrl_c_is_one_line_and_exit_130(capsys, tmp_path: Path, monkeypatch) -> None:
+    import dataclasses
+
+    import _toy_study as toy
+
+    def run_cell(cell: dict, ctx: Context) -> list[dict]:
+        if cell["i"] == 2:
+            raise KeyboardInterrupt  # Ctrl-C while the third cell computes
+        return toy.run_cell(cell, ctx)
+
+    study = dataclasses.replace(toy.STUDY, run_cell=run_cell)
+    _toy_cli(monkeypatch, study)
+    code = main(["run", study.name, "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert err == f"python -m studies: [{study.name}] interrupted; 2 of 5 cells cached; rerun to resume\n"
+    assert len(list((tmp_path / study.name / ".cache").glob("*.json"))) == 2
+    assert not (tmp_path / study.name / "results.csv").exists()
+
+
+def test_a_read_only_report_folder_is_one_line_before_any_work(capsys, tmp_path: Path, monkeypatch) -> None:
+    import _toy_study as toy
+    from test_studies_executor import readonly as _ro  # noqa: F401  (the fixture's helper below)
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    log = tmp_path / "computed.txt"
+    monkeypatch.setenv("TOY_LOG", str(log))
+    _toy_cli(monkeypatch, toy.STUDY)
+    if not _make_readonly(ro):
+        pytest.skip("cannot make a folder read-only here")
+    try:
+        code, err = _exit(["run", toy.STUDY.name, "--out", str(ro), "--no-progress"], capsys)
+    finally:
+        _make_readonly(ro, undo=True)
+    assert code == 2 and err.count("\n") == 1 and "cannot write in the report folder" in err
+    assert not log.exists()
+
+
+def _make_readonly(folder: Path, undo: bool = False) -> bool:
+    import os
+    import subprocess
+
+    if os.geteuid() == 0:
+        return subprocess.run(["chattr", "-i" if undo else "+i", str(folder)], capture_output=True,
+                              check=False).returncode == 0
+    folder.chmod(0o755 if undo else 0o555)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# A user's estimator through a study
+# ---------------------------------------------------------------------------------------------
+USER_MODULE = '''"""A user's estimator."""
+import kernelapprox as ka
+
+
+class MyRF(ka.PositiveRF):
+    """Positive random features under another name."""
+
+
+ka.register_estimator(MyRF, name="my-rf", label="my RF")
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path: Path):
+    import kernelapprox as ka
+
+    path = tmp_path / "my_estimators.py"
+    path.write_text(USER_MODULE)
+    yield path
+    if "my-rf" in {e.name for e in ka.estimators()}:
+        ka.unregister_estimator("my-rf")
+
+
+def test_the_cache_key_hashes_a_users_estimator(user_module: Path) -> None:
+    from studies._engine.model import import_user_modules
+
+    import_user_modules([str(user_module)])
+    study = get_study("error-vs-r")
+    ctx = Context(study=study.name)
+    cell = {"estimator": "my-rf-gaussian", "d": 16}
+    key = cache_mod.cell_key(study, cell, ctx)
+    assert cache_mod.cell_key(study, cell, ctx) == key
+    user_module.write_text(USER_MODULE.replace('"""Positive', '"""Edited: positive'))
+    assert cache_mod.cell_key(study, cell, ctx) != key  # an edit of the user's code: recompute
+    # a library estimator's key depends on the library's code only
+    lib = {"estimator": "positive-gaussian", "d": 16}
+    assert cache_mod.cell_key(study, lib, ctx) == cache_mod.cell_key(study, lib, ctx)
+
+
+def test_run_a_study_on_a_users_estimator(capsys, tmp_path: Path, user_module: Path, monkeypatch) -> None:
+    import json
+
+    import pandas as pd
+
+    from studies import error_vs_r
+
+    # a small grid (the study's own full grid, restricted to the user's estimator, at d = 8)
+    monkeypatch.setattr(error_vs_r, "DIMS", [8])
+    monkeypatch.setattr(error_vs_r, "R_GRID", [8, 16, 32])
+    monkeypatch.setattr(error_vs_r, "REGIMES", ["attention", "sphere-1"])
+    out = tmp_path / "mine"
+    argv = ["run", "error-vs-r", "--import", str(user_module), "--estimators", "my-rf-gaussian", "--out",
+            str(out), "--no-progress"]
+    assert main(argv) == 0
+    df = pd.read_csv(out / "error-vs-r" / "results.csv")
+    assert set(df["family"]) == {"my-rf"} and set(df["d"]) == {8}
+    prov = json.loads((out / "error-vs-r" / "provenance.json").read_text())
+    assert "--estimators my-rf-gaussian" in prov["command"] and "--import" in prov["command"]
+    assert prov["estimators"] == ["my-rf-gaussian"]
+    assert prov["n_cells"] == 1
+    n = prov["n_cells"]
+    assert main(argv) == 0  # resumed from the cache
+    assert json.loads((out / "error-vs-r" / "provenance.json").read_text())["n_cells_from_cache"] == n
+    user_module.write_text(USER_MODULE + "\n# edited\n")
+    assert main(argv) == 0  # the user's code changed: every cell computed again
+    assert json.loads((out / "error-vs-r" / "provenance.json").read_text())["n_cells_from_cache"] == 0
+
+
+def test_estimators_needs_an_estimator_axis(capsys, tmp_path: Path) -> None:
+    code, err = _exit(["run", "qr-sign-bias", "--estimators", "positive", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "has no estimator axis" in err
+    code, err = _exit(["run", "error-vs-r", "--quick", "--estimators", "no-such", "--out", str(tmp_path)],
+                      capsys)
+    assert code == 2 and "no cell of study 'error-vs-r' uses" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_dirty_means_the_code_differs_from_the_commit(tmp_path: Path, monkeypatch) -> None:
+    import subprocess
+
+    repo = tmp_path / "clone"
+    for sub in ("kernelapprox", "studies", "reports"):
+        (repo / sub).mkdir(parents=True)
+        (repo / sub / "x.py").write_text("x = 1\n")
+    (repo / "pyproject.toml").write_text("[project]\n")
+
+    def git(*a: str) -> None:
+        subprocess.run(["git", "-c", "user.email=a@b", "-c", "user.name=a", *a], cwd=repo, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "c")
+    monkeypatch.setattr(pv, "REPO_ROOT", repo.resolve())
+    clean = pv.git_commit()
+    assert len(clean) == 40
+    (repo / "reports" / "x.py").write_text("x = 2\n")  # a regenerated report: not the code
+    assert pv.git_commit() == clean
+    (repo / "studies" / "x.py").write_text("x = 2\n")
+    assert pv.git_commit() == clean + "+dirty"

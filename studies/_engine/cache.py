@@ -28,7 +28,7 @@ class CacheWarning(UserWarning):
 
 def _source(obj: Any) -> str:
     """The text of the file defining ``obj`` (its whole module: helpers it calls count), else
-    the object's own source, else its repr."""
+    the object's own source, else its qualified name."""
     try:
         file = inspect.getsourcefile(obj)
         if file and Path(file).is_file():
@@ -38,35 +38,42 @@ def _source(obj: Any) -> str:
     try:
         return inspect.getsource(obj)
     except (OSError, TypeError):
-        return repr(obj)
+        return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
-def _outside(obj: Any) -> bool:
-    """Whether ``obj`` is defined outside the code :func:`code_hash` already covers."""
-    mod = getattr(obj, "__module__", None) or ""
-    return mod.split(".")[0] not in ("kernelapprox", "studies")
+def _users(obj: Any) -> bool:
+    """Whether ``obj`` is a user's code: it names a module outside the code :func:`code_hash`
+    already covers (``kernelapprox``, ``studies``)."""
+    mod = getattr(obj, "__module__", None)
+    return isinstance(mod, str) and mod.split(".")[0] not in ("kernelapprox", "studies")
 
 
 def estimator_fingerprint(est: Any) -> str | None:
-    """SHA-256 (16 hex digits) of a registered estimator defined outside ``kernelapprox``: the
-    source of every class of its feature map's MRO defined outside the library, of its
-    ``feature_dim`` rule and of its closed forms, and its registration arguments (name, label,
-    params, feature-dimension rule); ``None`` for the library's own estimators (covered by the
-    code hash)."""
-    classes = [c for c in getattr(est.cls, "__mro__", (est.cls,)) if c is not object and _outside(c)]
-    extra = [f for f in (getattr(est, "_feature_dim", None),) if f is not None and _outside(f)]
+    """SHA-256 (16 hex digits) of a registered estimator defined outside ``kernelapprox``.
+
+    It hashes the source of the user's classes of the feature map (those of its MRO before the
+    first ``kernelapprox`` class), of a user's ``feature_dim`` rule and closed forms, and the
+    registration arguments (name, label, params, feature-dimension rule, theory). ``None`` for
+    the library's own estimators, which the code hash covers.
+    """
+    classes = []
+    for c in getattr(est.cls, "__mro__", (est.cls,)):
+        if not _users(c):
+            break
+        classes.append(c)
+    extra = [f for f in (getattr(est, "_feature_dim", None),) if f is not None and _users(f)]
     theory = getattr(est, "_theory", None)
     if theory is not None and not isinstance(theory, str):
-        extra += [v for v in vars(theory).values() if callable(v) and _outside(v)] if hasattr(
-            theory, "__dict__") else []
-        if _outside(type(theory)):
+        fields = getattr(theory, "__dict__", None) or {}
+        extra += [v for v in fields.values() if callable(v) and _users(v)]
+        if _users(type(theory)):
             extra.append(type(theory))
     if not classes and not extra:
         return None
     h = hashlib.sha256()
     args = {"name": est.name, "label": est.label, "params": dict(est.params),
             "feature_dim": est.feature_dim_rule, "theory": theory if isinstance(theory, str) else None}
-    h.update(json.dumps(args, sort_keys=True, default=repr).encode())
+    h.update(json.dumps(args, sort_keys=True, default=str).encode())
     for obj in [*classes, *extra]:
         h.update(f"\n{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}\n".encode())
         h.update(_source(obj).encode())

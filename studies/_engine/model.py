@@ -7,6 +7,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -268,6 +269,8 @@ def import_user_modules(modules: Sequence[str]) -> None:
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot import {name!r}")
         mod = importlib.util.module_from_spec(spec)
+        if sys.modules.get(path.stem) in (None, *_IMPORTED_FILES.values()):
+            sys.modules[path.stem] = mod  # where inspect (and pickle) find its classes
         spec.loader.exec_module(mod)
         _IMPORTED_FILES[where] = mod
 
