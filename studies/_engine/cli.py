@@ -11,7 +11,14 @@ from pathlib import Path
 import torch
 
 from studies._engine.executors import CLUSTER_INSTALL
-from studies._engine.model import get_study, import_user_modules, load_studies, restrict_estimators, suggest
+from studies._engine.model import (
+    Study,
+    get_study,
+    import_user_modules,
+    load_studies,
+    restrict_estimators,
+    suggest,
+)
 from studies._engine.provenance import git_commit, package_version
 from studies._engine.report import ReportFolderError, check_writable, is_incomplete
 from studies._engine.runner import StudyInterrupted, run_study
@@ -98,12 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "list":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            studies = load_studies(strict=False)
+            found = load_studies(strict=False)
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
-        width = max((len(n) for n in studies), default=0)
-        for n, s in studies.items():
-            print(f"{n:<{width}}  {s.description}")
+        width = max((len(n) for n in found), default=0)
+        for n, st in found.items():
+            print(f"{n:<{width}}  {st.description}")
         return 0
 
     if args.jobs < 1:
@@ -128,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run.error(f"--import: cannot import {', '.join(args.imports)}: {e!r}")
     known = load_studies(strict=False)
     if args.names == ["all"]:
-        studies = []
+        studies: list[Study] = []
         for s in known.values():
             if s.missing():
                 print(f"[{s.name}] skipped: needs {', '.join(s.missing())} ({s.install})", file=sys.stderr)
@@ -146,11 +153,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.estimators is not None:
         if args.replot:
             run.error("--estimators restricts the cells to compute; --replot computes none")
+        kept = []
         for s in studies:
             try:
                 restrict_estimators(s, s.grid(args.quick), args.estimators)
             except ValueError as e:
-                run.error(str(e))
+                if args.names != ["all"]:
+                    run.error(str(e))
+                print(f"[{s.name}] skipped: {e}", file=sys.stderr)  # run all: the studies that have them
+            else:
+                kept.append(s)
+        studies = kept
     if args.replot:
         absent = [s.name for s in studies if not (Path(args.out) / s.name / "results.csv").exists()]
         if absent:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 #: rcParams applied around every save (and set by :func:`set_style`): fixed SVG ids.
-STABLE_RC = {"svg.hashsalt": "kernelapprox-studies"}
+STABLE_RC: dict[str, Any] = {"svg.hashsalt": "kernelapprox-studies"}
 #: ``metadata`` of ``savefig`` per format: no creation date.
 STABLE_METADATA = {"svg": {"Date": None}, "pdf": {"CreationDate": None, "ModDate": None}, "png": {}}
 
@@ -28,7 +28,7 @@ def save_figure(fig: Any, outdir: Path | str, stem: str) -> list[Path]:
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     paths = [outdir / f"{stem}.png", outdir / f"{stem}.svg"]
-    with matplotlib.rc_context(STABLE_RC):
+    with matplotlib.rc_context(STABLE_RC):  # type: ignore[arg-type]
         fig.savefig(paths[0], dpi=150, bbox_inches="tight", metadata=STABLE_METADATA["png"])
         fig.savefig(paths[1], bbox_inches="tight", metadata=STABLE_METADATA["svg"])
     plt.close(fig)
@@ -43,4 +43,4 @@ def set_style() -> None:
     import seaborn as sns
 
     sns.set_theme(context="notebook", style="whitegrid", font_scale=0.9)
-    matplotlib.rcParams.update(STABLE_RC)
+    matplotlib.rcParams.update(STABLE_RC)  # type: ignore[arg-type]

@@ -100,8 +100,8 @@ def fmt(x: Any, digits: int = 3) -> str:
         return str(int(x))
     if isinstance(x, (float, np.floating)):
         if not math.isfinite(float(x)):
-            return "–" if math.isnan(float(x)) else ("∞" if x > 0 else "-∞")
-        if float(x).is_integer() and abs(x) < 1e7:
+            return "–" if math.isnan(float(x)) else ("∞" if float(x) > 0 else "-∞")
+        if float(x).is_integer() and abs(float(x)) < 1e7:
             return str(int(x))
         return f"{float(x):.{digits}g}"
     return str(x)
