@@ -2,7 +2,7 @@
 
 Run ``python -m studies list`` to see them and ``python -m studies run NAME|all`` to reproduce
 the reports in ``reports/``.  Each study is a module defining ``STUDY = Study(...)`` (see
-``studies._framework``); the modules are imported lazily by the runner, in this order.
+``studies._engine``); the modules are imported lazily by the runner, in this order.
 """
 
 STUDY_MODULES: tuple[str, ...] = (

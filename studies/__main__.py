@@ -2,7 +2,7 @@
 
 import sys
 
-from studies._framework import main
+from studies._engine import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -69,7 +69,7 @@ import pandas as pd
 import torch
 
 import kernelapprox.montecarlo as mc
-from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure
+from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure
 from studies.estimators import EstimatorSpec, get, select
 
 D = 64

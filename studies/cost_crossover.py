@@ -54,7 +54,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from studies._framework import REPO_ROOT, Context, Study, df_to_markdown, fmt, row, save_figure
+from studies._engine import REPO_ROOT, Context, Study, df_to_markdown, fmt, row, save_figure
 
 D = 64
 HEADS = 4

@@ -35,7 +35,7 @@ import torch
 
 import kernelapprox as ka
 from kernelapprox.diagnose import WARN_RELATIVE_MSE, quick_relative_mse
-from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure, set_style, sphere_points
+from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure, set_style, sphere_points
 
 D, D_QUICK = 64, 16
 N_TOKENS = 256

@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from studies._framework import (
+from studies._engine import (
     Context,
     Study,
     ball_points,

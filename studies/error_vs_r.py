@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 import kernelapprox as ka
-from studies._framework import (
+from studies._engine import (
     Context,
     Study,
     df_to_markdown,
@@ -227,6 +227,8 @@ def _facet_lines(df: pd.DataFrame, hue: str, style: str | None, title: str, ylab
 
     regimes = [r for r in REGIMES if r in set(df["regime"])]
     dims = sorted(df["d"].unique())
+    if not regimes or not dims:  # a grid restricted to other estimators: no facet to draw
+        return []
     hues = list(dict.fromkeys(df[hue]))
     palette = dict(zip(hues, sns.color_palette("tab10", len(hues)), strict=False))
     fig, axes = plt.subplots(len(regimes), len(dims), figsize=(3.6 * len(dims), 2.9 * len(regimes)),

@@ -69,7 +69,7 @@ queries and keys, ``fit_steps`` Adam steps, lr 1e-2, in float32), once per (regi
 evaluated on every draw in the run's dtype; the distillation loss before and after is recorded (``fit_loss_first``/``fit_loss_last``).
 Both go through :meth:`studies.estimators.EstimatorSpec.ready`.
 
-Metrics (one value per draw; mean and 95% t-interval over draws via :func:`studies._framework.row`):
+Metrics (one value per draw; mean and 95% t-interval over draws via :func:`studies._engine.row`):
 
 * ``attn_rel_err``: ``‖Ô − O‖_F / ‖O‖_F`` with ``Ô = ka.linear_attention(q, k, v, fm)`` and
   ``O = ka.softmax_attention(q, k, v)``;
@@ -108,7 +108,7 @@ import torch
 
 import kernelapprox as ka
 import kernelapprox.montecarlo as mc
-from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
+from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
 from studies.estimators import SAMPLERS, EstimatorSpec, get, select
 
 D = 64

@@ -34,7 +34,7 @@ import pandas as pd
 import torch
 
 import kernelapprox.montecarlo as mc
-from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
+from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
 from studies.estimators import SAMPLER_LABEL, get
 
 FAMILIES = ["positive", "trig-sincos"]

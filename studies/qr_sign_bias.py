@@ -36,7 +36,7 @@ import torch
 from scipy import stats
 
 import kernelapprox.montecarlo as mc
-from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure
+from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure
 
 VARIANTS: dict[str, str] = {
     "corrected": "sign-corrected QR (library)",

@@ -52,7 +52,7 @@ import pandas as pd
 import torch
 
 import kernelapprox as ka
-from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
+from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
 
 R_GRID, R_GRID_QUICK = (16, 32, 64, 128, 256, 512, 1024), (16, 64)
 R_LEARNED, R_LEARNED_QUICK = (16, 32, 64, 128, 256), (16,)

@@ -35,7 +35,7 @@ import pandas as pd
 import torch
 
 import kernelapprox as ka
-from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
+from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
 from studies.estimators import get
 
 PAPER = "Choromanski et al. 2021 (Performer), attention-output MSE figure"
@@ -150,7 +150,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
 
 def summarize(df: pd.DataFrame, ctx: Context) -> str:
     """Table of MSE per (scale, estimator, m); orderings and slopes; verdict."""
-    from studies._framework import loglog_slope
+    from studies._engine import loglog_slope
 
     sub = _frame(df)
     t = sub.copy()

@@ -42,7 +42,7 @@ import torch
 
 import kernelapprox as ka
 import kernelapprox.montecarlo as mc
-from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
+from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
 from studies.estimators import get
 
 PAPER = "Sutherland & Schneider 2015"
@@ -478,7 +478,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         lines += [f"Sup error over ‖Δ‖ ≤ {2 * RADIUS:g} (Gaussian kernel units), measured by: "
                   f"{how}:", "", df_to_markdown(tab.sort_values(["d", "sampler", "D"])), ""]
         gi = t[(t["sampler"] == "gaussian") & np.isfinite(t["ss_bound"])]
-        from studies._framework import loglog_slope
+        from studies._engine import loglog_slope
 
         slopes = {int(d): loglog_slope(g["D"], g["quantile"])[0]
                   for d, g in t[t["sampler"] == "gaussian"].groupby("d")}

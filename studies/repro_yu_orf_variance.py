@@ -31,7 +31,7 @@ import torch
 
 import kernelapprox as ka
 import kernelapprox.montecarlo as mc
-from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
+from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
 from studies.estimators import get
 
 DIMS = [2, 4, 8, 16, 32]

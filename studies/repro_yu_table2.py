@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
+from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
 
 PAPER = "Yu et al. 2016, Table 2 / Fig. 3"
 DATASETS = ["digits", "breast_cancer"]

@@ -53,7 +53,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from studies._framework import Context, Study, df_to_markdown, fmt, row, save_figure
+from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure
 
 D = 64
 BETA = 8.0  # the main grid's key scale; the sweep uses BETAS

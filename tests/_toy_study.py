@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from studies._framework import Context, Study
+from studies._engine import Context, Study
 
 N_CELLS = 5
 FAIL_SEED = 13
@@ -56,6 +56,22 @@ def plot(df, folder: Path) -> list[Path]:
     return []
 
 
+def plot_figure(df, folder: Path) -> list[Path]:
+    """One figure of the rows (the harness's byte-stable save)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from studies._engine import save_figure
+
+    fig, ax = plt.subplots(figsize=(3, 2))
+    m = df[df["metric"] == "mean_x"]
+    ax.errorbar(m["i"], m["mean"], yerr=[m["mean"] - m["ci_low"], m["ci_high"] - m["mean"]], fmt="o")
+    ax.set_title("toy")
+    return save_figure(fig, folder, "toy")
+
+
 def summarize(df, ctx: Context) -> str:
     return f"## Key results\n\n{len(df)} rows.\n\n## Finding\n\n- {len(df)} rows.\n"
 
@@ -69,3 +85,6 @@ STUDY = Study(
     summarize=summarize,
     dtypes={"search": "float32", "evaluation": "float64"},
 )
+#: The same cells, with a figure.
+FIGURE_STUDY = Study(name="toy-figure", description="toy study with a figure", grid=grid, run_cell=run_cell,
+                     plot=plot_figure, summarize=summarize)

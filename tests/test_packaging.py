@@ -1,7 +1,8 @@
 """Packaging: the wheel holds the library and its metadata, nothing else, and installs cleanly.
 
-The wheel is built once per module (``pip wheel . --no-deps --no-build-isolation``, ~5 s: the
-installed setuptools, no download) and installed with ``--no-deps`` into a new virtual
+The wheel is built once per module (``pip wheel --no-deps --no-build-isolation``, ~5 s: the
+installed setuptools, no download) from a temporary copy of the build inputs, so that nothing is
+left in the working tree, and installed with ``--no-deps`` into a new virtual
 environment without system site-packages, where only import *resolution* is checked (importing
 kernelapprox would need torch, which that clean environment does not have).
 """
@@ -20,15 +21,50 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+#: What the build reads: the package, its metadata and the files pyproject.toml names.
+BUILD_INPUTS = ("pyproject.toml", "LICENSE", "README.md", "docs/pypi.md", "kernelapprox")
+
+
+def _tree(root: Path) -> set[str]:
+    return {p.name for p in root.iterdir()}
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel, built from a fresh copy of the build inputs: setuptools' ``build/`` and
+    ``*.egg-info`` stay in the copy (a ``build/lib`` in the working tree would ship modules
+    deleted since into every later wheel)."""
+    import shutil
+
+    src = tmp_path_factory.mktemp("src")
+    for name in BUILD_INPUTS:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif (REPO / name).exists():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
     out = tmp_path_factory.mktemp("wheel")
+    before = _tree(REPO)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
         check=True, capture_output=True, timeout=300,
     )
+    assert _tree(REPO) == before, sorted(_tree(REPO) ^ before)
     (whl,) = out.glob("kernelapprox-*.whl")
     return whl
+
+
+def test_the_build_leaves_the_working_tree_as_it_was(wheel: Path) -> None:
+    assert not (REPO / "build").exists()
+    assert not list(REPO.glob("*.egg-info")) and not list((REPO / "kernelapprox").glob("*.egg-info"))
+
+
+def test_a_deleted_module_does_not_ship(wheel: Path) -> None:
+    """Only the modules of the tree are in the wheel: nothing from an earlier build."""
+    names = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    tree = {p.relative_to(REPO).as_posix() for p in (REPO / "kernelapprox").rglob("*.py")
+            if "__pycache__" not in p.parts}
+    assert names == tree, sorted(names ^ tree)
 
 
 def test_wheel_contents(wheel: Path) -> None:

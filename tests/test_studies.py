@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
-from studies._framework import (
+from studies._engine import (
     ROW_KEYS,
     Context,
     df_to_markdown,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from studies import attention_error, cost_crossover, qr_sign_bias, state_capacity
-from studies._framework import ROW_KEYS, run_study
+from studies._engine import ROW_KEYS, run_study
 
 STUDIES = {
     "attention-error": attention_error.STUDY,

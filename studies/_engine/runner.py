@@ -1,0 +1,242 @@
+"""The runner: computes the cells of a study that are not cached (with one of the executors),
+merges their rows in grid order into ``results.csv``, draws the figures, writes the summary and
+the provenance, and publishes the report folder all at once."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from studies._engine import cache as _cache
+from studies._engine import executors as _exec
+from studies._engine import provenance as _prov
+from studies._engine import report as _report
+from studies._engine.model import ROW_KEYS, Context, Study, import_user_modules, restrict_estimators
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+
+class StudyInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: ``cached`` of the ``total`` cells are in the cache (a rerun resumes
+    from them); the report folder holds the previous run's report, unchanged."""
+
+    def __init__(self, study: str, cached: int, total: int) -> None:
+        super().__init__(f"[{study}] interrupted; {cached} of {total} cells cached; rerun to resume")
+        self.study, self.cached, self.total = study, cached, total
+
+
+class IncompleteReportError(RuntimeError):
+    """``--replot`` of a report marked incomplete (a run was killed while replacing its files)."""
+
+
+def _frame(rows: list[dict], cell_cols: list[str]) -> pd.DataFrame:
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    first = [c for c in cell_cols if c in df.columns and c not in ROW_KEYS]
+    ordered = first + [c for c in ROW_KEYS if c in df.columns]
+    ordered += [c for c in df.columns if c not in ordered]
+    return df[ordered]
+
+
+def _short(cell: dict) -> str:
+    s = ",".join(f"{k}={v}" for k, v in cell.items())
+    return s if len(s) < 60 else s[:57] + "..."
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def run_study(
+    study: Study,
+    *,
+    out: Path | str = "reports",
+    quick: bool = False,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    replot: bool = False,
+    use_cache: bool = True,
+    progress: bool = True,
+    jobs: int = 1,
+    scheduler: str | None = None,
+    imports: Sequence[str] = (),
+    estimators: Sequence[str] | None = None,
+) -> Path:
+    """Run (or, with ``replot``, redraw) ``study`` into ``<out>/<name>/``; return that folder.
+
+    Cells not in the cache are computed in this process (``jobs=1``, the default), by ``jobs``
+    spawned local processes, or by the Dask cluster whose scheduler is at ``scheduler``
+    (``"tcp://host:port"``). Every cell is cached as it completes (atomically), and the rows are
+    merged in grid order, so ``results.csv`` is the same file whatever the executor and however
+    often the run was interrupted. The outputs are staged and moved into the report folder only
+    when all of them are written (see :mod:`studies._engine.report`).
+
+    ``imports`` are modules imported first (a user's estimator registrations; worker processes
+    import them too); ``estimators`` restricts the grid to the cells of those estimators
+    (registered names or study keys, see :func:`~studies._engine.model.restrict_estimators`).
+
+    Raises
+    ------
+    ValueError
+        ``jobs`` below 1, or both ``jobs > 1`` and ``scheduler``; ``estimators`` for a study
+        without an estimator axis, or naming none of its grid.
+    ReportFolderError
+        The report folder cannot be written (checked before any cell is computed).
+    StudyInterrupted
+        Ctrl-C (a ``KeyboardInterrupt``): the message says how many cells are cached.
+    CellError
+        A cell failed; the message names it and the cause is the cell's exception. The cells
+        completed before stay cached.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    if isinstance(jobs, bool) or not isinstance(jobs, int):
+        raise TypeError(f"jobs must be an int, got {jobs!r}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if scheduler is not None and jobs > 1:
+        raise ValueError(f"give jobs (got {jobs}) or scheduler (got {scheduler!r}), not both")
+    folder = Path(out) / study.name
+    csv = folder / "results.csv"
+    prov_path = folder / "provenance.json"
+    if replot and not csv.exists():
+        raise FileNotFoundError(
+            f"--replot redraws from {csv}, which does not exist; run the study first "
+            f"(python -m studies run {study.name})"
+        )
+    if replot and _report.is_incomplete(folder):
+        raise IncompleteReportError(f"the report in {folder} is incomplete (a run was killed while replacing its "
+                                    f"files): run the study again (python -m studies run {study.name})")
+    import_user_modules(tuple(imports))
+    cells = None if replot else study.grid(quick)
+    if cells is not None and estimators is not None:
+        cells = restrict_estimators(study, cells, estimators)
+    _report.check_writable(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    _report.check_writable(folder)
+    ctx = Context(
+        device=torch.device(device), seed=seed, quick=quick, out=folder, dtype=dtype, study=study.name,
+        jobs=jobs, scheduler=scheduler, imports=tuple(imports),
+        estimators=None if estimators is None else tuple(estimators),
+    )
+
+    if replot:
+        df = pd.read_csv(csv)
+        prov = json.loads(prov_path.read_text()) if prov_path.exists() else {}
+        ctx.seed = int(prov.get("seed", seed))
+        ctx.quick = bool(prov.get("quick", quick))
+        ctx.device = torch.device(prov.get("device", str(ctx.device)))
+        prov["replotted_utc"] = _now()
+        stage = _report.staging_folder(folder)
+    else:
+        assert cells is not None
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        if scheduler is not None or jobs > 1:
+            # workers import the files as they are now: so does the key of the cells they compute
+            _prov.code_hash.cache_clear()
+        cache_dir = folder / ".cache"
+        cache_dir.mkdir(exist_ok=True)
+        keys = [_cache.cell_key(study, cell, ctx) for cell in cells]
+        recs: dict[str, dict] = {}
+        todo: list[tuple[str, dict]] = []
+        for key, cell in zip(keys, cells, strict=True):
+            path = cache_dir / f"{key}.json"
+            if key in recs:
+                continue
+            if use_cache and path.exists():
+                rec = _cache.read_record(path, key, cell)
+                if rec is not None:
+                    recs[key] = rec
+                    continue
+            if not any(k == key for k, _ in todo):
+                todo.append((key, cell))
+        n_cached = sum(1 for k in keys if k in recs)
+        bar = tqdm(total=len(cells), initial=n_cached, desc=study.name, unit="cell", disable=not progress,
+                   dynamic_ncols=True)
+
+        def done(key: str, rec: dict) -> None:
+            if rec.get("code_hash", _prov.code_hash()) != _prov.code_hash():
+                # a worker imported the files after an edit: its rows must not be cached under
+                # this run's key (which hashes the code as it was when the run started)
+                raise RuntimeError(
+                    f"[{study.name}] the code changed during the run: cell {rec['cell']} was computed by "
+                    f"code hash {rec['code_hash']}, the run started with {_prov.code_hash()}; run it again"
+                )
+            # the parent writes the cache (workers may not share this filesystem); every executor's
+            # record goes through the same JSON round trip, so the rows are the same objects
+            text = _cache.seal(rec, key)
+            _cache.write_atomic(cache_dir / f"{key}.json", text)
+            recs[key] = json.loads(text)
+            bar.set_postfix_str(_short(rec["cell"]), refresh=False)
+            bar.update(sum(1 for k in keys if k == key))
+
+        asked = f"dask({scheduler})" if scheduler else f"processes({jobs})" if jobs > 1 else "sequential"
+        try:
+            if not todo:
+                executor = asked if asked == "sequential" else f"{asked}: idle, every cell was cached"
+            elif not study.concurrent_cells or asked == "sequential":
+                executor = _exec._run_sequential(study, todo, ctx, done)
+                if asked != "sequential":
+                    executor += f" (not {asked}: the study's cells time themselves, one at a time)"
+            elif scheduler is not None:
+                executor = _exec._run_dask(study, todo, ctx, scheduler, done)
+            else:
+                executor = _exec._run_processes(study, todo, ctx, jobs, done)
+        except KeyboardInterrupt:
+            raise StudyInterrupted(study.name, sum(1 for k in keys if k in recs), len(cells)) from None
+        finally:
+            bar.close()
+        cpu_s = time.process_time() - c0
+        if "sequential" not in executor:  # add the workers' CPU time (this process only waited)
+            cpu_s += sum(float(recs[k].get("cpu_s", 0.0)) for k, _ in todo)
+        computed = {int(recs[k]["threads"]) for k, _ in todo if "threads" in recs[k]}
+        compute_s = sum(float(recs[k].get("seconds", 0.0)) for k in keys)
+        rows: list[dict] = []
+        for key, cell in zip(keys, cells, strict=True):  # grid order, whatever the completion order
+            for r in recs[key]["rows"]:
+                merged = {k: (json.dumps(v) if isinstance(v, (list, dict)) else v)
+                          for k, v in cell.items()}
+                merged.update(r)
+                rows.append(merged)
+        cell_cols = list(dict.fromkeys(k for c in cells for k in c))
+        df = _frame(rows, cell_cols)
+        stage = _report.staging_folder(folder)
+        (stage / "results.csv").write_text(df.to_csv(index=False))
+        df = pd.read_csv(stage / "results.csv")  # plot and summarise exactly what --replot will see
+        prov = _prov.provenance(ctx, time.perf_counter() - t0, compute_s, len(cells), n_cached,
+                                use_cache=use_cache, executor=executor, dtypes=study.dtypes)
+        if estimators is not None:
+            prov["estimators"] = list(estimators)
+        if imports:
+            prov["imports"] = list(imports)
+        if computed and computed != {prov["torch_threads"]}:
+            prov["torch_threads"] = sorted(computed)[0] if len(computed) == 1 else sorted(computed)
+        prov["cpu_s"] = round(cpu_s, 2)
+
+    try:
+        t_plot = time.perf_counter()
+        figures = study.plot(df, stage)
+        body = study.summarize(df, ctx)
+        prov["plot_summary_s"] = round(time.perf_counter() - t_plot, 2)
+        if not replot:
+            prov["wall_s"] = round(prov["wall_s"] + prov["plot_summary_s"], 2)
+        prov["figures"] = sorted(Path(p).name for p in figures)
+        (stage / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
+        (stage / "summary.md").write_text(_report.compose_summary(study, df, body, prov, cells))
+    except BaseException:
+        _report.discard(stage)  # the previous report stays as it was
+        raise
+    _report.publish(stage, folder)
+    _report.write_index(Path(out))
+    return folder
