@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .features import FeatureMap
+    from .maps.base import FeatureMap
     from .samplers import Sampler
 
 __all__ = [
@@ -287,7 +287,7 @@ def register_estimator(
         Bad ``name`` or ``feature_dim``, or ``name`` (or the same ``cls`` and ``params``) already
         registered without ``replace=True``.
     """
-    from .features import FeatureMap
+    from .maps.base import FeatureMap
 
     if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
         raise TypeError(f"cls must be a FeatureMap subclass, got {cls!r}")
@@ -362,7 +362,7 @@ def estimator_of(fm: object) -> Estimator:
         Its class (with its params) is not registered; a subclass of a registered map is a
         different estimator until registered itself.
     """
-    from .features import FeatureMap
+    from .maps.base import FeatureMap
 
     if not isinstance(fm, FeatureMap):
         raise TypeError(f"expected a kernelapprox FeatureMap, got {type(fm).__name__}")

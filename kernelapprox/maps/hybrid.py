@@ -31,10 +31,11 @@ from typing import Any, cast
 
 import torch
 
-from ._validation import check_floating, check_positive_int, inputs_validated
-from .features import RandomFeatureMap, _grad, _sqnorm_half
-from .registry import register_estimator
-from .samplers import Sampler
+from .._logdomain import _grad, _sqnorm_half
+from .._validation import check_floating, check_positive_int, inputs_validated
+from ..registry import register_estimator
+from ..samplers import Sampler
+from .base import RandomFeatureMap
 
 __all__ = ["HybridRF", "default_num_angular"]
 

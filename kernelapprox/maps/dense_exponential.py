@@ -58,9 +58,10 @@ import math
 
 import torch
 
-from ._validation import check_floating, check_last_dim
-from .features import LOG2E, RandomFeatureMap, _exp_shifted, _grad, _log2e_operands, _sqnorm_half
-from .registry import register_estimator
+from .._logdomain import LOG2E, _exp_shifted, _grad, _log2e_operands, _sqnorm_half
+from .._validation import check_floating, check_last_dim
+from ..registry import register_estimator
+from .base import RandomFeatureMap
 
 __all__ = ["OptimalPositiveRF", "SADERF", "SDERF", "optimal_A"]
 
@@ -175,7 +176,7 @@ class _DenseExponentialRF(RandomFeatureMap):
         cls, xc: torch.Tensor, W: torch.Tensor, a: torch.Tensor, row: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`_affine` times ``LOG2E`` (base-2 exponents for ``exp2``): the factor scales the smaller
-        of ``W`` and ``xc`` (as `kernelapprox.features._project2`), and the vectors ``a``, ``row``."""
+        of ``W`` and ``xc`` (as `kernelapprox._logdomain._project2`), and the vectors ``a``, ``row``."""
         W, xc = _log2e_operands(W, xc)
         return cls._affine(xc, W, a * LOG2E, None if row is None else row * LOG2E)
 

@@ -1,11 +1,13 @@
-r"""Deterministic feature maps for $e^{q^\top k}$: the second-order Taylor map of Based and
-the Nyström map on landmarks.
+r"""Deterministic feature maps for $e^{q^\top k}$: elu+1 and ReLU of linear attention, the
+second-order Taylor map of Based and the Nyström map on landmarks.
 
+- ``EluFeatures``: $\varphi(x)$: $\mathrm{elu}(x) + 1$; ``feature_dim``: $d$; exact for: —
+- ``ReluFeatures``: $\varphi(x)$: $\max(x, 0)$; ``feature_dim``: $d$; exact for: —
 - ``TaylorFeatures``: $\varphi(x)$: $[1,\ x,\ (x_ix_j)_{i<j},\ (x_i^2/\sqrt2)_i]$; ``feature_dim``: $1+d+d(d+1)/2$; exact for: —
 - ``NystromFeatures``: $\varphi(x)$: $G^{-1/2}\,[e^{l_i^\top x - \|l_i\|^2/2}]_{i=1}^m$; ``feature_dim``: $m$; exact for: keys = landmarks
 
-Neither is random: Taylor features are a fixed polynomial, Nyström features a fixed function of
-their landmarks (chosen from the data by `NystromFeatures.fit`). Both are biased
+None is random: elu+1 and ReLU are fixed pointwise functions, Taylor features are a fixed polynomial, Nyström features a fixed function of
+their landmarks (chosen from the data by `NystromFeatures.fit`). All are biased
 estimators of $e^{q^\top k}$; `kernelapprox.theory.deterministic_error` gives their
 error exactly.
 
@@ -20,6 +22,8 @@ References
 - [WS01] C. K. I. Williams, M. Seeger. "Using the Nyström Method to Speed Up Kernel Machines",
    NIPS 2001.
 - [AV07] D. Arthur, S. Vassilvitskii. "k-means++: The Advantages of Careful Seeding", SODA 2007.
+- [Kat20] A. Katharopoulos, A. Vyas, N. Pappas, F. Fleuret. "Transformers are RNNs", ICML 2020.
+- [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021, arXiv:2009.14794.
 """
 
 from __future__ import annotations
@@ -30,18 +34,19 @@ from typing import Any
 
 import torch
 
-from ._validation import (
+from .._logdomain import _op_into
+from .._validation import (
     as_batch_shape,
     broadcast_batch,
     check_floating,
     check_last_dim,
     check_positive_int,
 )
-from .features import FeatureMap, _DeterministicMap, _op_into
-from .registry import register_estimator
-from .samplers import make_generator
+from ..registry import register_estimator
+from ..samplers import make_generator
+from .base import FeatureMap, _DeterministicMap
 
-__all__ = ["TaylorFeatures", "NystromFeatures"]
+__all__ = ["EluFeatures", "ReluFeatures", "TaylorFeatures", "NystromFeatures"]
 
 
 # ---------------------------------------------------------------------------------------- Taylor
@@ -500,3 +505,50 @@ class NystromFeatures(FeatureMap):
 
 
 register_estimator(NystromFeatures, name="nystrom", label="Nyström", feature_dim="r")
+
+
+class EluFeatures(_DeterministicMap):
+    r"""The elu+1 map of linear attention [Kat20]_: $\varphi(x) = \mathrm{elu}(x) + 1$.
+
+    Deterministic (no projection; ``redraw`` is a no-op), positive, ``feature_dim = d``: maps
+    x (..., n, d) to (..., n, d). Computed
+    branch-wise as $x + 1$ for $x \ge 0$ and $e^{x}$ below, so it does not
+    round to 0 in bfloat16 for $x \le -8$ (flash-linear-attention issue #1261). As an
+    estimator of $\exp(q^\top k)$ it is biased; `kernelapprox.theory.deterministic_error`
+    gives the error.
+
+    Examples
+    --------
+    >>> EluFeatures(4)(torch.tensor([[-1.0, 0.0, 1.0, 2.0]]))
+    tensor([[0.3679, 1.0000, 2.0000, 3.0000]])
+    """
+
+    positive = True
+
+    def _phi(self, xc):
+        return torch.where(xc >= 0, xc + 1, torch.exp(torch.clamp(xc, max=0)))
+
+
+register_estimator(EluFeatures, name="elu", label="elu+1", feature_dim="d")
+
+
+class ReluFeatures(_DeterministicMap):
+    r"""The ReLU map $\varphi(x) = \max(x, 0)$ (Performer-ReLU, [Cho21]_ App. A.4).
+
+    Deterministic, non-negative, ``feature_dim = d``: maps x (..., n, d) to (..., n, d). Rows can
+    be all zero, so attention
+    denominators can vanish; `kernelapprox.linear_attention` guards them.
+
+    Examples
+    --------
+    >>> ReluFeatures(3)(torch.tensor([[-1.0, 0.5, 2.0]]))
+    tensor([[0.0000, 0.5000, 2.0000]])
+    """
+
+    positive = True
+
+    def _phi(self, xc):
+        return torch.relu(xc)
+
+
+register_estimator(ReluFeatures, name="relu", label="relu", feature_dim="d")
