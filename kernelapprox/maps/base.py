@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -51,7 +51,6 @@ from .._validation import (
     no_autocast,
     validation_skipped,
 )
-from ..registry import Estimator, _rule_for, estimator_of
 from ..samplers import (
     DenseProjection,
     GivenSampler,
@@ -61,7 +60,17 @@ from ..samplers import (
     make_generator,
 )
 
+if TYPE_CHECKING:  # pragma: no cover
+    from ..registry import Estimator
+
 __all__ = ["FeatureMap", "RandomFeatureMap"]
+
+_MISSING = object()
+
+
+def _params_match(fm: object, params: Any) -> bool:
+    """Whether ``fm``'s attributes equal the constructor ``params`` that select an estimator."""
+    return all(getattr(fm, k, _MISSING) == v for k, v in params.items())
 
 
 class FeatureMap(nn.Module):
@@ -102,6 +111,9 @@ class FeatureMap(nn.Module):
     #: an indefinite kernel) set it false and override `key_log_features`; every key-side
     #: computation of the library goes through `key_log_features` / `key_features`.
     symmetric: ClassVar[bool] = True
+    #: The estimators registered for exactly this class (one per selecting ``params``), kept
+    #: in the class's own ``__dict__`` by `kernelapprox.register_estimator`; empty until then.
+    registrations: ClassVar[tuple[Estimator, ...]] = ()
 
     dim: int
     num_features: int
@@ -117,19 +129,35 @@ class FeatureMap(nn.Module):
     # ------------------------------------------------------------------ identity
     @property
     def estimator(self) -> Estimator:
-        """The registered identity of this map (`kernelapprox.estimator_of`)."""
-        return estimator_of(self)
+        """The registered identity of this map (`kernelapprox.estimator_of`).
+
+        Read from `registrations` of the map's own class (exact class, params matching): a
+        subclass of a registered map is a different estimator until registered itself.
+        """
+        for est in type(self).__dict__.get("registrations", ()):
+            if _params_match(self, est.params):
+                return est
+        raise LookupError(
+            f"{type(self).__name__} is not a registered estimator (a subclass of a registered map is a "
+            "different estimator); register it once with ka.register_estimator("
+            f"{type(self).__name__}, name=...)"
+        )
 
     @property
     def feature_dim(self) -> int:
-        """Length ``F`` of $\\varphi(x)$: the registered rule of the estimator at ``(r, d)``."""
-        est = _rule_for(self)
-        if est is None:
-            raise NotImplementedError(
-                f"{type(self).__name__} is not registered: register it with "
-                "ka.register_estimator(..., feature_dim=...) or define a feature_dim property"
-            )
-        return est.feature_dim(self.num_features, self.dim)
+        """Length ``F`` of $\\varphi(x)$: the registered rule of the estimator at ``(r, d)``.
+
+        The rule of the map's own registration, else that of the nearest registered base class
+        with matching params (``feature_dim`` is structural, so it is inherited).
+        """
+        for klass in type(self).__mro__:
+            for est in klass.__dict__.get("registrations", ()):
+                if _params_match(self, est.params):
+                    return est.feature_dim(self.num_features, self.dim)
+        raise NotImplementedError(
+            f"{type(self).__name__} is not registered: register it with "
+            "ka.register_estimator(..., feature_dim=...) or define a feature_dim property"
+        )
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -551,51 +579,3 @@ class RandomFeatureMap(FeatureMap):
         if self.batch_shape:
             s += f", batch_shape={self.batch_shape}"
         return s
-
-
-class _DeterministicMap(FeatureMap):
-    """Deterministic maps: no projection, ``num_features = feature_dim = dim``.
-
-    The constructor takes the random maps' arguments (``num_features``, ``sampler``, ``seed``,
-    ``generator``, ``batch_shape``, ``device``, ``dtype``) so that generic code can build any map
-    the same way; they have no effect here (there is nothing to draw), and ``redraw`` is a no-op.
-    """
-
-    is_random = False
-
-    def __init__(
-        self,
-        dim: int,
-        num_features: int | None = None,
-        *,
-        sampler: object = None,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        batch_shape: tuple[int, ...] = (),
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.dim = check_positive_int("dim", dim)
-        if num_features is not None:
-            check_positive_int("num_features", num_features)
-        as_batch_shape(batch_shape)
-        self.num_features = self.dim
-        self.batch_shape = ()
-
-
-    def _phi(self, xc: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def forward(self, x):
-        xc, out_dtype = self._prepare("x", x)
-        return self._phi(xc).to(out_dtype)
-
-    def log_features(self, x, shared=False):
-        xc, _ = self._prepare("x", x)
-        f = self._phi(xc)
-        shape = (*f.shape[:-2], 1) if shared else f.shape[:-1]
-        return f, f.new_zeros(shape)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}"

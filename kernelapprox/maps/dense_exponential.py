@@ -58,7 +58,7 @@ import math
 
 import torch
 
-from .._logdomain import LOG2E, _exp_shifted, _grad, _log2e_operands, _sqnorm_half
+from .._logdomain import LOG2E, _exp_shifted, _grad, _log2e_operands, _mean_stats, _sqnorm_half
 from .._validation import check_floating, check_last_dim
 from ..registry import register_estimator
 from .base import RandomFeatureMap
@@ -125,18 +125,6 @@ def _finite(name: str, *stats: torch.Tensor) -> None:
     # instead of a pass over the inputs.
     if not all(bool(torch.isfinite(s).all()) for s in stats):
         raise ValueError(f"{name}.fit needs finite q and k (a non-finite statistic would poison every feature)")
-
-
-def _mean_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Means over rows of |q|^2 and |k|^2, and mean(q).mean(k), float64, shape (...) each.
-
-    Sums are accumulated in the inputs' precision (at least float32: a relative rounding of
-    ~1e-6 in the statistic, negligible in the fitted parameter) and finished in float64.
-    """
-    nq = torch.linalg.vector_norm(q, dim=(-2, -1)).double() ** 2 / q.shape[-2]  # one pass, no copy
-    nk = torch.linalg.vector_norm(k, dim=(-2, -1)).double() ** 2 / k.shape[-2]
-    cross = (q.mean(-2).double() * k.mean(-2).double()).sum(-1)
-    return nq, nk, cross
 
 
 def _t_bar(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from .._validation import (
 )
 from ..registry import register_estimator
 from ..samplers import make_generator
-from .base import FeatureMap, _DeterministicMap
+from .base import FeatureMap
 
 __all__ = ["EluFeatures", "ReluFeatures", "TaylorFeatures", "NystromFeatures"]
 
@@ -54,6 +54,54 @@ __all__ = ["EluFeatures", "ReluFeatures", "TaylorFeatures", "NystromFeatures"]
 
 def _taylor_dim(r: int, d: int) -> int:
     return 1 + d + d * (d + 1) // 2
+
+
+class _DeterministicMap(FeatureMap):
+    """Deterministic maps: no projection, ``num_features = feature_dim = dim``.
+
+    The constructor takes the random maps' arguments (``num_features``, ``sampler``, ``seed``,
+    ``generator``, ``batch_shape``, ``device``, ``dtype``) so that generic code can build any map
+    the same way; they have no effect here (there is nothing to draw), and ``redraw`` is a no-op.
+    """
+
+    is_random = False
+
+    def __init__(
+        self,
+        dim: int,
+        num_features: int | None = None,
+        *,
+        sampler: object = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        batch_shape: tuple[int, ...] = (),
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim = check_positive_int("dim", dim)
+        if num_features is not None:
+            check_positive_int("num_features", num_features)
+        as_batch_shape(batch_shape)
+        self.num_features = self.dim
+        self.batch_shape = ()
+
+
+    def _phi(self, xc: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x):
+        xc, out_dtype = self._prepare("x", x)
+        return self._phi(xc).to(out_dtype)
+
+    def log_features(self, x, shared=False):
+        xc, _ = self._prepare("x", x)
+        f = self._phi(xc)
+        shape = (*f.shape[:-2], 1) if shared else f.shape[:-1]
+        return f, f.new_zeros(shape)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
 
 
 class TaylorFeatures(_DeterministicMap):

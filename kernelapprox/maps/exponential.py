@@ -12,9 +12,17 @@ import math
 
 import torch
 
-from .._logdomain import LOG2E, _affine_rows, _exp_shifted, _grad, _op_into, _project2, _sqnorm_half
+from .._logdomain import (
+    LOG2E,
+    _affine_rows,
+    _dense_apply,
+    _exp_shifted,
+    _grad,
+    _op_into,
+    _project2,
+    _sqnorm_half,
+)
 from ..registry import register_estimator
-from ..samplers import _dense_apply
 from .base import RandomFeatureMap
 
 __all__ = ["PositiveRF", "HyperbolicRF"]
