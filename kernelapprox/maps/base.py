@@ -184,6 +184,7 @@ class FeatureMap(nn.Module):
 
         Examples
         --------
+        >>> from kernelapprox import PositiveRF
         >>> PositiveRF(4, 8, sampler="orthogonal", seed=0).get_params()["sampler"]
         OrthogonalSampler(norms='chi')
         """
@@ -385,6 +386,7 @@ class FeatureMap(nn.Module):
 
         Examples
         --------
+        >>> from kernelapprox import PositiveRF
         >>> fm = PositiveRF(dim=4, num_features=64, seed=0)
         >>> q, k = torch.randn(5, 4) / 2, torch.randn(7, 4) / 2
         >>> fm.kernel(q, k).shape
@@ -520,6 +522,7 @@ class RandomFeatureMap(FeatureMap):
 
         Examples
         --------
+        >>> from kernelapprox import PositiveRF
         >>> W = torch.randn(16, 4, dtype=torch.float64)
         >>> fm = PositiveRF.from_projection(W, sampler="gaussian")
         >>> fm.num_features, fm.weight.dtype
@@ -558,6 +561,7 @@ class RandomFeatureMap(FeatureMap):
 
         Examples
         --------
+        >>> from kernelapprox import PositiveRF
         >>> fm = PositiveRF(4, 8, seed=0)
         >>> W = fm.weight
         >>> _ = fm.redraw(seed=1)
