@@ -288,8 +288,13 @@ class NystromFeatures(FeatureMap):
     seeding on the keys, from a seed fixed at construction, so a fit is a deterministic function of
     the keys). Keys of shape ``(..., n, d)`` give landmarks of shape
     ``(*broadcast(k.shape[:-2], batch_shape), m, d)`` (per head and per batch element), and
-    ``batch_shape`` becomes those leading dimensions. A tensor ``landmarks`` is used as given,
-    and `fit` leaves it alone.
+    ``batch_shape`` becomes those leading dimensions; ``batch_shape`` in that rule is always the
+    one the map was built with, so a fitted map refits on batches of any size (a smaller last
+    batch). ``load_state_dict`` follows the same rule: fitted landmarks ``(*lead, m, d)`` load
+    into a map built the same way (``lead`` must broadcast its built ``batch_shape``, else the
+    usual size-mismatch error), which then has ``batch_shape = lead``. A tensor ``landmarks`` is
+    used as given, and `fit` leaves it alone. `fit` rejects non-finite ``q`` or ``k``
+    (``ValueError``).
 
     Before `fit` (choice). Every registered estimator can be built and called as is
     (``ka.get_estimator(name).build(d, r, seed=...)``, which the generic code and the studies
@@ -410,6 +415,8 @@ class NystromFeatures(FeatureMap):
         self.register_buffer("landmarks_", L)
         # a buffer, so that a loaded state dict carries it along with the landmarks
         self.register_buffer("fitted_", torch.tensor(fitted, device=L.device))
+        #: the batch_shape the map was built with: every fit broadcasts the keys against it
+        self._built_batch_shape = tuple(self.batch_shape)
 
     @property
     def fitted(self) -> bool:
@@ -430,9 +437,11 @@ class NystromFeatures(FeatureMap):
         for name, x in (("q", q), ("k", k)):
             check_floating(name, x)
             check_last_dim(name, x, self.dim)
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError(f"NystromFeatures.fit needs finite {name}, got {name} with a NaN or Inf entry")
         if isinstance(self.landmarks, torch.Tensor):
             return self  # given landmarks are kept
-        lead = broadcast_batch("k", k.shape[:-2], self.batch_shape)
+        lead = broadcast_batch("k", k.shape[:-2], self._built_batch_shape)
         m, n = self.num_features, int(k.shape[-2])
         kk = k.detach().to(torch.float64)
         if self.landmarks == "segment-means":
@@ -455,6 +464,29 @@ class NystromFeatures(FeatureMap):
         self.batch_shape = tuple(lead)
         self.fitted_.fill_(True)
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
+                              unexpected_keys, error_msgs):
+        # Fitted landmarks have the leading shape of the data they were fitted on (the rule of
+        # `fit`): a map built the same way takes that shape from the state dict.
+        L = state_dict.get(prefix + "landmarks_")
+        if isinstance(L, torch.Tensor) and L.shape != self.landmarks_.shape:
+            lead = tuple(L.shape[:-2])
+            ok = L.dim() >= 2 and tuple(L.shape[-2:]) == tuple(self.landmarks_.shape[-2:])
+            try:
+                ok = ok and torch.broadcast_shapes(lead, self._built_batch_shape) == torch.Size(lead)
+            except RuntimeError:
+                ok = False
+            if not ok:
+                error_msgs.append(
+                    f"size mismatch for {prefix}landmarks_: expected (*lead, {self.num_features}, {self.dim}) "
+                    f"with lead broadcasting the map's batch_shape {self._built_batch_shape}, got {tuple(L.shape)}"
+                )
+                return
+            self.landmarks_ = torch.empty(L.shape, dtype=self.landmarks_.dtype, device=self.landmarks_.device)
+            self.batch_shape = lead
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def _whitener(self) -> tuple[torch.Tensor, torch.Tensor]:
         r"""``(W, h)``: $G^{-1/2}$ (..., m, m) and $\|l_i\|^2/2$ (..., m), float64, cached

@@ -353,9 +353,16 @@ class HybridRF(RandomFeatureMap):
             hq, tq, sq, aq, bq = self._parts(self._prepare("q", q.to(cdt))[0])
             hk, tk, sk, ak, bk = self._parts(self._prepare("k", k.to(cdt))[0])
         lam = 0.5 - torch.matmul(sq, sk.mT) / (2 * self.num_angular)  # exact: integer sums
-        A = _times_exp(torch.matmul(hq, hk.mT), aq.unsqueeze(-1) + ak.unsqueeze(-2))
-        B = _times_exp(torch.matmul(tq, tk.mT), bq.unsqueeze(-1) + bk.unsqueeze(-2))
-        return (lam * A + (1 - lam) * B).to(out_dtype)
+        la = aq.unsqueeze(-1) + ak.unsqueeze(-2)
+        lb = bq.unsqueeze(-1) + bk.unsqueeze(-2)
+        # one log scale per pair, that of the parts with a non-zero weight (at lam in {0, 1} the
+        # other part's scale may overflow alone: 0 * inf), then lam A + (1 - lam) B in the log domain
+        with torch.no_grad():
+            L = torch.where(lam == 1, la, torch.where(lam == 0, lb, torch.maximum(la, lb)))
+        wa = lam * torch.exp((la - L).clamp(max=0.0)).to(lam.dtype)
+        wb = (1 - lam) * torch.exp((lb - L).clamp(max=0.0)).to(lam.dtype)
+        S = wa * torch.matmul(hq, hk.mT) + wb * torch.matmul(tq, tk.mT)
+        return _times_exp(S, L).to(out_dtype)
 
     def extra_repr(self) -> str:
         return f"num_angular={self.num_angular}, " + super().extra_repr()
