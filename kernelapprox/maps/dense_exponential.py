@@ -543,7 +543,7 @@ class SDERF(_DenseExponentialRF):
         cross = mx.unsqueeze(-1) * my.unsqueeze(-2)
         P = Mx + My + cross + cross.mT
         sigma, Q = torch.linalg.eigh(P)
-        self.Q_ = Q
+        self.Q_ = Q.contiguous()  # eigh returns a column-major Q; a loaded buffer is row-major
         self.A_ = optimal_A(sigma.clamp_min(0.0), 1)
         self.fitted_.fill_(True)
         return self
