@@ -355,13 +355,14 @@ class HybridRF(RandomFeatureMap):
         lam = 0.5 - torch.matmul(sq, sk.mT) / (2 * self.num_angular)  # exact: integer sums
         la = aq.unsqueeze(-1) + ak.unsqueeze(-2)
         lb = bq.unsqueeze(-1) + bk.unsqueeze(-2)
+        wa, wb = lam, 1 - lam  # the weights of the hyperbolic part A and the sin/cos part B
         # one log scale per pair, that of the parts with a non-zero weight (at lam in {0, 1} the
-        # other part's scale may overflow alone: 0 * inf), then lam A + (1 - lam) B in the log domain
+        # other part's scale may overflow alone: 0 * inf), then wa A + wb B in the log domain
         with torch.no_grad():
-            L = torch.where(lam == 1, la, torch.where(lam == 0, lb, torch.maximum(la, lb)))
-        wa = lam * torch.exp((la - L).clamp(max=0.0)).to(lam.dtype)
-        wb = (1 - lam) * torch.exp((lb - L).clamp(max=0.0)).to(lam.dtype)
-        S = wa * torch.matmul(hq, hk.mT) + wb * torch.matmul(tq, tk.mT)
+            L = torch.where(wb == 0, la, torch.where(wa == 0, lb, torch.maximum(la, lb)))
+        sa = wa * torch.exp((la - L).clamp(max=0.0)).to(lam.dtype)
+        sb = wb * torch.exp((lb - L).clamp(max=0.0)).to(lam.dtype)
+        S = sa * torch.matmul(hq, hk.mT) + sb * torch.matmul(tq, tk.mT)
         return _times_exp(S, L).to(out_dtype)
 
     def extra_repr(self) -> str:
