@@ -359,7 +359,7 @@ class OptimalPositiveRF(_DenseExponentialRF):
         one4 = 1.0 - 4.0 * A
         wn2 = torch.einsum("...rd,...rd->...r", W, W)  # (*bs, r)
         Weff = W * torch.sqrt(one4).to(xc.dtype)[..., None, None]
-        a = A.to(xc.dtype)[..., None] * wn2
+        a = A.to(xc.dtype)[..., None] * wn2  # A |w_i|^2
         logc = 0.25 * self.dim * torch.log(one4) - 0.5 * math.log(self.num_features)
         return Weff, a, -_sqnorm_half(xc) + logc[..., None]
 
