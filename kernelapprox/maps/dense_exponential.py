@@ -326,7 +326,7 @@ class OptimalPositiveRF(_DenseExponentialRF):
                 raise ValueError(f"A must be < 1/8 (finite variance; unbiased needs 1 - 4A > 0), got {A}")
         super().__init__(dim, num_features, **kwargs)
         self.A = None if A is None else float(A)
-        self._fitted_buffers(A_=torch.tensor(0.0 if A is None else float(A)))
+        self._fitted_buffers(A_=torch.tensor(0.0 if A is None else float(A), dtype=torch.float64))
 
     @property
     def fitted(self) -> bool:
@@ -423,7 +423,9 @@ class SADERF(_DenseExponentialRF):
             raise ValueError(f"scaling must be 'optimal' or 'reciprocal', got {scaling!r}")
         super().__init__(dim, num_features, **kwargs)
         self.scaling = scaling
-        self._fitted_buffers(psi_=torch.ones(self.dim), A_=torch.tensor(0.0))
+        self._fitted_buffers(
+            psi_=torch.ones(self.dim, dtype=torch.float64), A_=torch.tensor(0.0, dtype=torch.float64)
+        )
 
     def fit(self, q: torch.Tensor, k: torch.Tensor) -> SADERF:
         r"""Set $\Psi$ and $A$ from queries and keys (per batch element).
@@ -521,7 +523,9 @@ class SDERF(_DenseExponentialRF):
 
     def __init__(self, dim: int, num_features: int, **kwargs) -> None:
         super().__init__(dim, num_features, **kwargs)
-        self._fitted_buffers(Q_=torch.eye(self.dim), A_=torch.zeros(self.dim))
+        self._fitted_buffers(
+            Q_=torch.eye(self.dim, dtype=torch.float64), A_=torch.zeros(self.dim, dtype=torch.float64)
+        )
 
     def fit(self, q: torch.Tensor, k: torch.Tensor) -> SDERF:
         r"""Set $Q$ and $A_l$ from queries and keys (one ``eigh`` per batch element).
