@@ -55,7 +55,6 @@ References
 from __future__ import annotations
 
 import math
-from typing import ClassVar
 
 import torch
 
@@ -155,7 +154,7 @@ class _DenseExponentialRF(RandomFeatureMap):
     positive = True
     data_dependent = True
     #: The fitted statistics: persistent float64 buffers (see `_fitted_buffers`).
-    _FITTED: ClassVar[tuple[str, ...]] = ()
+    _fitted_names: tuple[str, ...] = ()
     fitted_: torch.Tensor
 
     def _fitted_buffers(self, **init: torch.Tensor) -> None:
@@ -170,7 +169,7 @@ class _DenseExponentialRF(RandomFeatureMap):
         for name, t in init.items():
             self.register_buffer(name, t.to(device=dev, dtype=torch.float64))
         self.register_buffer("fitted_", torch.tensor(False, device=dev))
-        self._FITTED = tuple(init)
+        self._fitted_names = tuple(init)
 
     @property
     def fitted(self) -> bool:
@@ -185,9 +184,9 @@ class _DenseExponentialRF(RandomFeatureMap):
         """Dtype of the projection (the float64 fitted statistics do not set the compute dtype)."""
         return self._ref().dtype
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn, recurse=True):
         # keep the fitted statistics float64 under a dtype cast; follow device moves
-        own = {id(self._buffers[n]) for n in self._FITTED if self._buffers.get(n) is not None}
+        own = {id(self._buffers[n]) for n in self._fitted_names if self._buffers.get(n) is not None}
 
         def keep64(t: torch.Tensor) -> torch.Tensor:
             out = fn(t)
@@ -197,12 +196,12 @@ class _DenseExponentialRF(RandomFeatureMap):
 
         return super()._apply(keep64, recurse)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         # a fit sets shapes from the data: take those of the state dict (values copied by torch)
-        for name in self._FITTED:
-            t = state_dict.get(prefix + name)
-            if isinstance(t, torch.Tensor) and t.shape != self._buffers[name].shape:
+        for name in self._fitted_names:
+            t, cur = state_dict.get(prefix + name), self._buffers.get(name)
+            if isinstance(t, torch.Tensor) and cur is not None and t.shape != cur.shape:
                 self._buffers[name] = torch.empty(t.shape, dtype=torch.float64, device=self._ref().device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

@@ -465,7 +465,7 @@ class NystromFeatures(FeatureMap):
         self.fitted_.fill_(True)
         return self
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         # Fitted landmarks have the leading shape of the data they were fitted on (the rule of
         # `fit`): a map built the same way takes that shape from the state dict.
