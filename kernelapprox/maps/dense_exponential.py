@@ -173,7 +173,22 @@ class _DenseExponentialRF(RandomFeatureMap):
 
     @property
     def fitted(self) -> bool:
-        """Whether the parameters were chosen from data by `fit` (``False``: FAVOR+)."""
+        """Whether the parameters were chosen from data by `fit` (``False``: FAVOR+).
+
+        The fit travels with the map: ``state_dict()`` holds the fitted statistics (float64
+        buffers, of the shape of the data fitted on) and this flag, so loading it into a map
+        built the same way restores the fit (``torch.load(..., weights_only=True)`` suffices).
+
+        Examples
+        --------
+        >>> import torch, kernelapprox as ka
+        >>> x = torch.randn(2, 50, 8) / 2
+        >>> fm = ka.SDERF(8, 16, seed=0).fit(x, x)
+        >>> fresh = ka.SDERF(8, 16, seed=1)
+        >>> _ = fresh.load_state_dict(fm.state_dict())
+        >>> fresh.fitted, fresh.Q_.shape, bool(torch.equal(fresh(x), fm(x)))
+        (True, torch.Size([2, 8, 8]), True)
+        """
         return bool(self.fitted_)
 
     def _ref(self) -> torch.Tensor:

@@ -334,7 +334,10 @@ class HybridRF(RandomFeatureMap):
 
         Equal to $\varphi(q)^\top\psi(k)$ up to rounding; $\hat\lambda$ is exact
         (integer sign sums) and each part is formed in the log domain, so the estimate is exact at
-        $k = q$ and $k = -q$ at any norm.
+        $k = q$ and $k = -q$ at any norm. Wherever $\hat\lambda < 1$ the estimate carries the
+        sin/cos part's noise, of size $e^{(\|q\|^2+\|k\|^2)/2}/\sqrt r$: a float32 result is
+        then ``inf`` from $\|q\|^2 + \|k\|^2 \approx 180$ on (the estimate itself exceeds the
+        float32 range) even where $e^{q^\top k}$ does not; pass float64 inputs there.
 
         Parameters
         ----------
