@@ -10,7 +10,7 @@ The $\varphi$ inside linear attention, its theory, and the evidence.
 
 from __future__ import annotations
 
-from . import dense_exponential, deterministic, hf, hybrid, learned, nn, samplers  # noqa: F401  (registration; hf imports transformers lazily; kernelapprox.sklearn needs the [sklearn] extra and is imported explicitly)
+from . import hf, maps, nn, samplers  # noqa: F401  (maps: registration; hf imports transformers lazily; kernelapprox.sklearn needs the [sklearn] extra and is imported explicitly)
 from .attention import (
     LinearAttentionState,
     RecurrentLinearAttention,
@@ -20,21 +20,26 @@ from .attention import (
     naive_recurrent_linear_attention,
     parallel_linear_attention,
 )
-from .dense_exponential import SADERF, SDERF, OptimalPositiveRF
-from .deterministic import NystromFeatures, TaylorFeatures
 from .diagnose import Diagnosis, KernelApproxWarning, diagnose
 from .exact import softmax_attention, softmax_kernel
-from .features import (
+from .maps import (
+    SADERF,
+    SDERF,
     EluFeatures,
     FeatureMap,
+    HedgehogFeatures,
+    HybridRF,
     HyperbolicRF,
+    NystromFeatures,
+    OptimalPositiveRF,
     PositiveRF,
     RandomFeatureMap,
     ReluFeatures,
+    TaylorFeatures,
     TrigRF,
+    distillation_loss,
+    fit_feature_map,
 )
-from .hybrid import HybridRF
-from .learned import HedgehogFeatures, distillation_loss, fit_feature_map
 from .registry import (
     Estimator,
     EstimatorTheory,

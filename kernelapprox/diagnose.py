@@ -340,7 +340,7 @@ def quick_relative_mse(fm: Any, q: torch.Tensor, k: torch.Tensor) -> float:
     float
     """
     from . import theory
-    from .dense_exponential import _mean_stats
+    from ._logdomain import _mean_stats
     from .registry import estimator_of
 
     try:

@@ -56,7 +56,7 @@ from typing import Any, cast
 
 import torch
 
-from .features import FeatureMap
+from .maps.base import FeatureMap
 
 __all__ = [
     "Capture",
@@ -737,7 +737,7 @@ def linearize(
     >>> exact = model(**inputs).last_hidden_state                                          # doctest: +SKIP
     """
     from .attention import linear_attention
-    from .learned import fit_feature_map
+    from .maps.hedgehog import fit_feature_map
 
     impl = _check_model(model)
     keep_layers = _layer_set(layers)

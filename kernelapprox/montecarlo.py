@@ -40,7 +40,7 @@ import torch
 from kernelapprox._validation import check_floating, check_positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kernelapprox.features import FeatureMap
+    from kernelapprox.maps.base import FeatureMap
 
 __all__ = [
     "relative_error",
@@ -705,7 +705,7 @@ def _auto_chunk(fm: FeatureMap, per_row: int, per_pair: int, chunk_size, max_byt
 def _check_common(fm, q, k, draws, seed, confidence, quantiles):
     check_floating("q", q)
     check_floating("k", k)
-    from kernelapprox.features import FeatureMap
+    from kernelapprox.maps.base import FeatureMap
 
     if not isinstance(fm, FeatureMap):
         raise TypeError(f"fm must be a kernelapprox FeatureMap, got {type(fm).__name__}")

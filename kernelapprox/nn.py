@@ -35,7 +35,7 @@ from torch import nn
 
 from ._validation import check_positive_int
 from .attention import LinearAttentionState, linear_attention
-from .features import FeatureMap
+from .maps.base import FeatureMap
 from .registry import get_estimator
 from .samplers import GivenSampler, Sampler
 

@@ -34,8 +34,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from .maps.base import FeatureMap
+
 if TYPE_CHECKING:  # pragma: no cover
-    from .features import FeatureMap
     from .samplers import Sampler
 
 __all__ = [
@@ -287,8 +288,6 @@ def register_estimator(
         Bad ``name`` or ``feature_dim``, or ``name`` (or the same ``cls`` and ``params``) already
         registered without ``replace=True``.
     """
-    from .features import FeatureMap
-
     if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
         raise TypeError(f"cls must be a FeatureMap subclass, got {cls!r}")
     if not isinstance(name, str) or not name or name != name.strip().lower() or " " in name or "_" in name:
@@ -321,15 +320,26 @@ def register_estimator(
                 raise ValueError(
                     f"{cls.__name__} with params {params} is already registered as {other.name!r}"
                 )
+    if name in _REGISTRY:
+        _forget(_REGISTRY[name])
     _REGISTRY[name] = est
+    # the class carries its own registrations: FeatureMap.estimator and feature_dim read them
+    # there, so the maps need not import this module
+    cls.registrations = (*cls.__dict__.get("registrations", ()), est)
     return est
+
+
+def _forget(est: Estimator) -> None:
+    """Remove ``est`` from its class's ``registrations``."""
+    cls = cast("type[FeatureMap]", est.cls)
+    cls.registrations = tuple(e for e in cls.__dict__.get("registrations", ()) if e is not est)
 
 
 def unregister_estimator(name: str) -> None:
     """Remove the estimator registered under ``name`` (``KeyError`` if there is none)."""
     if name not in _REGISTRY:
         raise KeyError(f"no estimator named {name!r}; registered: {sorted(_REGISTRY)}")
-    del _REGISTRY[name]
+    _forget(_REGISTRY.pop(name))
 
 
 def get_estimator(name: str | Estimator) -> Estimator:
@@ -362,28 +372,9 @@ def estimator_of(fm: object) -> Estimator:
         Its class (with its params) is not registered; a subclass of a registered map is a
         different estimator until registered itself.
     """
-    from .features import FeatureMap
-
     if not isinstance(fm, FeatureMap):
         raise TypeError(f"expected a kernelapprox FeatureMap, got {type(fm).__name__}")
-    for est in _REGISTRY.values():
-        if est.matches(fm):
-            return est
-    raise LookupError(
-        f"{type(fm).__name__} is not a registered estimator (a subclass of a registered map is a "
-        "different estimator); register it once with ka.register_estimator("
-        f"{type(fm).__name__}, name=...)"
-    )
-
-
-def _rule_for(fm: object) -> Estimator | None:
-    """The registration that fixes ``fm``'s feature_dim: its own, else that of the nearest
-    registered base class with matching params (feature_dim is structural, so it is inherited)."""
-    for klass in type(fm).__mro__:
-        for est in _REGISTRY.values():
-            if est.cls is klass and all(getattr(fm, k, _MISSING) == v for k, v in est.params.items()):
-                return est
-    return None
+    return fm.estimator
 
 
 def estimators(

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._logdomain import _dense_apply
 from ._validation import as_batch_shape, check_positive_int
 
 __all__ = [
@@ -318,18 +319,6 @@ class DenseProjection(Projection):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T: x (..., n, d) -> (*broadcast(..., batch_shape), n, r)."""
         return _dense_apply(self._weight.to(x.dtype), x)
-
-
-def _dense_apply(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    r"""$x W^\top$ for W (*B, r, d), x (..., n, d) -> (*broadcast(..., B), n, r)."""
-    if W.dim() > 2 and x[..., 0, 0].numel() == 1:
-        # Many draws, one input (the Monte Carlo layout): one (S r, d) x (d, n) GEMM instead of
-        # S tiny batched products.
-        n, d = x.shape[-2:]
-        lead = torch.broadcast_shapes(x.shape[:-2], W.shape[:-2])
-        u = torch.matmul(W.reshape(-1, d), x.reshape(n, d).mT)  # (S r, n)
-        return u.reshape(*W.shape[:-2], W.shape[-2], n).mT.reshape(*lead, n, W.shape[-2])
-    return torch.matmul(x, W.mT)
 
 
 class HadamardProjection(Projection):

@@ -58,7 +58,7 @@ from sklearn.utils import check_random_state  # type: ignore[import-untyped]
 from sklearn.utils._param_validation import Interval, StrOptions  # type: ignore[import-untyped]
 from sklearn.utils.validation import check_is_fitted, validate_data  # type: ignore[import-untyped]
 
-from .features import _sqnorm_half
+from ._logdomain import _sqnorm_half
 from .registry import Estimator, estimators, get_estimator
 from .samplers import SAMPLERS, Sampler, get_sampler
 

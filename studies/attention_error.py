@@ -543,7 +543,7 @@ def relvar_times_r(t: float, d: int, estimator: str) -> float:
         return math.expm1(t)
     if estimator != "oprf":
         raise ValueError(f"estimator must be 'positive' or 'oprf', got {estimator!r}")
-    from kernelapprox.dense_exponential import optimal_A
+    from kernelapprox.maps.dense_exponential import optimal_A
 
     A = float(optimal_A(t, d))
     log_m = d * math.log1p(-4 * A) - d / 2 * math.log1p(-8 * A) + 2 * (1 - 4 * A) * t / (1 - 8 * A)

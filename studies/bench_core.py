@@ -108,7 +108,7 @@ def bench_feature_maps(B, H, n, d, r, device, dtype, repeats, rounds: int = 3,
     into one pass after the GEMM; compile time not counted). ``exp_pass``, ``exp2_pass`` and
     ``sin+cos_pass`` are one elementwise pass over an (n, r) tensor into a warm buffer, relative to
     the same GEMM: the transcendental work a map cannot skip (exp2 is what the exponential maps use,
-    `kernelapprox.features.LOG2E`)."""
+    `kernelapprox._logdomain.LOG2E`)."""
     q, _, _ = _inputs(B, H, n, d, device, dtype)
     W = torch.randn(r, d, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     maps = {
@@ -225,7 +225,7 @@ def bench_attention(B, H, n, d, r, device, dtype, repeats, rounds: int = 3) -> d
     cdt = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     # log2(e) folded into W and exp2 in place: the fastest exponential there is (torch.exp2 is
     # 2.5x faster than torch.exp on CPU), as the library's maps use it
-    W = fm.weight.to(cdt) * ka.features.LOG2E
+    W = fm.weight.to(cdt) * ka._logdomain.LOG2E
     qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
 
     def floor():

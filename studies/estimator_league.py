@@ -64,7 +64,7 @@ log domain (``log_features``) cost nothing per feature. An estimator without a r
 Fitting. Data-dependent maps (``fm.fit``: FAVOR++, FAVOR#, Nyström) are fitted on the batch they
 estimate, one fit per draw (as FAVOR++ does per batch; the per-draw loop is a fallback for maps
 whose fit takes no batch dimensions). Learned maps (Hedgehog) are trained by
-``ka.learned.fit_feature_map`` on a separate calibration batch of the same regime (``cal_tokens``
+``ka.fit_feature_map`` on a separate calibration batch of the same regime (``cal_tokens``
 queries and keys, ``fit_steps`` Adam steps, lr 1e-2, in float32), once per (regime, r), then
 evaluated on every draw in the run's dtype; the distillation loss before and after is recorded (``fit_loss_first``/``fit_loss_last``).
 Both go through :meth:`studies.estimators.EstimatorSpec.ready`.
@@ -426,7 +426,7 @@ def evaluate(spec: EstimatorSpec, r: int, ref: dict[str, torch.Tensor], ctx: Con
     if spec.learned:
         fm = _build(spec, r, (), seed, ctx, dtype=FIT_DTYPE)
         qc, kc = ref["q_cal"].to(FIT_DTYPE), ref["k_cal"].to(FIT_DTYPE)
-        loss = getattr(getattr(ka, "learned", None), "distillation_loss", None)
+        loss = getattr(getattr(ka.maps, "hedgehog", None), "distillation_loss", None)
         if loss is not None:
             with torch.no_grad():
                 info["fit_loss_first"] = float(loss(fm, qc, kc))

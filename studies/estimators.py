@@ -74,7 +74,7 @@ class EstimatorSpec:
 
     @property
     def learned(self) -> bool:
-        """Whether the map has trainable parameters (fitted by ``ka.learned.fit_feature_map``)."""
+        """Whether the map has trainable parameters (fitted by ``ka.fit_feature_map``)."""
         return bool(getattr(self.estimator, "learned", False))
 
     def closed_forms(self) -> frozenset[str]:
@@ -119,24 +119,24 @@ class EstimatorSpec:
         """Ready a built map on calibration data ``(q, k)``, in place; returns ``fm``.
 
         ``fm.fit(q, k)`` if the estimator is data-dependent (FAVOR++, FAVOR#, Nyström: the
-        parameters are chosen from this batch), ``ka.learned.fit_feature_map(fm, q, k,
+        parameters are chosen from this batch), ``ka.fit_feature_map(fm, q, k,
         steps=steps, seed=seed, progress=False)`` (and ``lr`` when given) if it is learned
         (Hedgehog); nothing else, so any other map is returned unchanged.
 
         Raises
         ------
         NotImplementedError
-            A learned estimator while ``kernelapprox.learned.fit_feature_map`` does not exist.
+            A learned estimator while ``kernelapprox.maps.hedgehog.fit_feature_map`` does not exist.
         """
         if self.data_dependent:
             fit = getattr(fm, "fit", None)
             if fit is not None:
                 fit(q, k)
         if self.learned:
-            fit_feature_map = getattr(getattr(ka, "learned", None), "fit_feature_map", None)
+            fit_feature_map = getattr(getattr(ka.maps, "hedgehog", None), "fit_feature_map", None)
             if fit_feature_map is None:
                 raise NotImplementedError(
-                    f"{self.key} is a learned map but kernelapprox.learned.fit_feature_map is not "
+                    f"{self.key} is a learned map but kernelapprox.maps.hedgehog.fit_feature_map is not "
                     "available: it cannot be trained"
                 )
             kw: dict[str, Any] = {"steps": steps, "seed": seed, "progress": False}

@@ -97,7 +97,9 @@ class MutationError(RuntimeError):
     """A mutation could not be applied, or a run could not be trusted."""
 
 
-_F = "kernelapprox/features.py"
+_E = "kernelapprox/maps/exponential.py"
+_T = "kernelapprox/maps/trig.py"
+_D = "kernelapprox/maps/deterministic.py"
 _S = "kernelapprox/samplers.py"
 _M = "kernelapprox/theory/moments.py"
 
@@ -105,37 +107,37 @@ MUTANTS: tuple[Mutant, ...] = (
     # 1. a 1% scale error in the kernel estimate of each registered estimator (forward,
     #    log_features and kernel all see it; attention does not, the factor cancels there)
     Mutant(
-        "scale-positive", _F,
+        "scale-positive", _E,
         "return -_sqnorm_half(xc) - 0.5 * math.log(self.num_features)",
         "return -_sqnorm_half(xc) - 0.5 * math.log(self.num_features / 1.01)",
         "PositiveRF: 1/sqrt(r) normalisation computed with r/1.01, kernel 1% too large",
     ),
     Mutant(
-        "scale-hyperbolic", _F,
+        "scale-hyperbolic", _E,
         "return -_sqnorm_half(xc) - 0.5 * math.log(2 * self.num_features)",
         "return -_sqnorm_half(xc) - 0.5 * math.log(2 * self.num_features / 1.01)",
         "HyperbolicRF: 1/sqrt(2r) normalisation computed with 2r/1.01, kernel 1% too large",
     ),
     Mutant(
-        "scale-trig-sincos", _F,
+        "scale-trig-sincos", _T,
         'log_c = -0.5 * math.log(r) if self.variant == "sincos"',
         'log_c = -0.5 * math.log(r / 1.01) if self.variant == "sincos"',
         "TrigRF sincos: 1/sqrt(r) normalisation computed with r/1.01, kernel 1% too large",
     ),
     Mutant(
-        "scale-trig-offset", _F,
+        "scale-trig-offset", _T,
         'if self.variant == "sincos" else 0.5 * math.log(2.0 / r)',
         'if self.variant == "sincos" else 0.5 * math.log(2.02 / r)',
         "TrigRF offset: sqrt(2/r) written sqrt(2.02/r), kernel 1% too large",
     ),
     Mutant(
-        "scale-elu", _F,
+        "scale-elu", _D,
         "return torch.where(xc >= 0, xc + 1, torch.exp(torch.clamp(xc, max=0)))",
         "return math.sqrt(1.01) * torch.where(xc >= 0, xc + 1, torch.exp(torch.clamp(xc, max=0)))",
         "EluFeatures: features scaled by sqrt(1.01), kernel 1% too large",
     ),
     Mutant(
-        "scale-relu", _F,
+        "scale-relu", _D,
         "return torch.relu(xc)",
         "return math.sqrt(1.01) * torch.relu(xc)",
         "ReluFeatures: features scaled by sqrt(1.01), kernel 1% too large",
@@ -163,7 +165,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # 5. trig offset phases on half the range
     Mutant(
-        "trig-offset-half-range", _F,
+        "trig-offset-half-range", _T,
         "b = (2 * math.pi * b).to(device=device, dtype=self._buffer_dtype())",
         "b = (math.pi * b).to(device=device, dtype=self._buffer_dtype())",
         "TrigRF offset phases b ~ U[0, pi) instead of U[0, 2 pi) (kernel law unchanged: see docstring)",
@@ -190,19 +192,19 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # 8. the stronger estimators (issue: FAVOR++, FAVOR#, simplex, hybrid): the published defects
     Mutant(
-        "sderf-constant-D-dropped", "kernelapprox/dense_exponential.py",
+        "sderf-constant-D-dropped", "kernelapprox/maps/dense_exponential.py",
         "logc = 0.25 * torch.log(one4).sum(-1) - 0.5 * math.log(self.num_features)",
         "logc = 0.0 * torch.log(one4).sum(-1) - 0.5 * math.log(self.num_features)",
         "SDERF without D = prod(1 - 4A_l)^(1/4), as the reference expsharp_: raw kernel biased by 1/D^2",
     ),
     Mutant(
-        "saderf-reciprocal-scaling", "kernelapprox/dense_exponential.py",
+        "saderf-reciprocal-scaling", "kernelapprox/maps/dense_exponential.py",
         "psi = ratio ** 0.25",
         "psi = ratio ** -0.25",
         "SADERF with the reference exparf_'s reciprocal scaling (unbiased, but worse than no scaling)",
     ),
     Mutant(
-        "hybrid-weights-reversed", "kernelapprox/hybrid.py",
+        "hybrid-weights-reversed", "kernelapprox/maps/hybrid.py",
         "return (lam * A + (1 - lam) * B).to(out_dtype)",
         "return ((1 - lam) * A + lam * B).to(out_dtype)",
         "hybrid kernel with the official notebook's assignment (theta/pi on the trig part)",

@@ -139,7 +139,7 @@ def test_each_input_is_validated_once(monkeypatch):
     """q, k, v are checked once per call (by the entry point), not again inside the feature map."""
     import kernelapprox._validation as V
     import kernelapprox.exact as E
-    import kernelapprox.features as Fm
+    import kernelapprox.maps.base as Fm
 
     calls = []
     orig = V.check_floating

@@ -35,7 +35,7 @@ from scipy.optimize import minimize_scalar
 from scipy.stats import mannwhitneyu
 
 import kernelapprox as ka
-from kernelapprox.dense_exponential import optimal_A
+from kernelapprox.maps.dense_exponential import optimal_A
 from kernelapprox.theory.dense_exponential import oprf_mse, oprf_optimal_A
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""Deterministic maps of ``kernelapprox.deterministic``: Based's Taylor map and Nyström features.
+"""Deterministic maps of ``kernelapprox.maps.deterministic``: Based's Taylor map and Nyström features.
 
 No statistics here: both maps are deterministic (given the landmarks), so every check is an
 identity or a measured error with a fixed input.
@@ -23,7 +23,7 @@ import torch
 from conftest import F64, randn, with_norm
 
 import kernelapprox as ka
-from kernelapprox.deterministic import NystromFeatures, TaylorFeatures
+from kernelapprox.maps.deterministic import NystromFeatures, TaylorFeatures
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

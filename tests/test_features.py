@@ -229,7 +229,7 @@ def test_fast_forward_and_backward_match_formula(name):
     """The one-addmm forward (bias folded into the GEMM, in-place exp; SORF through its cached
     dense W) against the float64 formula, values and gradients, with and without autograd."""
     fm = FAST[name](seed=1, dtype=F64)
-    from kernelapprox.features import _affine_rows
+    from kernelapprox._logdomain import _affine_rows
 
     xc = randn(2, 5, 6, seed=2, scale=0.6)
     assert _affine_rows(fm.projection, xc, xc[..., 0]) is not None  # the fast path is taken

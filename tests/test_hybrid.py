@@ -54,7 +54,7 @@ import torch
 from conftest import F64, Z_MAX, orthonormal, randn, seed, zscores
 
 import kernelapprox as ka
-from kernelapprox.hybrid import HybridRF, default_num_angular
+from kernelapprox.maps.hybrid import HybridRF, default_num_angular
 from kernelapprox.samplers import OrthogonalSampler, QMCSampler
 from kernelapprox.theory.hybrid import hybrid_mse, hybrid_terms
 

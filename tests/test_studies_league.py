@@ -315,7 +315,7 @@ def test_ready_trains_learned_maps(monkeypatch: pytest.MonkeyPatch) -> None:
     before = [p.detach().clone() for p in fm.parameters()]
     spec.ready(fm, q, k, steps=3, seed=0)
     assert any(not torch.equal(a, b) for a, b in zip(before, fm.parameters(), strict=True))
-    monkeypatch.delattr(ka.learned, "fit_feature_map")
+    monkeypatch.delattr(ka.maps.hedgehog, "fit_feature_map")
     with pytest.raises(NotImplementedError, match="fit_feature_map"):
         spec.ready(spec.build(D, D, seed=0), q, k, steps=3)
 

@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from .._validation import no_autocast
-from ..features import FeatureMap
+from ..maps.base import FeatureMap
 from .chunk import chunk_linear_attention
 from .naive import naive_linear_attention, naive_recurrent_linear_attention
 from .parallel import parallel_linear_attention

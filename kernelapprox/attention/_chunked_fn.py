@@ -119,6 +119,8 @@ def chunked_forward(
     owned by the caller): ``O`` is written into the memory of ``vw``, each block once its
     values are no longer read (one fresh (L, n, dv1) buffer less)."""
     L, nc, C, dv1 = vw.shape
+    if L == 0:  # empty batch: nothing to accumulate (the blocks below would be an empty list)
+        return vw.new_zeros(vw.shape), S.clone()
     g_max = max(b - a for a, b in bounds)
     per_seq = g_max * fq.shape[-1] * dv1 * fq.element_size()
     block = max(1, _BLOCK_BYTES // per_seq)
@@ -183,6 +185,8 @@ def chunked_backward(
     dout: torch.Tensor, dS: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `chunked_forward` w.r.t. ``fq, fk, vw, S0`` by recomputation (module docstring)."""
+    if fq.shape[0] == 0:  # empty batch
+        return torch.zeros_like(fq), torch.zeros_like(fk), torch.zeros_like(vw), torch.zeros_like(S0)
     # forward re-accumulation: the state entering each group (one F x dv1 state per group)
     S_in = []
     S = S0

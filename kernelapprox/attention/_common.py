@@ -6,7 +6,7 @@ import torch
 
 from .._validation import broadcast_batch, compute_dtype
 from ..exact import check_qkv
-from ..features import FeatureMap
+from ..maps.base import FeatureMap
 from .state import LinearAttentionState
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .._validation import inputs_validated, no_autocast
-from ..features import FeatureMap
+from ..maps.base import FeatureMap
 from ._common import normalise, prepare, with_ones
 from .parallel import _GEMM_COLUMNS
 from .state import LinearAttentionState

@@ -14,7 +14,7 @@ import torch
 
 from .._validation import compute_dtype, no_autocast
 from ..exact import check_qkv
-from ..features import FeatureMap
+from ..maps.base import FeatureMap
 
 
 def _plain_features(q, k, v, feature_map, causal):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import inputs_validated, no_autocast
-from ..features import FeatureMap
+from ..maps.base import FeatureMap
 from ._common import key_side, normalise, prepare
 from .state import LinearAttentionState
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
-from ..features import FeatureMap
+from ..maps.base import FeatureMap
 from ._common import check_feature_map, check_state, normalise, split, with_ones
 from .state import LinearAttentionState
 

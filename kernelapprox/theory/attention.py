@@ -84,7 +84,7 @@ import torch
 from kernelapprox._validation import check_floating
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kernelapprox.features import FeatureMap
+    from kernelapprox.maps.base import FeatureMap
 
 __all__ = ["attention_variance", "kernel_covariance", "normaliser_relative_variance"]
 

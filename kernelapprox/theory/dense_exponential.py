@@ -85,7 +85,7 @@ __all__ = [
 def oprf_optimal_A(t: Any, d: int) -> np.ndarray:
     r"""$A^*(t, d) = \frac{d - 2t - \sqrt{(2t+d)^2 + 8dt}}{16d}$ (float64 array), the
     variance-optimal OPRF parameter at $t = \|x+y\|^2$ (see
-    `kernelapprox.dense_exponential.optimal_A`).
+    `kernelapprox.maps.dense_exponential.optimal_A`).
 
     Examples
     --------

@@ -1,4 +1,4 @@
-r"""Closed-form MSE of the angular hybrid estimator (`kernelapprox.hybrid.HybridRF`).
+r"""Closed-form MSE of the angular hybrid estimator (`kernelapprox.maps.hybrid.HybridRF`).
 
 The estimator [HRF22]_ mixes two unbiased estimators of $\mathrm{SM}(x, y) = e^{x^\top y}$
 that share the projections $w_1..w_r$,

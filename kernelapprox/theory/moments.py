@@ -514,7 +514,7 @@ def _trig_offset_term_bound(c: Components) -> np.ndarray:
     return 2.0 * np.exp(0.5 * c.s)
 
 
-# The closed forms of each built-in estimator, registered with its class in kernelapprox.features.
+# The closed forms of each built-in estimator, registered with its class in kernelapprox.maps.
 # Attention pair terms (c, alpha, beta, gamma): E[X_j X_l] = sum c exp(alpha|q|^2 + beta(q.k_j +
 # q.k_l) + gamma k_j.k_l) for one iid Gaussian projection, derived in kernelapprox.theory.attention.
 POSITIVE_THEORY = EstimatorTheory(
@@ -1103,7 +1103,7 @@ def deterministic_error(fm: Any, q: Any, k: Any) -> Any:
     >>> float(deterministic_error(ka.EluFeatures(3), x, x)[0, 0])  # (1,1,1).(1,1,1) - e^0
     2.0
     """
-    from kernelapprox.features import FeatureMap
+    from kernelapprox.maps.base import FeatureMap
 
     if not isinstance(fm, FeatureMap) or fm.is_random:
         raise TypeError(f"fm must be a deterministic FeatureMap (is_random false), got {type(fm).__name__}")

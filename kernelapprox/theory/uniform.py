@@ -399,7 +399,7 @@ def required_features_uniform(
 
 def _variant(kind: Any) -> str:
     """The ``uniform_variant`` of an estimator name or a feature map (registry identity)."""
-    from kernelapprox.features import FeatureMap
+    from kernelapprox.maps.base import FeatureMap
     from kernelapprox.registry import estimator_of, get_estimator
 
     if isinstance(kind, str):

@@ -30,7 +30,8 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
-from ._validation import (
+from .._logdomain import LOG2E, _grad, _op_into
+from .._validation import (
     as_batch_shape,
     check_floating,
     check_last_dim,
@@ -38,9 +39,9 @@ from ._validation import (
     inputs_validated,
     no_autocast,
 )
-from .features import LOG2E, FeatureMap, _grad, _op_into
-from .registry import register_estimator
-from .samplers import make_generator
+from ..registry import register_estimator
+from ..samplers import make_generator
+from .base import FeatureMap
 
 __all__ = ["HedgehogFeatures", "fit_feature_map", "distillation_loss"]
 

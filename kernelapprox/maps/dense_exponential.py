@@ -58,9 +58,10 @@ import math
 
 import torch
 
-from ._validation import check_floating, check_last_dim
-from .features import LOG2E, RandomFeatureMap, _exp_shifted, _grad, _log2e_operands, _sqnorm_half
-from .registry import register_estimator
+from .._logdomain import LOG2E, _exp_shifted, _grad, _log2e_operands, _mean_stats, _sqnorm_half
+from .._validation import check_floating, check_last_dim
+from ..registry import register_estimator
+from .base import RandomFeatureMap
 
 __all__ = ["OptimalPositiveRF", "SADERF", "SDERF", "optimal_A"]
 
@@ -119,29 +120,26 @@ def _check_qk(fm: RandomFeatureMap, q: object, k: object) -> tuple[torch.Tensor,
     return q.detach().to(dt), k.detach().to(dt)
 
 
-def _finite(name: str, *stats: torch.Tensor) -> None:
+def _finite(name: str, **stats: tuple[torch.Tensor, ...]) -> None:
     # Statistics are sums over the data: any NaN or Inf in q or k shows here, at O(d) cost
-    # instead of a pass over the inputs.
-    if not all(bool(torch.isfinite(s).all()) for s in stats):
-        raise ValueError(f"{name}.fit needs finite q and k (a non-finite statistic would poison every feature)")
+    # instead of a pass over the inputs. ``stats`` maps each argument to the statistics of it.
+    for arg, ts in stats.items():
+        if not all(bool(torch.isfinite(t).all()) for t in ts):
+            raise ValueError(
+                f"{name}.fit needs finite {arg}, got {arg} with a NaN or Inf entry "
+                "(a non-finite statistic would poison every feature)"
+            )
 
 
-def _mean_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Means over rows of |q|^2 and |k|^2, and mean(q).mean(k), float64, shape (...) each.
+def _t_bar(name: str, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Mean of |q_i + k_j|^2 over all pairs, float64, shape broadcast(q lead, k lead).
 
-    Sums are accumulated in the inputs' precision (at least float32: a relative rounding of
-    ~1e-6 in the statistic, negligible in the fitted parameter) and finished in float64.
-    """
-    nq = torch.linalg.vector_norm(q, dim=(-2, -1)).double() ** 2 / q.shape[-2]  # one pass, no copy
-    nk = torch.linalg.vector_norm(k, dim=(-2, -1)).double() ** 2 / k.shape[-2]
-    cross = (q.mean(-2).double() * k.mean(-2).double()).sum(-1)
-    return nq, nk, cross
-
-
-def _t_bar(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Mean of |q_i + k_j|^2 over all pairs, float64, shape broadcast(q lead, k lead)."""
+    Non-negative (clamped at 0: its exact value is 0 when, e.g., k = -q for one token, and
+    rounding of the three terms may leave about -1e-17 there). ``ValueError`` naming ``q`` or
+    ``k`` if either holds a non-finite entry."""
     nq, nk, cross = _mean_stats(q, k)
-    return nq + nk + 2.0 * cross
+    _finite(name, q=(nq,), k=(nk,))
+    return (nq + nk + 2.0 * cross).clamp_min(0.0)
 
 
 class _DenseExponentialRF(RandomFeatureMap):
@@ -155,6 +153,73 @@ class _DenseExponentialRF(RandomFeatureMap):
 
     positive = True
     data_dependent = True
+    #: The fitted statistics: persistent float64 buffers (see `_fitted_buffers`).
+    _fitted_names: tuple[str, ...] = ()
+    fitted_: torch.Tensor
+
+    def _fitted_buffers(self, **init: torch.Tensor) -> None:
+        r"""Register the fitted statistics (and the flag ``fitted_``) as persistent buffers.
+
+        So ``state_dict()`` holds them, ``.to(device)`` moves them and ``load_state_dict``
+        restores the fit. Their shapes follow the data they were fitted on (the broadcast leading
+        dimensions of ``q`` and ``k``), so loading takes the shapes of the state dict; they stay
+        float64 under ``.to(dtype)`` / ``.half()`` (the parameters of the estimator, not
+        activations), and only move with the device."""
+        dev = self._ref().device
+        for name, t in init.items():
+            self.register_buffer(name, t.to(device=dev, dtype=torch.float64))
+        self.register_buffer("fitted_", torch.tensor(False, device=dev))
+        self._fitted_names = tuple(init)
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the parameters were chosen from data by `fit` (``False``: FAVOR+).
+
+        The fit travels with the map: ``state_dict()`` holds the fitted statistics (float64
+        buffers, of the shape of the data fitted on) and this flag, so loading it into a map
+        built the same way restores the fit (``torch.load(..., weights_only=True)`` suffices).
+
+        Examples
+        --------
+        >>> import torch, kernelapprox as ka
+        >>> x = torch.randn(2, 50, 8) / 2
+        >>> fm = ka.SDERF(8, 16, seed=0).fit(x, x)
+        >>> fresh = ka.SDERF(8, 16, seed=1)
+        >>> _ = fresh.load_state_dict(fm.state_dict())
+        >>> fresh.fitted, fresh.Q_.shape, bool(torch.equal(fresh(x), fm(x)))
+        (True, torch.Size([2, 8, 8]), True)
+        """
+        return bool(self.fitted_)
+
+    def _ref(self) -> torch.Tensor:
+        return next(iter(self.projection.buffers()))
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """Dtype of the projection (the float64 fitted statistics do not set the compute dtype)."""
+        return self._ref().dtype
+
+    def _apply(self, fn, recurse=True):
+        # keep the fitted statistics float64 under a dtype cast; follow device moves
+        own = {id(self._buffers[n]) for n in self._fitted_names if self._buffers.get(n) is not None}
+
+        def keep64(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if id(t) in own and out.dtype != torch.float64:
+                out = t.to(device=out.device)
+            return out
+
+        return super()._apply(keep64, recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # a fit sets shapes from the data: take those of the state dict (values copied by torch)
+        for name in self._fitted_names:
+            t, cur = state_dict.get(prefix + name), self._buffers.get(name)
+            if isinstance(t, torch.Tensor) and cur is not None and t.shape != cur.shape:
+                self._buffers[name] = torch.empty(t.shape, dtype=torch.float64, device=self._ref().device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def _weights(self, xc: torch.Tensor, key: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # pragma: no cover
         raise NotImplementedError
@@ -175,7 +240,7 @@ class _DenseExponentialRF(RandomFeatureMap):
         cls, xc: torch.Tensor, W: torch.Tensor, a: torch.Tensor, row: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`_affine` times ``LOG2E`` (base-2 exponents for ``exp2``): the factor scales the smaller
-        of ``W`` and ``xc`` (as `kernelapprox.features._project2`), and the vectors ``a``, ``row``."""
+        of ``W`` and ``xc`` (as `kernelapprox._logdomain._project2`), and the vectors ``a``, ``row``."""
         W, xc = _log2e_operands(W, xc)
         return cls._affine(xc, W, a * LOG2E, None if row is None else row * LOG2E)
 
@@ -275,12 +340,12 @@ class OptimalPositiveRF(_DenseExponentialRF):
                 raise ValueError(f"A must be < 1/8 (finite variance; unbiased needs 1 - 4A > 0), got {A}")
         super().__init__(dim, num_features, **kwargs)
         self.A = None if A is None else float(A)
-        self.A_ = torch.tensor(0.0 if A is None else float(A), dtype=torch.float64)
+        self._fitted_buffers(A_=torch.tensor(0.0 if A is None else float(A), dtype=torch.float64))
 
     @property
     def fitted(self) -> bool:
         """Whether `A_` was chosen from data (always true for a fixed ``A``)."""
-        return self.A is not None or getattr(self, "_fitted", False)
+        return self.A is not None or bool(self.fitted_)
 
     def fit(self, q: torch.Tensor, k: torch.Tensor) -> OptimalPositiveRF:
         r"""Set $A = A^*(\bar t)$ per batch element from queries and keys (no-op for a fixed ``A``).
@@ -296,11 +361,10 @@ class OptimalPositiveRF(_DenseExponentialRF):
         self
         """
         qd, kd = _check_qk(self, q, k)
+        tb = _t_bar(type(self).__name__, qd, kd)  # validates q and k also for a fixed A
         if self.A is None:
-            tb = _t_bar(qd, kd)
-            _finite(type(self).__name__, tb)
             self.A_ = optimal_A(tb, self.dim)
-            self._fitted = True
+            self.fitted_.fill_(True)
         return self
 
     def _weights(self, xc, key):
@@ -309,7 +373,7 @@ class OptimalPositiveRF(_DenseExponentialRF):
         one4 = 1.0 - 4.0 * A
         wn2 = torch.einsum("...rd,...rd->...r", W, W)  # (*bs, r)
         Weff = W * torch.sqrt(one4).to(xc.dtype)[..., None, None]
-        a = A.to(xc.dtype)[..., None] * wn2
+        a = A.to(xc.dtype)[..., None] * wn2  # A |w_i|^2
         logc = 0.25 * self.dim * torch.log(one4) - 0.5 * math.log(self.num_features)
         return Weff, a, -_sqnorm_half(xc) + logc[..., None]
 
@@ -373,8 +437,9 @@ class SADERF(_DenseExponentialRF):
             raise ValueError(f"scaling must be 'optimal' or 'reciprocal', got {scaling!r}")
         super().__init__(dim, num_features, **kwargs)
         self.scaling = scaling
-        self.psi_ = torch.ones(self.dim, dtype=torch.float64)
-        self.A_ = torch.tensor(0.0, dtype=torch.float64)
+        self._fitted_buffers(
+            psi_=torch.ones(self.dim, dtype=torch.float64), A_=torch.tensor(0.0, dtype=torch.float64)
+        )
 
     def fit(self, q: torch.Tensor, k: torch.Tensor) -> SADERF:
         r"""Set $\Psi$ and $A$ from queries and keys (per batch element).
@@ -392,7 +457,7 @@ class SADERF(_DenseExponentialRF):
         # per-dimension energies (..., d), accumulated in the inputs' precision, then float64
         ex = torch.linalg.vector_norm(qd, dim=-2).double() ** 2 / qd.shape[-2]
         ey = torch.linalg.vector_norm(kd, dim=-2).double() ** 2 / kd.shape[-2]
-        _finite(type(self).__name__, ex, ey, qd.mean(-2), kd.mean(-2))
+        _finite(type(self).__name__, q=(ex,), k=(ey,))
         ok = (ex > 0) & (ey > 0)
         ratio = torch.where(ok, ey / torch.where(ok, ex, 1.0), 1.0)
         if self.scaling == "reciprocal":
@@ -405,7 +470,9 @@ class SADERF(_DenseExponentialRF):
         # + 2 mean(x) . mean(y) (the cross term is invariant)
         cross = (qd.mean(-2).double() * kd.mean(-2).double()).sum(-1)
         tb = (psi * psi * ex).sum(-1) + (ey / (psi * psi)).sum(-1) + 2.0 * cross
-        self.A_ = optimal_A(tb, self.dim)
+        # >= 0 exactly (a mean of |Psi q_i + Psi^-1 k_j|^2); rounding can leave -1e-17 at k = -q
+        self.A_ = optimal_A(tb.clamp_min(0.0), self.dim)
+        self.fitted_.fill_(True)
         return self
 
     def _weights(self, xc, key):
@@ -470,8 +537,9 @@ class SDERF(_DenseExponentialRF):
 
     def __init__(self, dim: int, num_features: int, **kwargs) -> None:
         super().__init__(dim, num_features, **kwargs)
-        self.Q_ = torch.eye(self.dim, dtype=torch.float64)
-        self.A_ = torch.zeros(self.dim, dtype=torch.float64)
+        self._fitted_buffers(
+            Q_=torch.eye(self.dim, dtype=torch.float64), A_=torch.zeros(self.dim, dtype=torch.float64)
+        )
 
     def fit(self, q: torch.Tensor, k: torch.Tensor) -> SDERF:
         r"""Set $Q$ and $A_l$ from queries and keys (one ``eigh`` per batch element).
@@ -489,12 +557,13 @@ class SDERF(_DenseExponentialRF):
         mx, my = qd.mean(-2).double(), kd.mean(-2).double()  # (..., d)
         Mx = (qd.mT @ qd).double() / qd.shape[-2]  # second moments: d x d GEMMs in the input precision
         My = (kd.mT @ kd).double() / kd.shape[-2]
-        _finite(type(self).__name__, Mx, My, mx, my)
+        _finite(type(self).__name__, q=(Mx,), k=(My,))
         cross = mx.unsqueeze(-1) * my.unsqueeze(-2)
         P = Mx + My + cross + cross.mT
         sigma, Q = torch.linalg.eigh(P)
-        self.Q_ = Q
+        self.Q_ = Q.contiguous()  # eigh returns a column-major Q; a loaded buffer is row-major
         self.A_ = optimal_A(sigma.clamp_min(0.0), 1)
+        self.fitted_.fill_(True)
         return self
 
     def _weights(self, xc, key):

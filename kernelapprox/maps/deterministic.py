@@ -1,11 +1,13 @@
-r"""Deterministic feature maps for $e^{q^\top k}$: the second-order Taylor map of Based and
-the Nyström map on landmarks.
+r"""Deterministic feature maps for $e^{q^\top k}$: elu+1 and ReLU of linear attention, the
+second-order Taylor map of Based and the Nyström map on landmarks.
 
+- ``EluFeatures``: $\varphi(x)$: $\mathrm{elu}(x) + 1$; ``feature_dim``: $d$; exact for: —
+- ``ReluFeatures``: $\varphi(x)$: $\max(x, 0)$; ``feature_dim``: $d$; exact for: —
 - ``TaylorFeatures``: $\varphi(x)$: $[1,\ x,\ (x_ix_j)_{i<j},\ (x_i^2/\sqrt2)_i]$; ``feature_dim``: $1+d+d(d+1)/2$; exact for: —
 - ``NystromFeatures``: $\varphi(x)$: $G^{-1/2}\,[e^{l_i^\top x - \|l_i\|^2/2}]_{i=1}^m$; ``feature_dim``: $m$; exact for: keys = landmarks
 
-Neither is random: Taylor features are a fixed polynomial, Nyström features a fixed function of
-their landmarks (chosen from the data by `NystromFeatures.fit`). Both are biased
+None is random: elu+1 and ReLU are fixed pointwise functions, Taylor features are a fixed polynomial, Nyström features a fixed function of
+their landmarks (chosen from the data by `NystromFeatures.fit`). All are biased
 estimators of $e^{q^\top k}$; `kernelapprox.theory.deterministic_error` gives their
 error exactly.
 
@@ -20,6 +22,8 @@ References
 - [WS01] C. K. I. Williams, M. Seeger. "Using the Nyström Method to Speed Up Kernel Machines",
    NIPS 2001.
 - [AV07] D. Arthur, S. Vassilvitskii. "k-means++: The Advantages of Careful Seeding", SODA 2007.
+- [Kat20] A. Katharopoulos, A. Vyas, N. Pappas, F. Fleuret. "Transformers are RNNs", ICML 2020.
+- [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021, arXiv:2009.14794.
 """
 
 from __future__ import annotations
@@ -30,18 +34,19 @@ from typing import Any
 
 import torch
 
-from ._validation import (
+from .._logdomain import _op_into
+from .._validation import (
     as_batch_shape,
     broadcast_batch,
     check_floating,
     check_last_dim,
     check_positive_int,
 )
-from .features import FeatureMap, _DeterministicMap, _op_into
-from .registry import register_estimator
-from .samplers import make_generator
+from ..registry import register_estimator
+from ..samplers import make_generator
+from .base import FeatureMap
 
-__all__ = ["TaylorFeatures", "NystromFeatures"]
+__all__ = ["EluFeatures", "ReluFeatures", "TaylorFeatures", "NystromFeatures"]
 
 
 # ---------------------------------------------------------------------------------------- Taylor
@@ -49,6 +54,54 @@ __all__ = ["TaylorFeatures", "NystromFeatures"]
 
 def _taylor_dim(r: int, d: int) -> int:
     return 1 + d + d * (d + 1) // 2
+
+
+class _DeterministicMap(FeatureMap):
+    """Deterministic maps: no projection, ``num_features = feature_dim = dim``.
+
+    The constructor takes the random maps' arguments (``num_features``, ``sampler``, ``seed``,
+    ``generator``, ``batch_shape``, ``device``, ``dtype``) so that generic code can build any map
+    the same way; they have no effect here (there is nothing to draw), and ``redraw`` is a no-op.
+    """
+
+    is_random = False
+
+    def __init__(
+        self,
+        dim: int,
+        num_features: int | None = None,
+        *,
+        sampler: object = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        batch_shape: tuple[int, ...] = (),
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim = check_positive_int("dim", dim)
+        if num_features is not None:
+            check_positive_int("num_features", num_features)
+        as_batch_shape(batch_shape)
+        self.num_features = self.dim
+        self.batch_shape = ()
+
+
+    def _phi(self, xc: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x):
+        xc, out_dtype = self._prepare("x", x)
+        return self._phi(xc).to(out_dtype)
+
+    def log_features(self, x, shared=False):
+        xc, _ = self._prepare("x", x)
+        f = self._phi(xc)
+        shape = (*f.shape[:-2], 1) if shared else f.shape[:-1]
+        return f, f.new_zeros(shape)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
 
 
 class TaylorFeatures(_DeterministicMap):
@@ -235,8 +288,13 @@ class NystromFeatures(FeatureMap):
     seeding on the keys, from a seed fixed at construction, so a fit is a deterministic function of
     the keys). Keys of shape ``(..., n, d)`` give landmarks of shape
     ``(*broadcast(k.shape[:-2], batch_shape), m, d)`` (per head and per batch element), and
-    ``batch_shape`` becomes those leading dimensions. A tensor ``landmarks`` is used as given,
-    and `fit` leaves it alone.
+    ``batch_shape`` becomes those leading dimensions; ``batch_shape`` in that rule is always the
+    one the map was built with, so a fitted map refits on batches of any size (a smaller last
+    batch). ``load_state_dict`` follows the same rule: fitted landmarks ``(*lead, m, d)`` load
+    into a map built the same way (``lead`` must broadcast its built ``batch_shape``, else the
+    usual size-mismatch error), which then has ``batch_shape = lead``. A tensor ``landmarks`` is
+    used as given, and `fit` leaves it alone. `fit` rejects non-finite ``q`` or ``k``
+    (``ValueError``).
 
     Before `fit` (choice). Every registered estimator can be built and called as is
     (``ka.get_estimator(name).build(d, r, seed=...)``, which the generic code and the studies
@@ -357,6 +415,8 @@ class NystromFeatures(FeatureMap):
         self.register_buffer("landmarks_", L)
         # a buffer, so that a loaded state dict carries it along with the landmarks
         self.register_buffer("fitted_", torch.tensor(fitted, device=L.device))
+        #: the batch_shape the map was built with: every fit broadcasts the keys against it
+        self._built_batch_shape = tuple(self.batch_shape)
 
     @property
     def fitted(self) -> bool:
@@ -377,9 +437,11 @@ class NystromFeatures(FeatureMap):
         for name, x in (("q", q), ("k", k)):
             check_floating(name, x)
             check_last_dim(name, x, self.dim)
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError(f"NystromFeatures.fit needs finite {name}, got {name} with a NaN or Inf entry")
         if isinstance(self.landmarks, torch.Tensor):
             return self  # given landmarks are kept
-        lead = broadcast_batch("k", k.shape[:-2], self.batch_shape)
+        lead = broadcast_batch("k", k.shape[:-2], self._built_batch_shape)
         m, n = self.num_features, int(k.shape[-2])
         kk = k.detach().to(torch.float64)
         if self.landmarks == "segment-means":
@@ -402,6 +464,29 @@ class NystromFeatures(FeatureMap):
         self.batch_shape = tuple(lead)
         self.fitted_.fill_(True)
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Fitted landmarks have the leading shape of the data they were fitted on (the rule of
+        # `fit`): a map built the same way takes that shape from the state dict.
+        L = state_dict.get(prefix + "landmarks_")
+        if isinstance(L, torch.Tensor) and L.shape != self.landmarks_.shape:
+            lead = tuple(L.shape[:-2])
+            ok = L.dim() >= 2 and tuple(L.shape[-2:]) == tuple(self.landmarks_.shape[-2:])
+            try:
+                ok = ok and torch.broadcast_shapes(lead, self._built_batch_shape) == torch.Size(lead)
+            except RuntimeError:
+                ok = False
+            if not ok:
+                error_msgs.append(
+                    f"size mismatch for {prefix}landmarks_: expected (*lead, {self.num_features}, {self.dim}) "
+                    f"with lead broadcasting the map's batch_shape {self._built_batch_shape}, got {tuple(L.shape)}"
+                )
+                return
+            self.landmarks_ = torch.empty(L.shape, dtype=self.landmarks_.dtype, device=self.landmarks_.device)
+            self.batch_shape = lead
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def _whitener(self) -> tuple[torch.Tensor, torch.Tensor]:
         r"""``(W, h)``: $G^{-1/2}$ (..., m, m) and $\|l_i\|^2/2$ (..., m), float64, cached
@@ -500,3 +585,50 @@ class NystromFeatures(FeatureMap):
 
 
 register_estimator(NystromFeatures, name="nystrom", label="Nyström", feature_dim="r")
+
+
+class EluFeatures(_DeterministicMap):
+    r"""The elu+1 map of linear attention [Kat20]_: $\varphi(x) = \mathrm{elu}(x) + 1$.
+
+    Deterministic (no projection; ``redraw`` is a no-op), positive, ``feature_dim = d``: maps
+    x (..., n, d) to (..., n, d). Computed
+    branch-wise as $x + 1$ for $x \ge 0$ and $e^{x}$ below, so it does not
+    round to 0 in bfloat16 for $x \le -8$ (flash-linear-attention issue #1261). As an
+    estimator of $\exp(q^\top k)$ it is biased; `kernelapprox.theory.deterministic_error`
+    gives the error.
+
+    Examples
+    --------
+    >>> EluFeatures(4)(torch.tensor([[-1.0, 0.0, 1.0, 2.0]]))
+    tensor([[0.3679, 1.0000, 2.0000, 3.0000]])
+    """
+
+    positive = True
+
+    def _phi(self, xc):
+        return torch.where(xc >= 0, xc + 1, torch.exp(torch.clamp(xc, max=0)))
+
+
+register_estimator(EluFeatures, name="elu", label="elu+1", feature_dim="d")
+
+
+class ReluFeatures(_DeterministicMap):
+    r"""The ReLU map $\varphi(x) = \max(x, 0)$ (Performer-ReLU, [Cho21]_ App. A.4).
+
+    Deterministic, non-negative, ``feature_dim = d``: maps x (..., n, d) to (..., n, d). Rows can
+    be all zero, so attention
+    denominators can vanish; `kernelapprox.linear_attention` guards them.
+
+    Examples
+    --------
+    >>> ReluFeatures(3)(torch.tensor([[-1.0, 0.5, 2.0]]))
+    tensor([[0.0000, 0.5000, 2.0000]])
+    """
+
+    positive = True
+
+    def _phi(self, xc):
+        return torch.relu(xc)
+
+
+register_estimator(ReluFeatures, name="relu", label="relu", feature_dim="d")

@@ -31,10 +31,11 @@ from typing import Any, cast
 
 import torch
 
-from ._validation import check_floating, check_positive_int, inputs_validated
-from .features import RandomFeatureMap, _grad, _sqnorm_half
-from .registry import register_estimator
-from .samplers import Sampler
+from .._logdomain import _grad, _sqnorm_half
+from .._validation import check_floating, check_positive_int, inputs_validated
+from ..registry import register_estimator
+from ..samplers import Sampler
+from .base import RandomFeatureMap
 
 __all__ = ["HybridRF", "default_num_angular"]
 
@@ -333,7 +334,10 @@ class HybridRF(RandomFeatureMap):
 
         Equal to $\varphi(q)^\top\psi(k)$ up to rounding; $\hat\lambda$ is exact
         (integer sign sums) and each part is formed in the log domain, so the estimate is exact at
-        $k = q$ and $k = -q$ at any norm.
+        $k = q$ and $k = -q$ at any norm. Wherever $\hat\lambda < 1$ the estimate carries the
+        sin/cos part's noise, of size $e^{(\|q\|^2+\|k\|^2)/2}/\sqrt r$: a float32 result is
+        then ``inf`` from $\|q\|^2 + \|k\|^2 \approx 180$ on (the estimate itself exceeds the
+        float32 range) even where $e^{q^\top k}$ does not; pass float64 inputs there.
 
         Parameters
         ----------
@@ -352,9 +356,17 @@ class HybridRF(RandomFeatureMap):
             hq, tq, sq, aq, bq = self._parts(self._prepare("q", q.to(cdt))[0])
             hk, tk, sk, ak, bk = self._parts(self._prepare("k", k.to(cdt))[0])
         lam = 0.5 - torch.matmul(sq, sk.mT) / (2 * self.num_angular)  # exact: integer sums
-        A = _times_exp(torch.matmul(hq, hk.mT), aq.unsqueeze(-1) + ak.unsqueeze(-2))
-        B = _times_exp(torch.matmul(tq, tk.mT), bq.unsqueeze(-1) + bk.unsqueeze(-2))
-        return (lam * A + (1 - lam) * B).to(out_dtype)
+        la = aq.unsqueeze(-1) + ak.unsqueeze(-2)
+        lb = bq.unsqueeze(-1) + bk.unsqueeze(-2)
+        wa, wb = lam, 1 - lam  # the weights of the hyperbolic part A and the sin/cos part B
+        # one log scale per pair, that of the parts with a non-zero weight (at lam in {0, 1} the
+        # other part's scale may overflow alone: 0 * inf), then wa A + wb B in the log domain
+        with torch.no_grad():
+            L = torch.where(wb == 0, la, torch.where(wa == 0, lb, torch.maximum(la, lb)))
+        sa = wa * torch.exp((la - L).clamp(max=0.0)).to(lam.dtype)
+        sb = wb * torch.exp((lb - L).clamp(max=0.0)).to(lam.dtype)
+        S = sa * torch.matmul(hq, hk.mT) + sb * torch.matmul(tq, tk.mT)
+        return _times_exp(S, L).to(out_dtype)
 
     def extra_repr(self) -> str:
         return f"num_angular={self.num_angular}, " + super().extra_repr()

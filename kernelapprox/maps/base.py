@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
 
-from ._validation import (
+from .._validation import (
     as_batch_shape,
     broadcast_batch,
     check_floating,
@@ -51,63 +51,26 @@ from ._validation import (
     no_autocast,
     validation_skipped,
 )
-from .registry import Estimator, _rule_for, estimator_of, register_estimator
-from .samplers import (
+from ..samplers import (
     DenseProjection,
     GivenSampler,
     Projection,
     Sampler,
-    _dense_apply,
     get_sampler,
     make_generator,
 )
 
-__all__ = [
-    "FeatureMap",
-    "RandomFeatureMap",
-    "TrigRF",
-    "PositiveRF",
-    "HyperbolicRF",
-    "EluFeatures",
-    "ReluFeatures",
-]
+if TYPE_CHECKING:  # pragma: no cover
+    from ..registry import Estimator
+
+__all__ = ["FeatureMap", "RandomFeatureMap"]
+
+_MISSING = object()
 
 
-#: $\log_2 e$: the exponential maps evaluate $e^u = 2^{u \log_2 e}$ with their exponents in base 2,
-#: because ``torch.exp2`` is 2.5x faster than ``torch.exp`` on CPU (float32, AVX-512, 2 threads:
-#: 0.15 against 0.43 ns per element; float64 0.43 against 0.82; ``studies.bench_core`` prints
-#: both) while as accurate (<= 1 ulp). The factor is folded into the GEMM (its ``alpha``, or the
-#: r x d weight), so it costs no pass over the (n, r) features.
-LOG2E = 1.4426950408889634
-
-
-def _project2(proj: Projection, xc: torch.Tensor) -> torch.Tensor:
-    r"""$\log_2(e)\, x W^\top$: the projection in base-2 exponent units, so that
-    $e^{w^\top x} = 2^{u}$ (x (..., n, d) -> (*broadcast(..., batch_shape), n, r)).
-
-    The factor scales the smaller GEMM operand, never the (n, r) output: $W$ (r x d) for
-    attention-sized inputs, ``x`` for a batch of draws against a few rows (the Monte Carlo
-    layout, where $W$ is (S, r, d)) and for a projection without a dense $W$ (SORF above
-    ``dense_max_dim``). Either way one rounding of the scaled operand (<= 1/2 ulp) is added."""
-    W = proj.gemm_weight(xc.dtype)
-    if W is None:
-        return proj(xc * LOG2E)
-    return _dense_apply(*_log2e_operands(W, xc))
-
-
-def _log2e_operands(W: torch.Tensor, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(W, xc)`` with the smaller of the two multiplied by ``LOG2E`` (see `_project2`)."""
-    return (W * LOG2E, xc) if W.numel() <= xc.numel() else (W, xc * LOG2E)
-
-
-def _sqnorm_half(x: torch.Tensor) -> torch.Tensor:
-    """$\\|x\\|^2/2$, shape (..., n), returned in float64.
-
-    A per-row vector, so float64 costs nothing here, while a float32 log scale of
-    $\\|x\\|^2/2 = 50$ would carry a rounding of ~3e-6 into every kernel entry. The dot
-    product is accumulated in the input's precision (a batched dot, not an upcast copy of ``x``).
-    """
-    return 0.5 * torch.einsum("...d,...d->...", x, x).double()
+def _params_match(fm: object, params: Any) -> bool:
+    """Whether ``fm``'s attributes equal the constructor ``params`` that select an estimator."""
+    return all(getattr(fm, k, _MISSING) == v for k, v in params.items())
 
 
 class FeatureMap(nn.Module):
@@ -148,6 +111,9 @@ class FeatureMap(nn.Module):
     #: an indefinite kernel) set it false and override `key_log_features`; every key-side
     #: computation of the library goes through `key_log_features` / `key_features`.
     symmetric: ClassVar[bool] = True
+    #: The estimators registered for exactly this class (one per selecting ``params``), kept
+    #: in the class's own ``__dict__`` by `kernelapprox.register_estimator`; empty until then.
+    registrations: ClassVar[tuple[Estimator, ...]] = ()
 
     dim: int
     num_features: int
@@ -163,19 +129,35 @@ class FeatureMap(nn.Module):
     # ------------------------------------------------------------------ identity
     @property
     def estimator(self) -> Estimator:
-        """The registered identity of this map (`kernelapprox.estimator_of`)."""
-        return estimator_of(self)
+        """The registered identity of this map (`kernelapprox.estimator_of`).
+
+        Read from `registrations` of the map's own class (exact class, params matching): a
+        subclass of a registered map is a different estimator until registered itself.
+        """
+        for est in type(self).__dict__.get("registrations", ()):
+            if _params_match(self, est.params):
+                return est
+        raise LookupError(
+            f"{type(self).__name__} is not a registered estimator (a subclass of a registered map is a "
+            "different estimator); register it once with ka.register_estimator("
+            f"{type(self).__name__}, name=...)"
+        )
 
     @property
     def feature_dim(self) -> int:
-        """Length ``F`` of $\\varphi(x)$: the registered rule of the estimator at ``(r, d)``."""
-        est = _rule_for(self)
-        if est is None:
-            raise NotImplementedError(
-                f"{type(self).__name__} is not registered: register it with "
-                "ka.register_estimator(..., feature_dim=...) or define a feature_dim property"
-            )
-        return est.feature_dim(self.num_features, self.dim)
+        """Length ``F`` of $\\varphi(x)$: the registered rule of the estimator at ``(r, d)``.
+
+        The rule of the map's own registration, else that of the nearest registered base class
+        with matching params (``feature_dim`` is structural, so it is inherited).
+        """
+        for klass in type(self).__mro__:
+            for est in klass.__dict__.get("registrations", ()):
+                if _params_match(self, est.params):
+                    return est.feature_dim(self.num_features, self.dim)
+        raise NotImplementedError(
+            f"{type(self).__name__} is not registered: register it with "
+            "ka.register_estimator(..., feature_dim=...) or define a feature_dim property"
+        )
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -202,6 +184,7 @@ class FeatureMap(nn.Module):
 
         Examples
         --------
+        >>> from kernelapprox import PositiveRF
         >>> PositiveRF(4, 8, sampler="orthogonal", seed=0).get_params()["sampler"]
         OrthogonalSampler(norms='chi')
         """
@@ -403,6 +386,7 @@ class FeatureMap(nn.Module):
 
         Examples
         --------
+        >>> from kernelapprox import PositiveRF
         >>> fm = PositiveRF(dim=4, num_features=64, seed=0)
         >>> q, k = torch.randn(5, 4) / 2, torch.randn(7, 4) / 2
         >>> fm.kernel(q, k).shape
@@ -538,6 +522,7 @@ class RandomFeatureMap(FeatureMap):
 
         Examples
         --------
+        >>> from kernelapprox import PositiveRF
         >>> W = torch.randn(16, 4, dtype=torch.float64)
         >>> fm = PositiveRF.from_projection(W, sampler="gaussian")
         >>> fm.num_features, fm.weight.dtype
@@ -576,6 +561,7 @@ class RandomFeatureMap(FeatureMap):
 
         Examples
         --------
+        >>> from kernelapprox import PositiveRF
         >>> fm = PositiveRF(4, 8, seed=0)
         >>> W = fm.weight
         >>> _ = fm.redraw(seed=1)
@@ -597,506 +583,3 @@ class RandomFeatureMap(FeatureMap):
         if self.batch_shape:
             s += f", batch_shape={self.batch_shape}"
         return s
-
-
-class PositiveRF(RandomFeatureMap):
-    r"""Positive random features (FAVOR+) [Cho21]_ Lemma 1.
-
-    $$
-    \varphi(x) = \frac{e^{-\|x\|^2/2}}{\sqrt r}\,\big[e^{w_1^\top x}, \dots, e^{w_r^\top x}\big],
-    \qquad \mathbb E\,\varphi(x)^\top\varphi(y) = e^{x^\top y}.
-    $$
-
-    ``feature_dim = r``. MSE (iid): $\frac1r e^{\|x+y\|^2}\mathrm{SM}^2(1-e^{-\|x+y\|^2})$
-    (`kernelapprox.theory.positive_mse`). Stabilised form: per-row max of
-    $w^\top x - \|x\|^2/2$ subtracted (queries), one max per sequence for keys. Evaluated as
-    $2^{\log_2(e)(\cdot)}$: `LOG2E` folded into the GEMM, then ``exp2`` in place (``exp2`` is
-    2.5x faster than ``exp`` on CPU and as accurate).
-
-    Parameters are those of `RandomFeatureMap`.
-
-    Examples
-    --------
-    >>> fm = PositiveRF(dim=64, num_features=256, sampler="orthogonal", seed=0)
-    >>> x = torch.randn(2, 8, 100, 64) / 64 ** 0.25
-    >>> fm(x).shape
-    torch.Size([2, 8, 100, 256])
-    """
-
-    positive = True
-
-
-    def _bias(self, xc: torch.Tensor) -> torch.Tensor:
-        return -_sqnorm_half(xc) - 0.5 * math.log(self.num_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xc, out_dtype = self._prepare("x", x)
-        # 2^(log2(e) (xW^T + c)): one addmm with log2(e) as alpha and the row bias, times
-        # log2(e), as its C (_affine_rows scales the (n,) vector, so the addmm runs with beta 1),
-        # then exp2 in place (1.10-1.15x the bare GEMM on a 2-core CPU, against 1.33 for
-        # matmul, add and exp: torch.exp2 is 2.5x faster than torch.exp there).
-        c = self._bias(xc)
-        u = _affine_rows(self.projection, xc, c, beta=LOG2E, alpha=LOG2E)
-        if u is None:  # batched or transform projections
-            u = _project2(self.projection, xc)
-            c2 = (c * LOG2E).to(u.dtype).unsqueeze(-1)
-            u = u + c2 if _grad(u, c2) else u.add_(c2)
-        return (torch.exp2(u) if _grad(u) else u.exp2_()).to(out_dtype)
-
-    def log_features(self, x, shared=False):
-        xc, _ = self._prepare("x", x)
-        u = _project2(self.projection, xc)
-        with torch.no_grad():
-            m = u.amax(dim=-1)
-        return _exp_shifted(u, m, self._bias(xc), shared, base2=True)
-
-    def query_features(self, x):
-        xc, _ = self._prepare("x", x)
-        u = _project2(self.projection, xc)
-        with torch.no_grad():
-            m = u.amax(dim=-1, keepdim=True)
-        return torch.exp2(u - m) if _grad(u) else u.sub_(m).exp2_()
-
-    def _fresh_key_features(self) -> bool:
-        # log_features returns the projection's fresh output; a subclass that overrides how
-        # features are computed does not inherit the promise (nor _query_features_into)
-        cls = type(self)
-        return all(getattr(cls, m) is getattr(PositiveRF, m)
-                   for m in ("log_features", "key_log_features", "query_features", "_query_features_into"))
-
-    def _query_features_into(self, x, buf):
-        if not PositiveRF._fresh_key_features(self):
-            return self.query_features(x)
-        xc, _ = self._prepare("x", x)
-        lead = torch.broadcast_shapes(xc.shape[:-2], self.batch_shape)
-        shape = (*lead, xc.shape[-2], self.num_features)
-        numel = math.prod(shape)
-        if (
-            buf is None or buf.dtype != xc.dtype or buf.device != xc.device or not buf.is_contiguous()
-            or buf.numel() < numel or _grad(xc, *self.projection.buffers()) or torch.compiler.is_compiling()
-        ):
-            return self.query_features(x)
-        u = self.projection.project_into(xc, buf.view(-1)[:numel].view(shape), scale=LOG2E)
-        return u.sub_(u.amax(dim=-1, keepdim=True)).exp2_()
-
-
-register_estimator(
-    PositiveRF, name="positive", label="positive", feature_dim="r",
-    theory="kernelapprox.theory.moments:POSITIVE_THEORY",
-)
-
-
-def _grad(*ts: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
-
-
-def _affine_rows(
-    proj: Projection,
-    xc: torch.Tensor,
-    c: torch.Tensor,
-    out: torch.Tensor | None = None,
-    beta: float = 1.0,
-    alpha: float = 1.0,
-) -> torch.Tensor | None:
-    r"""$u = \alpha\, x W^\top + \beta\, c\,\mathbf 1^\top$ as one ``addmm`` (the row bias is the GEMM's
-    $C$ input, so no separate pass adds it), when the projection is one dense 2-D $W$ (dense, or
-    a small SORF through its cached $W$); ``None`` otherwise (batched projections, large SORF).
-
-    Parameters
-    ----------
-    proj : Projection
-    xc : Tensor, shape (..., n, d)
-        Prepared input (compute dtype).
-    c : Tensor, shape (..., n)
-        Row bias (any floating dtype; cast to ``xc.dtype``).
-    out : Tensor, shape (N, r), optional
-        Where to write $u$ (``N`` the number of rows of ``xc``; may be a strided view), without
-        autograd; ignored when autograd records or under ``torch.compile``.
-    beta : float, default 1
-        Factor of the bias.
-    alpha : float, default 1
-        Factor of the product (``LOG2E`` for base-2 exponents).
-
-    Returns
-    -------
-    Tensor, shape (..., n, r) (``out`` itself when given and used), or ``None``.
-    """
-    W = proj.gemm_weight(xc.dtype)
-    if W is None or W.dim() != 2:
-        return None
-    d, r = xc.shape[-1], W.shape[-2]
-    x2 = xc.reshape(-1, d)
-    # beta applied to the (n,) vector here, not by addmm: an addmm with beta != 1 costs an extra
-    # pass over its (n, r) output (measured 1.05-1.12x the bare GEMM, against 0.92-0.96 with beta 1)
-    c2 = (c if beta == 1.0 else c * beta).to(xc.dtype).reshape(-1, 1)
-    if out is not None and not _grad(x2, c2, W) and not torch.compiler.is_compiling():
-        return torch.addmm(c2, x2, W.mT, alpha=alpha, out=out)
-    return torch.addmm(c2, x2, W.mT, alpha=alpha).view(*xc.shape[:-1], r)
-
-
-def _op_into(op: Any, out: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """``op(*args, out=out, **kwargs)``: the result written into ``out`` (often a strided slice of
-    a larger buffer). Under ``torch.compile``, where an ``out=`` into a non-contiguous tensor
-    breaks the graph, the same values are computed then copied in (the compiler fuses the copy)."""
-    if torch.compiler.is_compiling():
-        return out.copy_(op(*args, **kwargs))
-    return op(*args, out=out, **kwargs)
-
-
-def _exp_shifted(
-    u: torch.Tensor, m: torch.Tensor, c: torch.Tensor, shared: bool, base2: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Stabilised $\exp(u + c)$ for $\log\varphi = u + c$ (``u`` (..., n, F), ``c`` (..., n)).
-
-    ``m`` (..., n) is the (detached) row max of ``u``. Per row: ``f = exp(u - m)``,
-    ``log_scale = m + c``. Shared: ``M = max_rows(m + c)`` (detached), ``f = exp(u + c - M)``,
-    ``log_scale = M``. The bias ``c`` keeps its gradient; the shifts are constants.
-
-    With ``base2``, ``u`` and ``m`` are in base-2 units ($\log_2 e$ times the natural exponent,
-    from `_project2`) and ``f = exp2(u - shift)``; ``c`` and ``log_scale`` stay natural logs.
-    """
-    if c.shape != m.shape:
-        c = c.expand(m.shape)
-    k = LOG2E if base2 else 1.0
-    m_nat = m.to(c.dtype) / k if base2 else m
-    if shared:
-        with torch.no_grad():
-            M = (m_nat + c).amax(dim=-1, keepdim=True)
-        # shift = M - c (in u's units), written as m - ((m + c) - M): exactly m on the row
-        # attaining M (so its features stay <= 1 also where |c| >> |m| would cancel m out of
-        # M - c); carries the gradient of c.
-        d = (m_nat + c) - M
-        shift = (m - (d * k if base2 else d)).to(u.dtype)
-        ls = M
-    else:
-        shift = m
-        ls = m_nat.to(c.dtype) + c
-    exp, exp_ = (torch.exp2, torch.Tensor.exp2_) if base2 else (torch.exp, torch.Tensor.exp_)
-    if _grad(u, shift):
-        f = exp(u - shift.unsqueeze(-1))
-    else:
-        f = exp_(u.sub_(shift.unsqueeze(-1)))
-    return f, ls
-
-
-
-class HyperbolicRF(RandomFeatureMap):
-    r"""Hyperbolic (antithetic positive) random features [Cho21]_ Lemma 2 / §2.4.
-
-    $$
-    \varphi(x) = \frac{e^{-\|x\|^2/2}}{\sqrt{2r}}\,\big[e^{Wx}, e^{-Wx}\big],\qquad
-    \hat K = \frac{e^{-(\|x\|^2+\|y\|^2)/2}}{r}\sum_i \cosh\big(w_i^\top(x+y)\big).
-    $$
-
-    ``feature_dim = 2r``. MSE (iid): $\tfrac12(1-e^{-\|x+y\|^2})$ times that of
-    `PositiveRF` with the same ``r`` (`kernelapprox.theory.hyperbolic_mse`).
-
-    Examples
-    --------
-    >>> fm = HyperbolicRF(dim=8, num_features=32, seed=0)
-    >>> fm(torch.randn(10, 8)).shape
-    torch.Size([10, 64])
-    """
-
-    positive = True
-
-
-    def _bias(self, xc: torch.Tensor) -> torch.Tensor:
-        return -_sqnorm_half(xc) - 0.5 * math.log(2 * self.num_features)
-
-    @staticmethod
-    def _pm(u: torch.Tensor) -> torch.Tensor:
-        """``[u, -u]`` along the last dim."""
-        if _grad(u):
-            return torch.cat((u, -u), dim=-1)
-        r = u.shape[-1]
-        out = u.new_empty(*u.shape[:-1], 2 * r)
-        out[..., :r] = u
-        _op_into(torch.neg, out[..., r:], u)
-        return out
-
-    def forward(self, x):
-        xc, out_dtype = self._prepare("x", x)
-        W = self.projection.gemm_weight(xc.dtype)
-        if torch.compiler.is_compiling():
-            # one GEMM with [W; -W], then the bias and the exp as one fused epilogue over 2r
-            # columns: 2.2x the r-wide GEMM compiled, where the addmm/cat forms below compiled to
-            # 3.4-3.9x (inductor does not fuse the concatenation into the exp)
-            c = (self._bias(xc) * LOG2E).unsqueeze(-1)
-            if W is not None:
-                u = _dense_apply(torch.cat((W, -W), dim=-2) * LOG2E, xc)
-            else:
-                u = self._pm(_project2(self.projection, xc))
-            return torch.exp2(u + c.to(u.dtype)).to(out_dtype)
-        if W is not None and W.dim() == 2:
-            # Base 2 (LOG2E): [L(u + c), L(c - u)], c = -(|x|^2 + log 2r)/2 = -C/2: L(u + c) from
-            # one addmm (bias folded in with beta = -L/2, alpha = L) and L(c - u) = -L C - L(u + c),
-            # then one exp2 over the whole (..., n, 2r) buffer: no copies, no cat.
-            r = self.num_features
-            C = torch.einsum("...d,...d->...", xc, xc).add_(math.log(2 * r))
-            negC = (C * -LOG2E).reshape(-1, 1)
-            if _grad(xc, C, W):
-                a = _affine_rows(self.projection, xc, C, beta=-0.5 * LOG2E, alpha=LOG2E)
-                if a is None:  # unreachable: W is one dense 2-D matrix here
-                    raise RuntimeError("HyperbolicRF: the dense projection path lost its GEMM weight")
-                a = a.reshape(-1, r)
-                o = torch.cat((a, negC - a), dim=-1)
-            else:
-                o = xc.new_empty(negC.shape[0], 2 * r)
-                a = _affine_rows(self.projection, xc, C, out=o[:, :r], beta=-0.5 * LOG2E, alpha=LOG2E)
-                if a is None:  # unreachable: W is one dense 2-D matrix here
-                    raise RuntimeError("HyperbolicRF: the dense projection path lost its GEMM weight")
-                torch.sub(negC, a, out=o[:, r:])
-            return (torch.exp2(o) if _grad(o) else o.exp2_()).view(*xc.shape[:-1], 2 * r).to(out_dtype)
-        c = self._bias(xc)
-        u = self._pm(_project2(self.projection, xc))
-        c = (c * LOG2E).to(u.dtype).unsqueeze(-1)
-        if _grad(u, c):
-            return torch.exp2(u + c).to(out_dtype)
-        return u.add_(c).exp2_().to(out_dtype)
-
-    def log_features(self, x, shared=False):
-        xc, _ = self._prepare("x", x)
-        u = _project2(self.projection, xc)
-        with torch.no_grad():
-            lo, hi = torch.aminmax(u, dim=-1)
-            m = torch.maximum(hi, -lo)
-        return _exp_shifted(self._pm(u), m, self._bias(xc), shared, base2=True)
-
-
-register_estimator(
-    HyperbolicRF, name="hyperbolic", label="hyperbolic", feature_dim="2r",
-    theory="kernelapprox.theory.moments:HYPERBOLIC_THEORY",
-)
-
-
-class TrigRF(RandomFeatureMap):
-    r"""Trigonometric random features for $\exp(x^\top y)$ [RR07]_, [Cho21]_ Lemma 2.
-
-    ``variant="sincos"`` (default; ``feature_dim = 2r``):
-
-    $$
-    \varphi(x) = \frac{e^{\|x\|^2/2}}{\sqrt r}\,[\sin Wx, \cos Wx], \qquad
-    \hat K = e^{(\|x\|^2+\|y\|^2)/2}\,\frac1r\sum_i \cos\big(w_i^\top(x-y)\big).
-    $$
-
-    ``variant="offset"`` (``feature_dim = r``; scikit-learn's ``RBFSampler`` form [SS15]_):
-
-    $$
-    \varphi(x) = e^{\|x\|^2/2}\sqrt{2/r}\,\cos(Wx + b), \quad b_i \sim U[0, 2\pi).
-    $$
-
-    Both are unbiased; the sincos form has lower variance at equal ``r`` [SS15]_. Features take
-    both signs, so attention denominators can be $\le 0$. The scale
-    $e^{\|x\|^2/2}$ is carried in ``log_scale`` (it overflows float32 at
-    $\|x\|\approx 13.3$, and the product of two at $\|q\|=\|k\|\approx 9.4$).
-
-    Parameters
-    ----------
-    variant : {"sincos", "offset"}, default "sincos"
-    **kwargs
-        Those of `RandomFeatureMap`.
-
-    Examples
-    --------
-    >>> fm = TrigRF(dim=16, num_features=128, seed=0)
-    >>> q = torch.randn(3, 16) / 4
-    >>> fm.kernel(q, q).shape
-    torch.Size([3, 3])
-    """
-
-    positive = False
-    offsets: torch.Tensor
-
-    def __init__(self, dim: int, num_features: int, *, variant: str = "sincos", **kwargs) -> None:
-        if variant not in ("sincos", "offset"):
-            raise ValueError(f"variant must be 'sincos' or 'offset', got {variant!r}")
-        self.variant = variant
-        super().__init__(dim, num_features, **kwargs)
-
-    def _init_extra(self, generator, device) -> None:
-        if self.variant != "offset":
-            return
-        if generator is None:  # from_projection: offsets are set by _set_offsets
-            return
-        b = torch.rand(*self.batch_shape, self.num_features, generator=generator, dtype=torch.float64, device="cpu")
-        b = (2 * math.pi * b).to(device=device, dtype=self._buffer_dtype())
-        if isinstance(getattr(self, "offsets", None), torch.Tensor):
-            with torch.no_grad():
-                self.offsets.copy_(b)  # redraw: in place
-        else:
-            self.register_buffer("offsets", b)
-
-    def _buffer_dtype(self) -> torch.dtype:
-        return next(iter(self.projection.buffers())).dtype
-
-    def _set_offsets(self, offsets):
-        if self.variant != "offset":
-            if offsets is not None:
-                raise TypeError("offsets are only used by TrigRF(variant='offset')")
-            return
-        if offsets is None:
-            raise ValueError("TrigRF(variant='offset').from_projection needs offsets of shape (*batch_shape, r)")
-        offsets = check_floating("offsets", offsets)
-        want = (*self.batch_shape, self.num_features)
-        if tuple(offsets.shape) != want:
-            raise ValueError(f"offsets must have shape {want}, got {tuple(offsets.shape)}")
-        ref = next(iter(self.projection.buffers()))
-        self.register_buffer("offsets", offsets.detach().clone().to(device=ref.device, dtype=ref.dtype))
-
-
-    def _trig(self, xc: torch.Tensor) -> torch.Tensor:
-        """Bounded trigonometric part ``f`` (..., n, F) of the prepared input ``xc``."""
-        r = self.num_features
-        if self.variant == "sincos":
-            if _grad(xc, *self.projection.buffers()):
-                u = self.projection(xc)
-                return torch.cat((torch.sin(u), torch.cos(u)), dim=-1)
-            # Write Wx straight into the first half of the output (no separate (n, r) buffer),
-            # take its cosine into the second half, then its sine in place.
-            lead = torch.broadcast_shapes(xc.shape[:-2], self.batch_shape)
-            f = xc.new_empty(*lead, xc.shape[-2], 2 * r)
-            u = self.projection.project_into(xc, f[..., :r])
-            _op_into(torch.cos, f[..., r:], u)
-            u.sin_()
-            return f
-        u = self.projection.affine(xc, col_bias=self.offsets)
-        return torch.cos(u) if _grad(u) else u.cos_()
-
-    def _scaled(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``f`` (..., n, F) and the per-row log scale (..., n) of the prepared input ``xc``."""
-        f = self._trig(xc)
-        r = self.num_features
-        log_c = -0.5 * math.log(r) if self.variant == "sincos" else 0.5 * math.log(2.0 / r)
-        ls = _sqnorm_half(xc) + log_c
-        lead = f.shape[:-1]
-        if ls.shape != lead:
-            ls = ls.expand(lead)
-        return f, ls
-
-    def query_features(self, x):
-        return self._trig(self._prepare("x", x)[0])
-
-    def forward(self, x):
-        xc, out_dtype = self._prepare("x", x)
-        f, ls = self._scaled(xc)
-        scale = torch.exp(ls).to(f.dtype).unsqueeze(-1)
-        return (f * scale if _grad(f, scale) else f.mul_(scale)).to(out_dtype)
-
-    def log_features(self, x, shared=False):
-        f, ls = self._scaled(self._prepare("x", x)[0])
-        if shared:
-            with torch.no_grad():
-                m = ls.amax(-1, keepdim=True)
-            w = torch.exp(ls - m).to(f.dtype).unsqueeze(-1)
-            f = f * w if _grad(f, w) else f.mul_(w)
-            ls = m
-        return f, ls
-
-    def extra_repr(self) -> str:
-        return f"variant={self.variant!r}, " + super().extra_repr()
-
-
-register_estimator(
-    TrigRF, name="trig-sincos", label="trig sin/cos", params={"variant": "sincos"}, feature_dim="2r",
-    theory="kernelapprox.theory.moments:TRIG_SINCOS_THEORY",
-)
-register_estimator(
-    TrigRF, name="trig-offset", label="trig cos+offset", params={"variant": "offset"}, feature_dim="r",
-    theory="kernelapprox.theory.moments:TRIG_OFFSET_THEORY",
-)
-
-
-class _DeterministicMap(FeatureMap):
-    """Deterministic maps: no projection, ``num_features = feature_dim = dim``.
-
-    The constructor takes the random maps' arguments (``num_features``, ``sampler``, ``seed``,
-    ``generator``, ``batch_shape``, ``device``, ``dtype``) so that generic code can build any map
-    the same way; they have no effect here (there is nothing to draw), and ``redraw`` is a no-op.
-    """
-
-    is_random = False
-
-    def __init__(
-        self,
-        dim: int,
-        num_features: int | None = None,
-        *,
-        sampler: object = None,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        batch_shape: tuple[int, ...] = (),
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.dim = check_positive_int("dim", dim)
-        if num_features is not None:
-            check_positive_int("num_features", num_features)
-        as_batch_shape(batch_shape)
-        self.num_features = self.dim
-        self.batch_shape = ()
-
-
-    def _phi(self, xc: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def forward(self, x):
-        xc, out_dtype = self._prepare("x", x)
-        return self._phi(xc).to(out_dtype)
-
-    def log_features(self, x, shared=False):
-        xc, _ = self._prepare("x", x)
-        f = self._phi(xc)
-        shape = (*f.shape[:-2], 1) if shared else f.shape[:-1]
-        return f, f.new_zeros(shape)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}"
-
-
-class EluFeatures(_DeterministicMap):
-    r"""The elu+1 map of linear attention [Kat20]_: $\varphi(x) = \mathrm{elu}(x) + 1$.
-
-    Deterministic (no projection; ``redraw`` is a no-op), positive, ``feature_dim = d``: maps
-    x (..., n, d) to (..., n, d). Computed
-    branch-wise as $x + 1$ for $x \ge 0$ and $e^{x}$ below, so it does not
-    round to 0 in bfloat16 for $x \le -8$ (flash-linear-attention issue #1261). As an
-    estimator of $\exp(q^\top k)$ it is biased; `kernelapprox.theory.deterministic_error`
-    gives the error.
-
-    Examples
-    --------
-    >>> EluFeatures(4)(torch.tensor([[-1.0, 0.0, 1.0, 2.0]]))
-    tensor([[0.3679, 1.0000, 2.0000, 3.0000]])
-    """
-
-    positive = True
-
-    def _phi(self, xc):
-        return torch.where(xc >= 0, xc + 1, torch.exp(torch.clamp(xc, max=0)))
-
-
-register_estimator(EluFeatures, name="elu", label="elu+1", feature_dim="d")
-
-
-class ReluFeatures(_DeterministicMap):
-    r"""The ReLU map $\varphi(x) = \max(x, 0)$ (Performer-ReLU, [Cho21]_ App. A.4).
-
-    Deterministic, non-negative, ``feature_dim = d``: maps x (..., n, d) to (..., n, d). Rows can
-    be all zero, so attention
-    denominators can vanish; `kernelapprox.linear_attention` guards them.
-
-    Examples
-    --------
-    >>> ReluFeatures(3)(torch.tensor([[-1.0, 0.5, 2.0]]))
-    tensor([[0.0000, 0.5000, 2.0000]])
-    """
-
-    positive = True
-
-    def _phi(self, xc):
-        return torch.relu(xc)
-
-
-register_estimator(ReluFeatures, name="relu", label="relu", feature_dim="d")

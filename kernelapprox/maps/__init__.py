@@ -1,0 +1,44 @@
+r"""Feature maps $\varphi:\mathbb R^d \to \mathbb R^F$ with $\varphi(q)^\top\varphi(k) \approx \exp(q^\top k)$:
+one estimator family per module, over the base classes of `kernelapprox.maps.base`.
+
+- `kernelapprox.maps.base`: ``FeatureMap`` (the contract) and ``RandomFeatureMap`` (a drawn projection);
+- `kernelapprox.maps.exponential`: ``PositiveRF`` (FAVOR+), ``HyperbolicRF``;
+- `kernelapprox.maps.trig`: ``TrigRF`` (sin/cos and cos+offset random Fourier features);
+- `kernelapprox.maps.dense_exponential`: ``OptimalPositiveRF`` (FAVOR++), ``SADERF``, ``SDERF`` (FAVOR#);
+- `kernelapprox.maps.hybrid`: ``HybridRF``;
+- `kernelapprox.maps.deterministic`: ``EluFeatures``, ``ReluFeatures``, ``TaylorFeatures``, ``NystromFeatures``;
+- `kernelapprox.maps.hedgehog`: ``HedgehogFeatures`` and its fitting (``fit_feature_map``).
+
+Each family's closed forms live in the `kernelapprox.theory` module of the same name.
+"""
+
+from __future__ import annotations
+
+from .base import FeatureMap, RandomFeatureMap
+from .dense_exponential import SADERF, SDERF, OptimalPositiveRF, optimal_A
+from .deterministic import EluFeatures, NystromFeatures, ReluFeatures, TaylorFeatures
+from .exponential import HyperbolicRF, PositiveRF
+from .hedgehog import HedgehogFeatures, distillation_loss, fit_feature_map
+from .hybrid import HybridRF, default_num_angular
+from .trig import TrigRF
+
+__all__ = [
+    "FeatureMap",
+    "RandomFeatureMap",
+    "PositiveRF",
+    "HyperbolicRF",
+    "TrigRF",
+    "OptimalPositiveRF",
+    "SADERF",
+    "SDERF",
+    "optimal_A",
+    "HybridRF",
+    "default_num_angular",
+    "EluFeatures",
+    "ReluFeatures",
+    "TaylorFeatures",
+    "NystromFeatures",
+    "HedgehogFeatures",
+    "fit_feature_map",
+    "distillation_loss",
+]
