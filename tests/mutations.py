@@ -205,8 +205,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "hybrid-weights-reversed", "kernelapprox/maps/hybrid.py",
-        "return (lam * A + (1 - lam) * B).to(out_dtype)",
-        "return ((1 - lam) * A + lam * B).to(out_dtype)",
+        "wa, wb = lam, 1 - lam",
+        "wa, wb = 1 - lam, lam",
         "hybrid kernel with the official notebook's assignment (theta/pi on the trig part)",
     ),
     Mutant(
@@ -214,6 +214,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "math.sqrt(d / (d - 1)) * torch.eye(d, dtype=torch.float64)[: d - 1]",
         "math.sqrt((d - 1) / d) * torch.eye(d, dtype=torch.float64)[: d - 1]",
         "simplex vectors built with sqrt((d-1)/d) for sqrt(d/(d-1)): not unit, not a simplex",
+    ),
+    Mutant(
+        "oprf-A-scaled", "kernelapprox/maps/dense_exponential.py",
+        "a = A.to(xc.dtype)[..., None] * wn2  # A |w_i|^2",
+        "a = 0.98 * A.to(xc.dtype)[..., None] * wn2  # A |w_i|^2",
+        "OPRF's quadratic term with 0.98 A: the features no longer match their constant D (biased kernel)",
     ),
 )
 
