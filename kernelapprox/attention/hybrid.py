@@ -229,9 +229,12 @@ class HybridAttentionState:
 
 
 def _exp_diff(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``exp(a - b)`` with ``a = -inf`` read as weight 0 (also when ``b = -inf``); NaN propagates."""
-    out = torch.exp(a - b)
-    return torch.where(a == _NEG_INF, torch.zeros_like(out), out).to(dtype)
+    """``exp(a - b)`` with ``a = -inf`` read as weight 0 (also when ``b = -inf``); NaN propagates.
+
+    The difference is replaced before the exponential (not the result after it), so that the
+    gradient at such entries is 0, not ``0 * exp(nan)``."""
+    diff = torch.where(a == _NEG_INF, torch.full_like(a, _NEG_INF), a - b)
+    return torch.exp(diff).to(dtype)
 
 
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -467,7 +470,10 @@ def _causal_core(
         S = S * decay[..., c, None, None] + kv_c[..., c, :, :]
     S_in = torch.stack(states, dim=-3)  # (..., nc, F, dv1) at scales G_start
     tril = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
-    E = _exp_diff(s_lag.unsqueeze(-2), M.unsqueeze(-1), cdt)  # (..., nc, C_i, C_j)
+    # weights e^{s_j - M_i} of the intra-chunk keys, masked before the product too: a later key's
+    # weight may overflow (M_i does not include it), and 0 * inf would turn gradients into NaN
+    sj = s_lag.unsqueeze(-2).masked_fill(~tril, _NEG_INF)  # masked before the exponential
+    E = _exp_diff(sj, M.unsqueeze(-1), cdt)  # (..., nc, C_i, C_j)
     A = (torch.matmul(fqc, fkc.mT) * E).masked_fill(~tril, 0.0)
     lin = torch.matmul(fqc, S_in) * _exp_diff(G_start.unsqueeze(-1), M, cdt).unsqueeze(-1)
     lin = (lin + torch.matmul(A, v1c)).reshape(*lead, nc * C, dv1)[..., :n, :]
