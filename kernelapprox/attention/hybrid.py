@@ -332,9 +332,11 @@ def parallel_hybrid_attention(
     with torch.no_grad():
         G = _finite_or_zero(s_rem.amax(dim=-1, keepdim=True))  # (..., 1)
     wk = _exp_diff(s_rem, G, cdt)  # (..., n): 0 for sinks
-    v1w = v1 * wk.unsqueeze(-1)
-    T = torch.matmul(fk.mT, v1w)  # (..., F, dv1)
+    # key weights folded into the key features once: they serve the global sum and the window
+    fkw_all = fk * wk.unsqueeze(-1)  # (..., n, F), rows of sinks zero
+    T = torch.matmul(fkw_all.mT, v1)  # (..., F, dv1)
     base = sq + G  # (..., n): log of the feature part's scale
+    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fkw_all)))
 
     shifts = [base.detach()]
     h = min(w - 1, n - 1)
@@ -342,18 +344,21 @@ def parallel_hybrid_attention(
         Cb = min(C, n)
         nb = -(-n // Cb)
         L = Cb + 2 * h
-        back = nb * Cb + h - n
-        qb = F.pad(q, (0, 0, 0, nb * Cb - n)).reshape(*lead, nb, Cb, d)
-        fqb = F.pad(fq, (0, 0, 0, nb * Cb - n)).reshape(*lead, nb, Cb, Fd)
-        kw = F.pad(k, (0, 0, h, back)).unfold(-2, L, Cb).transpose(-1, -2)  # (..., nb, L, d)
-        fkw = F.pad(fk, (0, 0, h, back)).unfold(-2, L, Cb).transpose(-1, -2)  # (..., nb, L, F)
-        v1win = F.pad(v1, (0, 0, h, back)).unfold(-2, L, Cb).transpose(-1, -2)  # (..., nb, L, dv1)
-        wkw = F.pad(wk, (h, back)).unfold(-1, L, Cb)  # (..., nb, L)
+        tail = nb * Cb - n
+        back = tail + h
+
+        def blocks(x: torch.Tensor) -> torch.Tensor:  # (..., n, c) -> (..., nb, Cb, c)
+            return (F.pad(x, (0, 0, 0, tail)) if tail else x).reshape(*lead, nb, Cb, x.shape[-1])
+
+        def windows(x: torch.Tensor) -> torch.Tensor:  # (..., n, c) -> (..., nb, L, c), overlapping
+            return F.pad(x, (0, 0, h, back)).unfold(-2, L, Cb).transpose(-1, -2)
+
         t = torch.arange(Cb, device=dev)[:, None]
         col = torch.arange(L, device=dev)[None, :]
         pos = torch.arange(nb, device=dev)[:, None] * Cb - h + torch.arange(L, device=dev)[None, :]
-        mask = ((col >= t) & (col <= t + 2 * h))[None] & ((pos >= 0) & (pos < n))[:, None, :]  # (nb, Cb, L)
-        logits = torch.matmul(qb, kw.mT).masked_fill(~mask, _NEG_INF)  # (..., nb, Cb, L)
+        outside = ~(((col >= t) & (col <= t + 2 * h))[None] & ((pos >= 0) & (pos < n))[:, None, :])  # (nb, Cb, L)
+        logits = torch.matmul(blocks(q), windows(k).mT)  # (..., nb, Cb, L)
+        logits = logits.masked_fill_(outside, _NEG_INF) if inplace else logits.masked_fill(outside, _NEG_INF)
         wmax = logits.detach().amax(-1).reshape(*lead, nb * Cb)[..., :n].double()
         shifts.append(wmax)
     if sink_idx:
@@ -367,14 +372,19 @@ def parallel_hybrid_attention(
     for s_ in shifts[1:]:
         m = torch.maximum(m, s_)
     a = _exp_diff(base, m, cdt)  # (..., n): weight of the feature part
-    out = torch.matmul(fq, T) * a.unsqueeze(-1)
+    fqa = fq * a.unsqueeze(-1)
+    out = torch.matmul(fqa, T)
     if h >= 0:
-        mb = F.pad(m, (0, nb * Cb - n)).reshape(*lead, nb, Cb, 1).to(cdt)
-        ab = F.pad(a, (0, nb * Cb - n)).reshape(*lead, nb, Cb, 1)
-        exact = torch.exp(logits - mb)
-        approx = torch.matmul(fqb, fkw.mT) * (wkw.unsqueeze(-2) * ab)
-        A = (exact - approx).masked_fill(~mask, 0.0)
-        out = out + torch.matmul(A, v1win).reshape(*lead, nb * Cb, dv + 1)[..., :n, :]
+        mb = blocks(m.to(cdt).unsqueeze(-1))
+        # A = exp(logits - m) - (a phi(q)) (w phi(k))^T on the window, 0 elsewhere
+        if inplace:
+            A = logits.sub_(mb).exp_()
+            A.view(-1, Cb, L).baddbmm_(blocks(fqa).reshape(-1, Cb, Fd), windows(fkw_all).reshape(-1, L, Fd).mT,
+                                       alpha=-1.0)
+            A.masked_fill_(outside, 0.0)
+        else:
+            A = (torch.exp(logits - mb) - torch.matmul(blocks(fqa), windows(fkw_all).mT)).masked_fill(outside, 0.0)
+        out = out + torch.matmul(A, windows(v1)).reshape(*lead, nb * Cb, dv + 1)[..., :n, :]
     if sink_idx:
         out = out + torch.matmul(torch.exp(slog - m.unsqueeze(-1).to(cdt)), v1[..., sidx, :])
     return normalise(out[..., :dv], out[..., dv:], feature_map.positive, eps).to(out_dtype)
@@ -464,11 +474,20 @@ def _causal_core(
     kv_c = torch.matmul(fkc.mT, v1c * _exp_diff(s_lag, G_end.unsqueeze(-1), cdt).unsqueeze(-1))
     decay = _exp_diff(G_start, G_end, cdt)  # (..., nc)
     S = fq.new_zeros(*lead, Fd, dv1) if kv0 is None else kv0.expand(*lead, Fd, dv1)
-    states = []
-    for c in range(nc):
-        states.append(S)
-        S = S * decay[..., c, None, None] + kv_c[..., c, :, :]
-    S_in = torch.stack(states, dim=-3)  # (..., nc, F, dv1) at scales G_start
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (S, kv_c, decay)):
+        states = []
+        for c in range(nc):
+            states.append(S)
+            S = S * decay[..., c, None, None] + kv_c[..., c, :, :]
+        S_in = torch.stack(states, dim=-3)  # (..., nc, F, dv1) at scales G_start
+    else:  # the same recurrence written in place, into one buffer of chunk states
+        S_in = kv_c.new_empty(*lead, nc + 1, Fd, dv1)
+        S_in[..., 0, :, :] = S
+        for c in range(nc):
+            torch.mul(S_in[..., c, :, :], decay[..., c, None, None], out=S_in[..., c + 1, :, :])
+            S_in[..., c + 1, :, :] += kv_c[..., c, :, :]
+        S = S_in[..., nc, :, :]
+        S_in = S_in[..., :nc, :, :]
     tril = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
     # weights e^{s_j - M_i} of the intra-chunk keys, masked before the product too: a later key's
     # weight may overflow (M_i does not include it), and 0 * inf would turn gradients into NaN
