@@ -279,7 +279,11 @@ def parallel_hybrid_attention(
 
     the window term evaluated per block of $C$ = ``chunk_size`` queries against the
     $C + 2(w - 1)$ keys around it (one masked score matrix for both kernels). Cost
-    $O(nF(d + d_v) + n(C + 2w)(d + F + d_v))$, memory linear in ``n``.
+    $O(nF(d + d_v) + n(C + 2w)(d + F + d_v))$, memory linear in ``n``. The subtraction
+    leaves a rounding of order $\epsilon\,\varphi(q_i)^\top\sum_j\varphi(k_j)/\hat D_i$
+    ($\epsilon$ the unit roundoff of the compute dtype) in place of the window's
+    feature terms; a window that covers every key skips the feature part (softmax attention to
+    rounding).
 
     Parameters
     ----------
@@ -371,13 +375,18 @@ def parallel_hybrid_attention(
     m = shifts[0]
     for s_ in shifts[1:]:
         m = torch.maximum(m, s_)
+    # a window that covers every key leaves no remainder: the feature part (global sum minus the
+    # window, zero up to rounding) is skipped, so that the result is softmax attention to rounding
+    full = h >= n - 1
     a = _exp_diff(base, m, cdt)  # (..., n): weight of the feature part
     fqa = fq * a.unsqueeze(-1)
-    out = torch.matmul(fqa, T)
+    out = torch.zeros_like(fqa[..., :dv + 1]) if full else torch.matmul(fqa, T)
     if h >= 0:
         mb = blocks(m.to(cdt).unsqueeze(-1))
         # A = exp(logits - m) - (a phi(q)) (w phi(k))^T on the window, 0 elsewhere
-        if inplace:
+        if full:
+            A = torch.exp(logits - mb)
+        elif inplace:
             A = logits.sub_(mb).exp_()
             A.view(-1, Cb, L).baddbmm_(blocks(fqa).reshape(-1, Cb, Fd), windows(fkw_all).reshape(-1, L, Fd).mT,
                                        alpha=-1.0)
