@@ -672,10 +672,8 @@ def chunk_hybrid_attention(
     q, k, v, out_dtype, cdt, w, C = _prepare(q, k, v, feature_map, window, sinks, chunk_size, True)
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be a bool, got {return_state!r}")
-    t0 = 0
     if initial_state is not None:
         _check_state(initial_state, feature_map, w, q.shape[-1], v.shape[-1])
-        t0 = initial_state.position
     sink_idx = resolve_sinks(sinks, None, causal=True)  # absolute; later ones apply to later segments
     return _causal_core(q, k, v, feature_map, w, C, sink_idx, eps, out_dtype, cdt, initial_state, return_state)
 
