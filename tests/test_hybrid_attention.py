@@ -262,3 +262,19 @@ def test_bad_shapes_raise():
         rnn.step(q[..., 0, :3], k[..., 0, :], v[..., 0, :])
     with pytest.raises(ValueError, match="window"):
         RecurrentHybridAttention(fm, window=-2)
+
+
+@pytest.mark.parametrize("window", [1, 3, 9, 10])
+@pytest.mark.parametrize("chunk_size", [4, 8, 32])
+def test_lengths_that_fill_the_blocks_equal_naive(window, chunk_size):
+    """n a multiple of the block size: the non-causal windows are assembled from neighbouring
+    blocks (another code path than the padded one), forward and backward."""
+    fm = ka.PositiveRF(D, 16, seed=0, dtype=F64)
+    q, k, v = _inputs(n=32)
+    out = hybrid_attention(q, k, v, fm, window=window, sinks=[0, 3], chunk_size=chunk_size)
+    ref = naive_hybrid_attention(q, k, v, fm, window=window, sinks=[0, 3])
+    torch.testing.assert_close(out, ref, **TOL)
+    w = randn(*out.shape, seed=5)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v)),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)

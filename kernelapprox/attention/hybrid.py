@@ -355,7 +355,19 @@ def parallel_hybrid_attention(
             return (F.pad(x, (0, 0, 0, tail)) if tail else x).reshape(*lead, nb, Cb, x.shape[-1])
 
         def windows(x: torch.Tensor) -> torch.Tensor:  # (..., n, c) -> (..., nb, L, c), overlapping
-            return F.pad(x, (0, 0, h, back)).unfold(-2, L, Cb).transpose(-1, -2)
+            if h > Cb or tail:
+                return F.pad(x, (0, 0, h, back)).unfold(-2, L, Cb).transpose(-1, -2)
+            # written once into a contiguous buffer: the tail of the previous block, the block, the
+            # head of the next one (no padded copy, and the GEMMs need no copy of their own)
+            xb = x.reshape(*lead, nb, Cb, x.shape[-1])
+            out = x.new_empty(*lead, nb, L, x.shape[-1])
+            out[..., h:h + Cb, :] = xb
+            if h:
+                out[..., 1:, :h, :] = xb[..., :-1, Cb - h:, :]
+                out[..., 0, :h, :] = 0
+                out[..., :-1, h + Cb:, :] = xb[..., 1:, :h, :]
+                out[..., -1, h + Cb:, :] = 0
+            return out
 
         t = torch.arange(Cb, device=dev)[:, None]
         col = torch.arange(L, device=dev)[None, :]
