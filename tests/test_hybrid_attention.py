@@ -274,6 +274,9 @@ def test_lengths_that_fill_the_blocks_equal_naive(window, chunk_size):
     out = hybrid_attention(q, k, v, fm, window=window, sinks=[0, 3], chunk_size=chunk_size)
     ref = naive_hybrid_attention(q, k, v, fm, window=window, sinks=[0, 3])
     torch.testing.assert_close(out, ref, **TOL)
+    with torch.no_grad():  # the in-place path of inference
+        torch.testing.assert_close(hybrid_attention(q, k, v, fm, window=window, sinks=[0, 3], chunk_size=chunk_size),
+                                   ref.detach(), **TOL)
     w = randn(*out.shape, seed=5)
     for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v)),
                     strict=True):

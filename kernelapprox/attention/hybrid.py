@@ -398,6 +398,17 @@ def parallel_hybrid_attention(
         # A = exp(logits - m) - (a phi(q)) (w phi(k))^T on the window, 0 elsewhere
         if full:
             A = torch.exp(logits - mb)
+        elif inplace and h <= Cb and not tail:
+            # the feature scores against the previous block's tail, the block and the next block's
+            # head, read in place from the blocks of (w phi(K)) (no windowed copy of the features)
+            A = logits.sub_(mb).exp_()
+            fqa_b = blocks(fqa)
+            fk_b = fkw_all.reshape(*lead, nb, Cb, Fd)
+            A[..., h:h + Cb] -= torch.matmul(fqa_b, fk_b.mT)
+            if h and nb > 1:
+                A[..., 1:, :, :h] -= torch.matmul(fqa_b[..., 1:, :, :], fk_b[..., :-1, Cb - h:, :].mT)
+                A[..., :-1, :, h + Cb:] -= torch.matmul(fqa_b[..., :-1, :, :], fk_b[..., 1:, :h, :].mT)
+            A.masked_fill_(outside, 0.0)
         elif inplace:
             A = logits.sub_(mb).exp_()
             A.view(-1, Cb, L).baddbmm_(blocks(fqa).reshape(-1, Cb, Fd), windows(fkw_all).reshape(-1, L, Fd).mT,
