@@ -337,10 +337,17 @@ def parallel_hybrid_attention(
         G = _finite_or_zero(s_rem.amax(dim=-1, keepdim=True))  # (..., 1)
     wk = _exp_diff(s_rem, G, cdt)  # (..., n): 0 for sinks
     # key weights folded into the key features once: they serve the global sum and the window
-    fkw_all = fk * wk.unsqueeze(-1)  # (..., n, F), rows of sinks zero
+    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fk, wk)))
+    # without autograd, features this call owns are scaled in place (a fresh (n, F) buffer costs
+    # page faults on CPU, see `kernelapprox.attention.parallel`)
+    fresh = inplace and feature_map._fresh_key_features() and fk.is_contiguous() and fq.is_contiguous()
+    if fresh and fk.shape == (*lead, n, Fd) and fq.shape == (*lead, n, Fd):
+        fkw_all = fk.mul_(wk.unsqueeze(-1))  # (..., n, F), rows of sinks zero
+    else:
+        fresh = False
+        fkw_all = fk * wk.unsqueeze(-1)
     T = torch.matmul(fkw_all.mT, v1)  # (..., F, dv1)
     base = sq + G  # (..., n): log of the feature part's scale
-    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fkw_all)))
 
     shifts = [base.detach()]
     h = min(w - 1, n - 1)
@@ -391,7 +398,7 @@ def parallel_hybrid_attention(
     # window, zero up to rounding) is skipped, so that the result is softmax attention to rounding
     full = h >= n - 1
     a = _exp_diff(base, m, cdt)  # (..., n): weight of the feature part
-    fqa = fq * a.unsqueeze(-1)
+    fqa = fq.mul_(a.unsqueeze(-1)) if fresh else fq * a.unsqueeze(-1)
     out = torch.zeros_like(fqa[..., :dv + 1]) if full else torch.matmul(fqa, T)
     if h >= 0:
         mb = blocks(m.to(cdt).unsqueeze(-1))
