@@ -408,13 +408,17 @@ def parallel_hybrid_attention(
         elif inplace and h <= Cb and not tail:
             # the feature scores against the previous block's tail, the block and the next block's
             # head, read in place from the blocks of (w phi(K)) (no windowed copy of the features)
+            # In the flattened batch of blocks the neighbours are one entry away, so one GEMM on
+            # views serves every block; where that pairs a sequence's first (last) block with another
+            # sequence's, the columns are outside the window (positions < 0 or >= n) and masked.
             A = logits.sub_(mb).exp_()
-            fqa_b = blocks(fqa)
-            fk_b = fkw_all.reshape(*lead, nb, Cb, Fd)
-            A[..., h:h + Cb] -= torch.matmul(fqa_b, fk_b.mT)
-            if h and nb > 1:
-                A[..., 1:, :, :h] -= torch.matmul(fqa_b[..., 1:, :, :], fk_b[..., :-1, Cb - h:, :].mT)
-                A[..., :-1, :, h + Cb:] -= torch.matmul(fqa_b[..., :-1, :, :], fk_b[..., 1:, :h, :].mT)
+            A3 = A.view(-1, Cb, L)
+            fq3 = fqa.reshape(-1, Cb, Fd)
+            fk3 = fkw_all.reshape(-1, Cb, Fd)
+            A3[:, :, h:h + Cb] -= torch.bmm(fq3, fk3.mT)
+            if h and A3.shape[0] > 1:
+                A3[1:, :, :h] -= torch.bmm(fq3[1:], fk3[:-1, Cb - h:, :].mT)
+                A3[:-1, :, h + Cb:] -= torch.bmm(fq3[:-1], fk3[1:, :h, :].mT)
             A.masked_fill_(outside, 0.0)
         elif inplace:
             A = logits.sub_(mb).exp_()
