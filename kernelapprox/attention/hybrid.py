@@ -1,0 +1,801 @@
+r"""Hybrid attention: exact softmax on a sliding window and sink tokens, a feature map for the rest.
+
+For query $i$ with exact set $S_i$ (a window around $i$ plus sink positions) and remainder
+$R_i$ (every other key it attends to),
+
+$$
+\hat N_i = \sum_{j\in S_i} e^{q_i^\top k_j} v_j + \varphi(q_i)^\top \sum_{j\in R_i}\varphi(k_j) v_j^\top,
+\qquad
+\hat D_i = \sum_{j\in S_i} e^{q_i^\top k_j} + \varphi(q_i)^\top \sum_{j\in R_i}\varphi(k_j),
+\qquad \hat o_i = \hat N_i / \hat D_i .
+$$
+
+One normaliser is shared by both parts, so $\hat o_i$ estimates softmax attention with the error
+of the remainder only: with $p_i$ the softmax mass of $S_i$ and $\hat D_{R}$ exact,
+$\hat o_i - o_i = (1 - p_i)(\hat o_{R,i} - o_{R,i})$ (`kernelapprox.theory.hybrid_attention`).
+The ScatterBrain estimator [Che21]_ with a window as its sparse part; LoLCATs [Zha25]_ uses the
+same two terms with the linear one left unshifted (a learned kernel rather than an estimate of
+$e^{q^\top k}$).
+
+Window convention (both forms): key $j$ is in the window of query $i$ when
+
+- causal: $0 \le i - j < w$ (the query and the $w - 1$ keys before it, ``window = w`` keys);
+- non-causal: $|i - j| < w$ (the $w - 1$ keys on each side, $2w - 1$ keys).
+
+``window = 0`` is an empty window (plain linear attention), ``window >= n`` is softmax attention.
+Sinks (e.g. a BOS token, BERT's [CLS] and [SEP]) are exact for every query that attends to them
+(causal: $j \le i$), and never enter the feature-map sums.
+
+Stabilisation. With $\varphi(x) = f(x)\,e^{s(x)}$ (`kernelapprox.FeatureMap.log_features`),
+query $i$ uses one shift for both parts,
+$m_i = \max(\max_{j\in S_i} q_i^\top k_j,\; s(q_i) + G_i)$, $G_i$ the largest key log-scale
+of its remainder (non-causal: of all remainder keys; causal: of the keys it has seen), and
+evaluates $e^{q_i^\top k_j - m_i}$ and $e^{s(q_i) + G_i - m_i} f(q_i)^\top
+\sum_{j\in R_i} f(k_j) e^{s(k_j) - G_i} v_j^\top$: every weight is at most 1, and the shift
+cancels in the ratio, so a positive unbiased $\varphi$ gives unbiased $\hat N_i$, $\hat D_i$.
+
+References
+----------
+.. [Che21] B. Chen, T. Dao, E. Winsor, Z. Song, A. Rudra, C. Ré. "Scatterbrain: unifying sparse
+   and low-rank attention approximation", NeurIPS 2021.
+.. [Zha25] M. Zhang, S. Arora, R. Chalamala, A. Wu, B. Spector, A. Singhal, K. Ramesh, C. Ré.
+   "LoLCATs: on low-rank linearizing of large language models", ICLR 2025 (Eq. 7, the sliding
+   window + linear attention hybrid).
+.. [Kat20] A. Katharopoulos, A. Vyas, N. Pappas, F. Fleuret. "Transformers are RNNs: fast
+   autoregressive transformers with linear attention", ICML 2020.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .._validation import _as_int, inputs_validated, no_autocast
+from ..features import FeatureMap
+from ._common import normalise, prepare, with_ones
+
+__all__ = [
+    "hybrid_attention",
+    "parallel_hybrid_attention",
+    "chunk_hybrid_attention",
+    "HybridAttentionState",
+    "exact_set_mask",
+    "resolve_sinks",
+]
+
+_NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------- arguments
+def check_window(window: object) -> int:
+    """``window`` as a non-negative int, else ``TypeError``/``ValueError`` naming it."""
+    w = _as_int(window)
+    if w is None:
+        raise TypeError(f"window must be a non-negative int (a number of keys), got {window!r}")
+    if w < 0:
+        raise ValueError(f"window must be a non-negative int (a number of keys), got {w}")
+    return w
+
+
+def resolve_sinks(sinks: object, n: int | None, *, causal: bool) -> tuple[int, ...]:
+    """Sink positions, sorted and unique.
+
+    Parameters
+    ----------
+    sinks : int or sequence of int
+        An int ``c`` is the ``c`` leading positions ``0 .. c-1``; a sequence (or 1-d integer
+        tensor) lists positions. Non-causal, negative positions count from the end (``-1`` is
+        the last token, e.g. BERT's [SEP]); causal, positions are absolute and non-negative. To
+        combine a count with explicit positions, list them: ``[*range(4), 100]``.
+    n : int or None
+        Sequence length (positions must be ``< n``); ``None``: no upper bound (decoding).
+    causal : bool
+
+    Returns
+    -------
+    tuple of int
+
+    Examples
+    --------
+    >>> resolve_sinks(2, 10, causal=True), resolve_sinks([0, -1], 10, causal=False)
+    ((0, 1), (0, 9))
+    """
+    c = _as_int(sinks)
+    if c is not None:
+        if c < 0 or (n is not None and c > n):
+            bound = "" if n is None else f" <= n = {n}"
+            raise ValueError(f"sinks as a count must be >= 0{bound}, got {c}")
+        return tuple(range(c))
+    if isinstance(sinks, torch.Tensor):
+        if sinks.dim() != 1 or sinks.is_floating_point() or sinks.is_complex() or sinks.dtype == torch.bool:
+            raise TypeError(f"sinks as a tensor must be 1-d of integers, got {sinks.dtype} of shape {tuple(sinks.shape)}")
+        sinks = sinks.tolist()
+    if not isinstance(sinks, Sequence) or isinstance(sinks, str):
+        raise TypeError(f"sinks must be an int (a count of leading positions) or a sequence of positions, got {sinks!r}")
+    out = set()
+    for s in sinks:
+        p = _as_int(s)
+        if p is None:
+            raise TypeError(f"sinks must contain ints (positions), got {s!r}")
+        if p < 0 and not causal and n is not None:
+            p += n
+        if p < 0 or (n is not None and p >= n):
+            where = "[0, n)" if causal or n is None else "[-n, n)"
+            raise ValueError(f"sinks position {s} is out of range {where} for n = {n}")
+        out.add(p)
+    return tuple(sorted(out))
+
+
+def _check_chunk(chunk_size: object) -> int:
+    c = _as_int(chunk_size)
+    if c is None or c <= 0:
+        raise ValueError(f"chunk_size must be a positive int (a number of tokens), got {chunk_size!r}")
+    return c
+
+
+def exact_set_mask(
+    n: int, *, window: int, sinks: object = 0, causal: bool = False, device: torch.device | str | None = None
+) -> torch.Tensor:
+    r"""The exact sets $S_i$ as a boolean matrix: ``mask[i, j]`` is whether key ``j`` is exact for query ``i``.
+
+    Window $0 \le i - j < w$ (causal) or $|i - j| < w$, union the sinks (causal: those
+    $\le i$); see the module docstring. Keys ``j > i`` are never in the set when causal (they
+    are outside the attention altogether).
+
+    Parameters
+    ----------
+    n : int
+        Sequence length.
+    window : int
+    sinks : int or sequence of int, default 0
+        See `resolve_sinks`.
+    causal : bool, default False
+    device : torch.device, optional
+
+    Returns
+    -------
+    Tensor, shape (n, n), bool.
+
+    Examples
+    --------
+    >>> exact_set_mask(4, window=2, sinks=1, causal=True).int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [1, 1, 1, 0],
+            [1, 0, 1, 1]], dtype=torch.int32)
+    """
+    w = check_window(window)
+    idx = resolve_sinks(sinks, n, causal=causal)
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    diff = i - j
+    mask = (diff >= 0) & (diff < w) if causal else diff.abs() < w
+    if idx:
+        is_sink = torch.zeros(n, dtype=torch.bool, device=device)
+        is_sink[list(idx)] = True
+        mask = mask | (is_sink[None, :] & ((diff >= 0) if causal else torch.ones_like(mask)))
+    return mask
+
+
+# ---------------------------------------------------------------------------------- state
+@dataclass
+class HybridAttentionState:
+    r"""State of causal hybrid attention after ``position`` tokens (for decoding).
+
+    - a ring buffer of the last ``window`` keys and values (the key of position $p$ in slot
+      $p \bmod w$), exact for the next queries;
+    - the linear state $[S \mid z] = \sum_{j} \varphi(k_j)[v_j, 1]^\top$ over the keys that
+      have left the window (sinks excluded), stored scaled by $e^{-\text{log\_scale}}$;
+    - the sink keys and values seen so far, exact for every later query.
+
+    Its size is $O(w(d + d_v) + F(d_v + 1))$ whatever ``position``.
+
+    Attributes
+    ----------
+    kv : Tensor, shape (..., F, dv + 1)
+        $[S \mid z]$ divided by ``exp(log_scale)``.
+    log_scale : Tensor, shape (..., 1, 1)
+        Largest key log-scale in the linear state (``-inf`` while it is empty).
+    keys : Tensor, shape (..., window, d)
+    values : Tensor, shape (..., window, dv)
+    sink_keys : Tensor, shape (..., s, d)
+    sink_values : Tensor, shape (..., s, dv)
+    sink_positions : tuple of int
+        Positions of the ``s`` stored sinks.
+    position : int
+        Number of tokens consumed.
+    window : int
+    """
+
+    kv: torch.Tensor
+    log_scale: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    sink_positions: tuple[int, ...]
+    position: int
+    window: int
+
+    def detach(self) -> HybridAttentionState:
+        """The same state, detached from autograd."""
+        return HybridAttentionState(
+            self.kv.detach(), self.log_scale.detach(), self.keys.detach(), self.values.detach(),
+            self.sink_keys.detach(), self.sink_values.detach(), self.sink_positions, self.position, self.window,
+        )
+
+
+def _exp_diff(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``exp(a - b)`` with ``a = -inf`` read as weight 0 (also when ``b = -inf``); NaN propagates.
+
+    The difference is replaced before the exponential (not the result after it), so that the
+    gradient at such entries is 0, not ``0 * exp(nan)``."""
+    diff = torch.where(a == _NEG_INF, torch.full_like(a, _NEG_INF), a - b)
+    return torch.exp(diff).to(dtype)
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x == _NEG_INF, torch.zeros_like(x), x)
+
+
+# ---------------------------------------------------------------------------------- forms
+def _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal):
+    w = check_window(window)
+    C = _check_chunk(chunk_size)
+    q, k, v, out_dtype, cdt = prepare(q, k, v, feature_map, causal, None)
+    if q.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"hybrid attention needs as many queries as keys (the window is a set of positions), "
+            f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    return q, k, v, out_dtype, cdt, w, C
+
+
+@no_autocast
+def parallel_hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    window: int,
+    sinks: int | Sequence[int] = 0,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    r"""Non-causal hybrid attention: exact on $|i - j| < w$ and the sinks, $\varphi$ elsewhere.
+
+    The remainder is the global sum minus the window: with $T = \sum_{j\notin\Sigma}
+    \varphi(k_j)[v_j, 1]^\top$ (sinks $\Sigma$ left out),
+
+    $$
+    [\hat N_i, \hat D_i] = \varphi(q_i)^\top T + \sum_{|i-j|<w} \big(e^{q_i^\top k_j}
+    - \varphi(q_i)^\top\varphi(k_j)[j\notin\Sigma]\big)[v_j, 1]
+    + \sum_{j\in\Sigma,\,|i-j|\ge w} e^{q_i^\top k_j}[v_j, 1],
+    $$
+
+    the window term evaluated per block of $C$ = ``chunk_size`` queries against the
+    $C + 2(w - 1)$ keys around it (one masked score matrix for both kernels). Cost
+    $O(nF(d + d_v) + n(C + 2w)(d + F + d_v))$, memory linear in ``n``. The subtraction
+    leaves a rounding of order $\epsilon\,\varphi(q_i)^\top\sum_j\varphi(k_j)/\hat D_i$
+    ($\epsilon$ the unit roundoff of the compute dtype) in place of the window's
+    feature terms; a window that covers every key skips the feature part (softmax attention to
+    rounding).
+
+    Parameters
+    ----------
+    q, k : Tensor, shape (..., n, d)
+    v : Tensor, shape (..., n, dv)
+    feature_map : FeatureMap
+    window : int
+        Keys with $|i - j| < w$ are exact (``0``: none).
+    sinks : int or sequence of int, default 0
+        See `resolve_sinks` (negative positions count from the end).
+    chunk_size : int, default 64
+        Queries per block of the window term.
+    eps : float, default 1e-6
+        Denominator guard for signed maps (see `kernelapprox.linear_attention`).
+
+    Returns
+    -------
+    Tensor, shape (..., n, dv), dtype ``promote(q, k, v)``.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> q, k, v = torch.randn(3, 2, 50, 8).unbind(0)
+    >>> fm = ka.PositiveRF(8, 32, seed=0)
+    >>> parallel_hybrid_attention(q / 2, k / 2, v, fm, window=5, sinks=[0, -1]).shape
+    torch.Size([2, 50, 8])
+    """
+    q, k, v, out_dtype, cdt, w, C = _prepare(q, k, v, feature_map, window, sinks, chunk_size, False)
+    n = q.shape[-2]
+    sink_idx = resolve_sinks(sinks, n, causal=False)
+    with inputs_validated():
+        fq, sq = feature_map.log_features(q)
+        fk, sk = feature_map.key_log_features(k)
+    lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
+    d, Fd = q.shape[-1], fq.shape[-1]
+    q = q.expand(*lead, n, d)
+    k = k.expand(*lead, n, d)
+    fq = fq.expand(*lead, n, Fd)
+    fk = fk.expand(*lead, n, Fd)
+    sq = sq.expand(*lead, n).double()
+    sk = sk.expand(*lead, n).double()
+    v1 = with_ones(v).expand(*lead, n, v.shape[-1] + 1)
+    dv = v.shape[-1]
+    dev = q.device
+
+    is_sink = torch.zeros(n, dtype=torch.bool, device=dev)
+    if sink_idx:
+        is_sink[list(sink_idx)] = True
+    s_rem = sk.masked_fill(is_sink, _NEG_INF)
+    with torch.no_grad():
+        G = _finite_or_zero(s_rem.amax(dim=-1, keepdim=True))  # (..., 1)
+    wk = _exp_diff(s_rem, G, cdt)  # (..., n): 0 for sinks
+    # key weights folded into the key features once: they serve the global sum and the window
+    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fk, wk)))
+    # without autograd, features this call owns are scaled in place (a fresh (n, F) buffer costs
+    # page faults on CPU, see `kernelapprox.attention.parallel`)
+    fresh = inplace and feature_map._fresh_key_features() and fk.is_contiguous() and fq.is_contiguous()
+    if fresh and fk.shape == (*lead, n, Fd) and fq.shape == (*lead, n, Fd):
+        fkw_all = fk.mul_(wk.unsqueeze(-1))  # (..., n, F), rows of sinks zero
+    else:
+        fresh = False
+        fkw_all = fk * wk.unsqueeze(-1)
+    T = torch.matmul(fkw_all.mT, v1)  # (..., F, dv1)
+    base = sq + G  # (..., n): log of the feature part's scale
+
+    shifts = [base.detach()]
+    h = min(w - 1, n - 1)
+    if h >= 0:
+        Cb = min(C, n)
+        nb = -(-n // Cb)
+        L = Cb + 2 * h
+        tail = nb * Cb - n
+        back = tail + h
+
+        def blocks(x: torch.Tensor) -> torch.Tensor:  # (..., n, c) -> (..., nb, Cb, c)
+            return (F.pad(x, (0, 0, 0, tail)) if tail else x).reshape(*lead, nb, Cb, x.shape[-1])
+
+        def windows(x: torch.Tensor) -> torch.Tensor:  # (..., n, c) -> (..., nb, L, c), overlapping
+            if h > Cb or tail:
+                return F.pad(x, (0, 0, h, back)).unfold(-2, L, Cb).transpose(-1, -2)
+            # written once into a contiguous buffer: the tail of the previous block, the block, the
+            # head of the next one (no padded copy, and the GEMMs need no copy of their own)
+            xb = x.reshape(*lead, nb, Cb, x.shape[-1])
+            out = x.new_empty(*lead, nb, L, x.shape[-1])
+            out[..., h:h + Cb, :] = xb
+            if h:
+                out[..., 1:, :h, :] = xb[..., :-1, Cb - h:, :]
+                out[..., 0, :h, :] = 0
+                out[..., :-1, h + Cb:, :] = xb[..., 1:, :h, :]
+                out[..., -1, h + Cb:, :] = 0
+            return out
+
+        t = torch.arange(Cb, device=dev)[:, None]
+        col = torch.arange(L, device=dev)[None, :]
+        pos = torch.arange(nb, device=dev)[:, None] * Cb - h + torch.arange(L, device=dev)[None, :]
+        outside = ~(((col >= t) & (col <= t + 2 * h))[None] & ((pos >= 0) & (pos < n))[:, None, :])  # (nb, Cb, L)
+        logits = torch.matmul(blocks(q), windows(k).mT)  # (..., nb, Cb, L)
+        logits = logits.masked_fill_(outside, _NEG_INF) if inplace else logits.masked_fill(outside, _NEG_INF)
+        wmax = logits.detach().amax(-1).reshape(*lead, nb * Cb)[..., :n].double()
+        shifts.append(wmax)
+    if sink_idx:
+        sidx = torch.tensor(sink_idx, device=dev)
+        slog = torch.matmul(q, k[..., sidx, :].mT)  # (..., n, s)
+        i = torch.arange(n, device=dev)[:, None]
+        active = (i - sidx[None, :]).abs() >= w  # (n, s): outside the window
+        slog = slog.masked_fill(~active, _NEG_INF)
+        shifts.append(slog.detach().amax(-1).double())
+    m = shifts[0]
+    for s_ in shifts[1:]:
+        m = torch.maximum(m, s_)
+    # a window that covers every key leaves no remainder: the feature part (global sum minus the
+    # window, zero up to rounding) is skipped, so that the result is softmax attention to rounding
+    full = h >= n - 1
+    a = _exp_diff(base, m, cdt)  # (..., n): weight of the feature part
+    fqa = fq.mul_(a.unsqueeze(-1)) if fresh else fq * a.unsqueeze(-1)
+    out = torch.zeros_like(fqa[..., :dv + 1]) if full else torch.matmul(fqa, T)
+    if h >= 0:
+        mb = blocks(m.to(cdt).unsqueeze(-1))
+        # A = exp(logits - m) - (a phi(q)) (w phi(k))^T on the window, 0 elsewhere
+        if full:
+            A = torch.exp(logits - mb)
+        elif inplace and h <= Cb and not tail:
+            # the feature scores against the previous block's tail, the block and the next block's
+            # head, read in place from the blocks of (w phi(K)) (no windowed copy of the features)
+            # In the flattened batch of blocks the neighbours are one entry away, so one GEMM on
+            # views serves every block; where that pairs a sequence's first (last) block with another
+            # sequence's, the columns are outside the window (positions < 0 or >= n) and masked.
+            A = logits.sub_(mb).exp_()
+            A3 = A.view(-1, Cb, L)
+            fq3 = fqa.reshape(-1, Cb, Fd)
+            fk3 = fkw_all.reshape(-1, Cb, Fd)
+            A3[:, :, h:h + Cb] -= torch.bmm(fq3, fk3.mT)
+            if h and A3.shape[0] > 1:
+                A3[1:, :, :h] -= torch.bmm(fq3[1:], fk3[:-1, Cb - h:, :].mT)
+                A3[:-1, :, h + Cb:] -= torch.bmm(fq3[:-1], fk3[1:, :h, :].mT)
+            A.masked_fill_(outside, 0.0)
+        elif inplace:
+            A = logits.sub_(mb).exp_()
+            A.view(-1, Cb, L).baddbmm_(blocks(fqa).reshape(-1, Cb, Fd), windows(fkw_all).reshape(-1, L, Fd).mT,
+                                       alpha=-1.0)
+            A.masked_fill_(outside, 0.0)
+        else:
+            A = (torch.exp(logits - mb) - torch.matmul(blocks(fqa), windows(fkw_all).mT)).masked_fill(outside, 0.0)
+        out = out + torch.matmul(A, windows(v1)).reshape(*lead, nb * Cb, dv + 1)[..., :n, :]
+    if sink_idx:
+        out = out + torch.matmul(torch.exp(slog - m.unsqueeze(-1).to(cdt)), v1[..., sidx, :])
+    return normalise(out[..., :dv], out[..., dv:], feature_map.positive, eps).to(out_dtype)
+
+
+def _causal_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: FeatureMap, w: int, C: int,
+    sink_idx: tuple[int, ...], eps: float, out_dtype: torch.dtype, cdt: torch.dtype,
+    initial_state: HybridAttentionState | None, return_state: bool,
+) -> torch.Tensor | tuple[torch.Tensor, HybridAttentionState]:
+    """Causal hybrid attention on the extended sequence [state's buffer, new tokens] (see
+    `chunk_hybrid_attention`)."""
+    n, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    dev = q.device
+    t0 = 0
+    b = 0  # buffered keys before the new ones
+    ext_sinks: list[int] = []  # positions (extended coordinates) of sinks among the keys
+    kv0 = G0 = None
+    out_sk = out_sv = None  # sinks that left the window before this call (always exact)
+    if initial_state is not None:
+        st = initial_state
+        t0 = st.position
+        b = min(w, t0)
+        lead0 = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], st.kv.shape[:-2])
+        if b:
+            slots = [p % w for p in range(t0 - b, t0)]
+            kb = st.keys[..., slots, :].to(cdt)
+            vb = st.values[..., slots, :].to(cdt)
+            k = torch.cat((kb.expand(*lead0, b, d), k.expand(*lead0, n, d)), dim=-2)
+            v = torch.cat((vb.expand(*lead0, b, dv), v.expand(*lead0, n, dv)), dim=-2)
+        old = [u for u, p in enumerate(st.sink_positions) if p < t0 - b]
+        ext_sinks += [p - (t0 - b) for p in st.sink_positions if p >= t0 - b]
+        if old:
+            out_sk = st.sink_keys[..., old, :].to(cdt)
+            out_sv = st.sink_values[..., old, :].to(cdt)
+        kv0 = st.kv.to(cdt)
+        G0 = st.log_scale.detach().double().reshape(*st.log_scale.shape[:-2], 1)
+    ext_sinks += [p - t0 + b for p in sink_idx if t0 <= p < t0 + n]
+    ne = b + n  # extended length
+    with inputs_validated():
+        fq, sq = feature_map.log_features(q)
+        fk, sk = feature_map.key_log_features(k)
+    lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
+    Fd = fq.shape[-1]
+    q = q.expand(*lead, n, d)
+    k = k.expand(*lead, ne, d)
+    fq = fq.expand(*lead, n, Fd)
+    fk = fk.expand(*lead, ne, Fd)
+    sq = sq.expand(*lead, n).double()
+    sk = sk.expand(*lead, ne).double()
+    v = v.expand(*lead, ne, dv)
+    # Non-finite values: the products use finite values only (a masked 0 times NaN would reach
+    # earlier rows), and every row from the first non-finite value of a column on is set to NaN.
+    v_bad = ~torch.isfinite(v)
+    poison = (torch.cumsum(v_bad.to(torch.int32), dim=-2) > 0)[..., b:, :]
+    v1 = with_ones(v.masked_fill(v_bad, 0.0))  # (..., ne, dv1)
+
+    is_sink = torch.zeros(ne, dtype=torch.bool, device=dev)
+    if ext_sinks:
+        is_sink[ext_sinks] = True
+    s_rem = sk.masked_fill(is_sink, _NEG_INF)
+    wl = min(w, ne)  # lag of the remainder
+    # Remainder of query e = b + t: keys e' <= e - w (extended coordinates), i.e. causal linear
+    # attention against the key sequence delayed by w.
+    s_lag = F.pad(s_rem, (wl, 0), value=_NEG_INF)[..., b:b + n]
+    fk_lag = F.pad(fk, (0, 0, wl, 0))[..., b:b + n, :]
+    v1_lag = F.pad(v1, (0, 0, wl, 0))[..., b:b + n, :]
+    dv1 = dv + 1
+    nc = -(-n // C)
+    pad = nc * C - n
+    s_lag = F.pad(s_lag, (0, pad), value=_NEG_INF)
+    with torch.no_grad():
+        sd = s_lag.detach()
+        if G0 is not None:
+            sd = torch.cat((G0.expand(*lead, 1), sd), dim=-1)
+            M = torch.cummax(sd, dim=-1).values[..., 1:]
+        else:
+            M = torch.cummax(sd, dim=-1).values  # (..., nc*C): running max of the remainder scales
+    M = M.reshape(*lead, nc, C)
+    s_lag = s_lag.reshape(*lead, nc, C)
+    fqc = F.pad(fq, (0, 0, 0, pad)).reshape(*lead, nc, C, Fd)
+    fkc = F.pad(fk_lag, (0, 0, 0, pad)).reshape(*lead, nc, C, Fd)
+    v1c = F.pad(v1_lag, (0, 0, 0, pad)).reshape(*lead, nc, C, dv1)
+    G_end = M[..., -1]  # (..., nc): scale of the state after each chunk
+    G_start = torch.cat(((G0 if G0 is not None else M.new_full((*lead, 1), _NEG_INF)).expand(*lead, 1),
+                         G_end[..., :-1]), dim=-1)
+    kv_c = torch.matmul(fkc.mT, v1c * _exp_diff(s_lag, G_end.unsqueeze(-1), cdt).unsqueeze(-1))
+    decay = _exp_diff(G_start, G_end, cdt)  # (..., nc)
+    S = fq.new_zeros(*lead, Fd, dv1) if kv0 is None else kv0.expand(*lead, Fd, dv1)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (S, kv_c, decay)):
+        states = []
+        for c in range(nc):
+            states.append(S)
+            S = S * decay[..., c, None, None] + kv_c[..., c, :, :]
+        S_in = torch.stack(states, dim=-3)  # (..., nc, F, dv1) at scales G_start
+    else:  # the same recurrence written in place, into one buffer of chunk states
+        S_in = kv_c.new_empty(*lead, nc + 1, Fd, dv1)
+        S_in[..., 0, :, :] = S
+        for c in range(nc):
+            torch.mul(S_in[..., c, :, :], decay[..., c, None, None], out=S_in[..., c + 1, :, :])
+            S_in[..., c + 1, :, :] += kv_c[..., c, :, :]
+        S = S_in[..., nc, :, :]
+        S_in = S_in[..., :nc, :, :]
+    tril = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
+    # weights e^{s_j - M_i} of the intra-chunk keys, masked before the product too: a later key's
+    # weight may overflow (M_i does not include it), and 0 * inf would turn gradients into NaN
+    sj = s_lag.unsqueeze(-2).masked_fill(~tril, _NEG_INF)  # masked before the exponential
+    E = _exp_diff(sj, M.unsqueeze(-1), cdt)  # (..., nc, C_i, C_j)
+    A = (torch.matmul(fqc, fkc.mT) * E).masked_fill(~tril, 0.0)
+    lin = torch.matmul(fqc, S_in) * _exp_diff(G_start.unsqueeze(-1), M, cdt).unsqueeze(-1)
+    lin = (lin + torch.matmul(A, v1c)).reshape(*lead, nc * C, dv1)[..., :n, :]
+    M = M.reshape(*lead, nc * C)[..., :n]
+    base = sq + M  # log scale of the feature part
+
+    shifts = [base.detach()]
+    if wl >= 1:
+        P = wl - 1
+        L = C + P
+        start = b - P  # extended position of column 0 of chunk 0
+        front = max(0, -start)
+        kp = F.pad(k, (0, 0, front, 0))[..., start + front:, :]
+        v1p = F.pad(v1, (0, 0, front, 0))[..., start + front:, :]
+        need = (nc - 1) * C + L
+        kp = F.pad(kp, (0, 0, 0, max(0, need - kp.shape[-2])))[..., :need, :]
+        v1p = F.pad(v1p, (0, 0, 0, max(0, need - v1p.shape[-2])))[..., :need, :]
+        kw = kp.unfold(-2, L, C).transpose(-1, -2)  # (..., nc, L, d)
+        v1w = v1p.unfold(-2, L, C).transpose(-1, -2)  # (..., nc, L, dv1)
+        qc = F.pad(q, (0, 0, 0, pad)).reshape(*lead, nc, C, d)
+        t = torch.arange(C, device=dev)[:, None]
+        col = torch.arange(L, device=dev)[None, :]
+        epos = b + torch.arange(nc, device=dev)[:, None] * C - P + col  # extended key positions
+        mask = ((col >= t) & (col <= t + P))[None] & ((epos >= 0) & (epos < ne))[:, None, :]
+        logits = torch.matmul(qc, kw.mT).masked_fill(~mask, _NEG_INF)
+        shifts.append(logits.detach().amax(-1).reshape(*lead, nc * C)[..., :n].double())
+    # sinks outside the window: those among the keys (e' <= e - w) and those before this call
+    sk_keys, sk_vals, sk_mask = [], [], []
+    if ext_sinks:
+        sidx = torch.tensor(ext_sinks, device=dev)
+        e = b + torch.arange(n, device=dev)[:, None]
+        sk_keys.append(k[..., sidx, :])
+        sk_vals.append(v1[..., sidx, :])
+        sk_mask.append(e - sidx[None, :] >= max(wl, 1) if wl >= 1 else e - sidx[None, :] >= 0)
+    if out_sk is not None and out_sv is not None:
+        sk_keys.append(out_sk.expand(*lead, *out_sk.shape[-2:]))
+        sv = out_sv.expand(*lead, *out_sv.shape[-2:])
+        sk_vals.append(with_ones(sv))
+        sk_mask.append(torch.ones(n, out_sk.shape[-2], dtype=torch.bool, device=dev))
+    if sk_keys:
+        skk = torch.cat(sk_keys, dim=-2)
+        skv = torch.cat(sk_vals, dim=-2)
+        active = torch.cat(sk_mask, dim=-1)
+        slog = torch.matmul(q, skk.mT).masked_fill(~active, _NEG_INF)
+        shifts.append(slog.detach().amax(-1).double())
+    m = shifts[0]
+    for s_ in shifts[1:]:
+        m = torch.maximum(m, s_)
+    out = lin * _exp_diff(base, m, cdt).unsqueeze(-1)
+    if wl >= 1:
+        mc = F.pad(m, (0, pad)).reshape(*lead, nc, C, 1).to(cdt)
+        ex = torch.exp(logits - mc)
+        out = out + torch.matmul(ex, v1w).reshape(*lead, nc * C, dv1)[..., :n, :]
+    if sk_keys:
+        out = out + torch.matmul(torch.exp(slog - m.unsqueeze(-1).to(cdt)), skv)
+    num = out[..., :dv].masked_fill(poison, float("nan"))
+    res = normalise(num, out[..., dv:], feature_map.positive, eps).to(out_dtype)
+    if not return_state:
+        return res
+    # the state after the last token: keys <= t_end - w in the linear state, the last w in the buffer
+    t_end = t0 + n
+    G_last = G_end[..., -1:].unsqueeze(-1)  # (..., 1, 1)
+    kv = S
+    keys = k.new_zeros(*lead, w, d)
+    vals = v.new_zeros(*lead, w, dv)
+    for p in range(max(0, t_end - w), t_end):
+        keys[..., p % w, :] = k[..., p - t0 + b, :]
+        vals[..., p % w, :] = v[..., p - t0 + b, :]
+    pos_all = [] if initial_state is None else list(initial_state.sink_positions)
+    sk_list = [] if initial_state is None else [initial_state.sink_keys.to(cdt).expand(*lead, -1, d)]
+    sv_list = [] if initial_state is None else [initial_state.sink_values.to(cdt).expand(*lead, -1, dv)]
+    new = [p for p in sink_idx if t0 <= p < t_end]
+    if new:
+        ids = [p - t0 + b for p in new]
+        sk_list.append(k[..., ids, :])
+        sv_list.append(v[..., ids, :])
+        pos_all += new
+    sink_k = torch.cat(sk_list, dim=-2) if sk_list else k.new_zeros(*lead, 0, d)
+    sink_v = torch.cat(sv_list, dim=-2) if sv_list else v.new_zeros(*lead, 0, dv)
+    state = HybridAttentionState(kv, G_last, keys, vals, sink_k, sink_v, tuple(pos_all), t_end, w)
+    return res, state
+
+
+def _check_state(state: object, fm: FeatureMap, w: int, d: int, dv: int) -> HybridAttentionState:
+    if not isinstance(state, HybridAttentionState):
+        raise TypeError(f"initial_state must be a HybridAttentionState, got {type(state).__name__}")
+    if state.window != w:
+        raise ValueError(f"initial_state was built with window={state.window}, got window={w}")
+    if tuple(state.kv.shape[-2:]) != (fm.feature_dim, dv + 1):
+        raise ValueError(
+            f"initial_state has kv of shape {tuple(state.kv.shape)}, expected (..., {fm.feature_dim}, {dv + 1}) "
+            "= (..., feature_dim, dv + 1)"
+        )
+    if state.keys.shape[-1] != d or state.values.shape[-1] != dv:
+        raise ValueError(
+            f"initial_state holds keys of dimension {state.keys.shape[-1]} and values of {state.values.shape[-1]}, "
+            f"expected {d} and {dv}"
+        )
+    return state
+
+
+@no_autocast
+def chunk_hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    window: int,
+    sinks: int | Sequence[int] = 0,
+    chunk_size: int = 64,
+    initial_state: HybridAttentionState | None = None,
+    return_state: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor | tuple[torch.Tensor, HybridAttentionState]:
+    r"""Causal hybrid attention, chunked: exact on $0 \le i - j < w$ and the sinks, $\varphi$ on $j \le i - w$.
+
+    The remainder of query $i$ is the prefix $j \le i - w$ (sinks left out): causal linear
+    attention against the keys delayed by $w$ positions, computed chunk-wise (an intra-chunk
+    masked product plus a carried $F \times (d_v + 1)$ state, [Kat20]_); the window is one
+    masked score block per chunk against the ``chunk_size + w - 1`` keys that end with it:
+
+    $$
+    [\hat N_i, \hat D_i] = \sum_{0 \le i-j < w} e^{q_i^\top k_j}[v_j, 1]
+    + \sum_{j\in\Sigma,\, j \le i - w} e^{q_i^\top k_j}[v_j, 1]
+    + \varphi(q_i)^\top \sum_{j \le i-w,\, j\notin\Sigma} \varphi(k_j)[v_j, 1]^\top .
+    $$
+
+    Stabilisation is causal: query $i$'s shift uses key scales of positions $\le i$ only
+    (the running maximum), so output $i$ depends on positions $\le i$ only, also for
+    non-finite inputs (a NaN at position $j$ reaches rows $\ge j$). Cost
+    $O(nF(d + d_v) + nC(F + d_v) + n(C + w)(d + d_v))$, memory linear in ``n`` (autograd
+    keeps one $F \times (d_v + 1)$ state per chunk).
+
+    Parameters
+    ----------
+    q, k : Tensor, shape (..., n, d)
+    v : Tensor, shape (..., n, dv)
+    feature_map : FeatureMap
+    window : int
+        Keys with $0 \le i - j < w$ are exact (``0``: none, plain causal linear attention).
+    sinks : int or sequence of int, default 0
+        Absolute positions ``>= 0`` (`resolve_sinks`; positions after this segment are allowed
+        and apply to the segments that reach them); with ``initial_state``, positions continue
+        its count (the first new token is ``initial_state.position``).
+    chunk_size : int, default 64
+    initial_state : HybridAttentionState, optional
+        State after a preceding segment (from ``return_state=True`` or
+        `RecurrentHybridAttention`), continued here; built with the same ``window`` and sinks.
+    return_state : bool, default False
+        Also return the state after the last token.
+    eps : float, default 1e-6
+
+    Returns
+    -------
+    out : Tensor, shape (..., n, dv), dtype ``promote(q, k, v)``
+    state : HybridAttentionState, if ``return_state``
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> q, k, v = torch.randn(3, 1, 40, 8).unbind(0)
+    >>> v[0, 30, 0] = float("nan")
+    >>> out = chunk_hybrid_attention(q / 2, k / 2, v, ka.PositiveRF(8, 16, seed=0), window=8, chunk_size=16)
+    >>> bool(out[0, :30].isfinite().all()), bool(out[0, 30:, 0].isnan().all())
+    (True, True)
+    """
+    q, k, v, out_dtype, cdt, w, C = _prepare(q, k, v, feature_map, window, sinks, chunk_size, True)
+    if not isinstance(return_state, bool):
+        raise TypeError(f"return_state must be a bool, got {return_state!r}")
+    if initial_state is not None:
+        _check_state(initial_state, feature_map, w, q.shape[-1], v.shape[-1])
+    sink_idx = resolve_sinks(sinks, None, causal=True)  # absolute; later ones apply to later segments
+    return _causal_core(q, k, v, feature_map, w, C, sink_idx, eps, out_dtype, cdt, initial_state, return_state)
+
+
+@no_autocast
+def hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    window: int,
+    sinks: int | Sequence[int] = 0,
+    causal: bool = False,
+    chunk_size: int = 64,
+    initial_state: HybridAttentionState | None = None,
+    return_state: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor | tuple[torch.Tensor, HybridAttentionState]:
+    r"""Hybrid attention: exact softmax on a window and sinks, the feature map $\varphi$ elsewhere, one normaliser.
+
+    $$
+    \hat o_i = \frac{\sum_{j\in S_i} e^{q_i^\top k_j} v_j + \varphi(q_i)^\top\sum_{j\in R_i}\varphi(k_j)v_j^\top}
+    {\sum_{j\in S_i} e^{q_i^\top k_j} + \varphi(q_i)^\top\sum_{j\in R_i}\varphi(k_j)},
+    $$
+
+    $S_i$ = window ($0 \le i - j < w$ causal, $|i - j| < w$ non-causal) $\cup$ sinks,
+    $R_i$ = the other keys query $i$ attends to. Both parts share one stabilising shift per query
+    (module docstring), so the result does not depend on it and a positive unbiased $\varphi$
+    gives unbiased numerator and denominator. ScatterBrain's estimator [Che21]_ with a window as
+    the sparse part; LoLCATs' hybrid [Zha25]_ with the linear term on the kernel's own scale.
+    ``window = 0, sinks = 0`` is `kernelapprox.linear_attention`; ``window >= n`` is
+    `kernelapprox.softmax_attention`.
+
+    Non-causal: `parallel_hybrid_attention`; causal: `chunk_hybrid_attention`; decoding one token
+    at a time: `kernelapprox.attention.hybrid_recurrent.RecurrentHybridAttention`.
+    16-bit inputs are computed in float32, the output is cast back.
+
+    Parameters
+    ----------
+    q, k : Tensor, shape (..., n, d)
+    v : Tensor, shape (..., n, dv)
+        Leading dimensions broadcast with each other and with ``feature_map.batch_shape``.
+    feature_map : FeatureMap
+        Any map of the library (random, deterministic, fitted or learned).
+    window : int
+        Window size ``w >= 0`` (see above).
+    sinks : int or sequence of int, default 0
+        A count of leading positions, or positions (`resolve_sinks`).
+    causal : bool, default False
+    chunk_size : int, default 64
+        Tokens per chunk (causal) or per block of the window term (non-causal).
+    initial_state : HybridAttentionState, optional
+        Causal only: the state of a preceding segment.
+    return_state : bool, default False
+        Causal only: also return the state after the last token.
+    eps : float, default 1e-6
+        Denominator guard for signed (trigonometric) maps, see `kernelapprox.linear_attention`.
+
+    Returns
+    -------
+    out : Tensor, shape (..., n, dv), dtype ``promote(q, k, v)``
+    state : HybridAttentionState, if ``return_state``
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> from kernelapprox.attention.hybrid import hybrid_attention
+    >>> q, k, v = torch.randn(3, 2, 4, 128, 16).unbind(0)
+    >>> fm = ka.PositiveRF(dim=16, num_features=64, seed=0)
+    >>> out = hybrid_attention(q / 2, k / 2, v, fm, window=16, sinks=1, causal=True)
+    >>> out.shape
+    torch.Size([2, 4, 128, 16])
+    >>> exact = ka.softmax_attention(q / 2, k / 2, v)
+    >>> torch.allclose(hybrid_attention(q / 2, k / 2, v, fm, window=128), exact, atol=1e-5)
+    True
+    """
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if causal:
+        return chunk_hybrid_attention(
+            q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size,
+            initial_state=initial_state, return_state=return_state, eps=eps,
+        )
+    if initial_state is not None or return_state:
+        raise ValueError(
+            "initial_state and return_state need causal=True (a non-causal window has no state to carry), "
+            f"got initial_state={type(initial_state).__name__}, return_state={return_state!r}"
+        )
+    return parallel_hybrid_attention(q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size, eps=eps)
+

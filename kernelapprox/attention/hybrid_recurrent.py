@@ -1,0 +1,201 @@
+r"""Hybrid attention as an RNN: one token per step, $O(w(d + d_v) + F d_v)$ per step whatever the position.
+
+The state (`kernelapprox.attention.hybrid.HybridAttentionState`) is a ring buffer of the last
+$w$ keys and values, the $F \times (d_v + 1)$ linear state of the keys that have left the
+window, and the sinks: a key leaving the window is folded into the linear state (unless it is
+a sink, which stays exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
+from ..features import FeatureMap
+from ._common import check_feature_map, normalise, with_ones
+from .hybrid import HybridAttentionState, _check_state, _exp_diff, check_window, resolve_sinks
+
+__all__ = ["RecurrentHybridAttention"]
+
+_NEG_INF = float("-inf")
+
+
+class RecurrentHybridAttention:
+    r"""Token-by-token causal hybrid attention (decoding).
+
+    At position $t$, with the window $W_t = \{t - w < j \le t\}$, sinks $\Sigma$ and the
+    linear state $[S_t \mid z_t] = \sum_{j \le t - w,\, j\notin\Sigma}\varphi(k_j)[v_j, 1]^\top$,
+
+    $$
+    o_t = \frac{\sum_{j\in W_t\cup\Sigma_{\le t}} e^{q_t^\top k_j} v_j + S_t^\top\varphi(q_t)}
+    {\sum_{j\in W_t\cup\Sigma_{\le t}} e^{q_t^\top k_j} + z_t^\top\varphi(q_t)} ,
+    $$
+
+    the values of `kernelapprox.attention.hybrid.chunk_hybrid_attention` (same window, sinks and
+    stabilisation). A step folds key $t - w$ into the linear state, then reads the
+    buffer: $O(w(d + d_v) + F(d + d_v))$ work and a state of fixed size, no KV cache beyond the
+    window [Kat20]_.
+
+    Parameters
+    ----------
+    feature_map : FeatureMap
+    window : int
+        Window size ``w >= 0``.
+    sinks : int or sequence of int, default 0
+        Absolute positions of the sinks (a count: the leading positions).
+    state : HybridAttentionState, optional
+        Initial state, e.g. from ``chunk_hybrid_attention(..., return_state=True)`` on a prompt.
+    eps : float, default 1e-6
+        Denominator guard for signed maps.
+
+    References
+    ----------
+    .. [Kat20] A. Katharopoulos, A. Vyas, N. Pappas, F. Fleuret. "Transformers are RNNs", ICML 2020.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> fm = ka.PositiveRF(dim=8, num_features=32, seed=0)
+    >>> rnn = RecurrentHybridAttention(fm, window=4, sinks=1)
+    >>> q, k, v = torch.randn(3, 2, 8).unbind(0)  # one token, batch of 2
+    >>> rnn.step(q, k, v).shape
+    torch.Size([2, 8])
+    """
+
+    def __init__(
+        self,
+        feature_map: FeatureMap,
+        *,
+        window: int,
+        sinks: int | Sequence[int] = 0,
+        state: HybridAttentionState | None = None,
+        eps: float = 1e-6,
+    ) -> None:
+        check_feature_map(feature_map)
+        self.feature_map = feature_map
+        self.window = check_window(window)
+        self.sinks = frozenset(resolve_sinks(sinks, None, causal=True))
+        if state is not None and not isinstance(state, HybridAttentionState):
+            raise TypeError(f"state must be a HybridAttentionState, got {type(state).__name__}")
+        self.state = state
+        self.eps = eps
+
+    def reset(self) -> None:
+        """Forget the state."""
+        self.state = None
+
+    def _empty(self, lead: torch.Size, d: int, dv: int, dtype: torch.dtype, device: torch.device) -> HybridAttentionState:
+        Fd, w = self.feature_map.feature_dim, self.window
+        z = torch.zeros((), dtype=dtype, device=device)
+        return HybridAttentionState(
+            z.expand(*lead, Fd, dv + 1).clone(), torch.full((*lead, 1, 1), _NEG_INF, dtype=torch.float64, device=device),
+            z.expand(*lead, w, d).clone(), z.expand(*lead, w, dv).clone(),
+            z.expand(*lead, 0, d).clone(), z.expand(*lead, 0, dv).clone(), (), 0, w,
+        )
+
+    def _fold(self, st: HybridAttentionState, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linear state with key ``k`` (..., 1, d) and value ``v`` (..., 1, dv) added."""
+        with inputs_validated():
+            fk, gk = self.feature_map.key_log_features(k, shared=True)  # (..., 1, F), (..., 1)
+        gk = gk.double().unsqueeze(-1)  # (..., 1, 1)
+        old = st.log_scale
+        g = torch.maximum(old, gk).detach()
+        cdt = fk.dtype
+        kv = st.kv * _exp_diff(old, g, cdt) + torch.matmul(fk.mT, with_ones(v)) * _exp_diff(gk, g, cdt)
+        return kv, g
+
+    @no_autocast
+    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor) -> torch.Tensor:
+        """Consume one token and return its output.
+
+        Parameters
+        ----------
+        q_t, k_t : Tensor, shape (..., d)
+        v_t : Tensor, shape (..., dv)
+
+        Returns
+        -------
+        Tensor, shape (..., dv), dtype ``promote(q_t, k_t, v_t)`` (computed in at least float32).
+        """
+        for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+            check_floating(name, x)
+            if x.dim() < 1:
+                raise ValueError(f"{name} must have shape (..., features), got a scalar")
+        fm = self.feature_map
+        d, w = fm.dim, self.window
+        if q_t.shape[-1] != d or k_t.shape[-1] != d:
+            raise ValueError(
+                f"q_t and k_t must have last dimension dim={d}, got {tuple(q_t.shape)} and {tuple(k_t.shape)}"
+            )
+        for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+            broadcast_batch(name, x.shape[:-1], fm.batch_shape)
+        dv = v_t.shape[-1]
+        out_dtype = torch.promote_types(torch.promote_types(q_t.dtype, k_t.dtype), v_t.dtype)
+        cdt = compute_dtype(out_dtype, fm.param_dtype)
+        q, k, v = q_t.to(cdt).unsqueeze(-2), k_t.to(cdt).unsqueeze(-2), v_t.to(cdt).unsqueeze(-2)
+        lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], fm.batch_shape)
+        st = self.state
+        if st is None:
+            st = self._empty(lead, d, dv, cdt, q.device)
+        else:
+            _check_state(st, fm, w, d, dv)
+        t = st.position
+        kv, g = st.kv.to(cdt), st.log_scale
+        keys, vals = st.keys.to(cdt), st.values.to(cdt)
+        sk, sv, spos = st.sink_keys.to(cdt), st.sink_values.to(cdt), st.sink_positions
+        st = HybridAttentionState(kv, g, keys, vals, sk, sv, spos, t, w)
+        # 1. the key leaving the window joins the linear state (the current key if w = 0)
+        if w == 0:
+            if t not in self.sinks:
+                kv, g = self._fold(st, k, v)
+        elif t >= w and (t - w) not in self.sinks:
+            slot = t % w
+            kv, g = self._fold(st, keys[..., slot:slot + 1, :], vals[..., slot:slot + 1, :])
+        # 2. sinks are kept; the ring buffer takes the new key
+        if t in self.sinks:
+            sk = torch.cat((sk.expand(*lead, *sk.shape[-2:]), k.expand(*lead, 1, d)), dim=-2)
+            sv = torch.cat((sv.expand(*lead, *sv.shape[-2:]), v.expand(*lead, 1, dv)), dim=-2)
+            spos = (*spos, t)
+        if w:
+            slot = t % w
+            keys = keys.expand(*lead, w, d).clone()
+            vals = vals.expand(*lead, w, dv).clone()
+            keys[..., slot, :] = k.expand(*lead, 1, d)[..., 0, :]
+            vals[..., slot, :] = v.expand(*lead, 1, dv)[..., 0, :]
+        self.state = HybridAttentionState(kv, g, keys, vals, sk, sv, spos, t + 1, w)
+        # 3. the output: one shift for the exact terms and the linear state
+        with inputs_validated():
+            fq, sq = fm.log_features(q)  # (..., 1, F), (..., 1)
+        shifts = [(sq.double().unsqueeze(-1) + g).detach()]  # (..., 1, 1)
+        parts_k, parts_v, parts_m = [], [], []
+        if w:
+            parts_k.append(keys)
+            parts_v.append(vals)
+            parts_m.append(torch.arange(w, device=q.device) <= t)  # filled slots
+        active = [u for u, p in enumerate(spos) if p <= t - w]
+        if active and w:
+            parts_k.append(sk[..., active, :])
+            parts_v.append(sv[..., active, :])
+            parts_m.append(torch.ones(len(active), dtype=torch.bool, device=q.device))
+        if parts_k:
+            ek = torch.cat(parts_k, dim=-2)
+            ev = with_ones(torch.cat(parts_v, dim=-2))
+            emask = torch.cat(parts_m)
+            logits = torch.matmul(q, ek.mT).masked_fill(~emask, _NEG_INF)  # (..., 1, m)
+            shifts.append(logits.detach().amax(-1, keepdim=True).double())
+        elif spos and w == 0:  # w = 0: every sink seen so far is exact
+            ek, ev = sk, with_ones(sv)
+            logits = torch.matmul(q, ek.mT)
+            shifts.append(logits.detach().amax(-1, keepdim=True).double())
+            parts_k.append(ek)
+        m = shifts[0]
+        for s_ in shifts[1:]:
+            m = torch.maximum(m, s_)
+        base = sq.double().unsqueeze(-1) + g
+        out = torch.matmul(fq, kv) * _exp_diff(base, m, cdt)
+        if parts_k:
+            out = out + torch.matmul(torch.exp(logits - m.to(cdt)), ev)
+        out = normalise(out[..., :dv], out[..., dv:], fm.positive, self.eps)
+        return out.squeeze(-2).to(out_dtype)
