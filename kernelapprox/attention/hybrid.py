@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from .._validation import _as_int, inputs_validated, no_autocast
-from ..features import FeatureMap
+from ..maps.base import FeatureMap
 from ._common import normalise, prepare, with_ones
 
 __all__ = [

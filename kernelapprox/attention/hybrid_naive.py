@@ -15,7 +15,7 @@ import torch
 
 from .._validation import compute_dtype, no_autocast
 from ..exact import check_qkv
-from ..features import FeatureMap
+from ..maps.base import FeatureMap
 from .hybrid import exact_set_mask
 
 __all__ = ["naive_hybrid_attention"]

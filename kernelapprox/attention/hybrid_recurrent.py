@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
-from ..features import FeatureMap
+from ..maps.base import FeatureMap
 from ._common import check_feature_map, normalise, with_ones
 from .hybrid import HybridAttentionState, _check_state, _exp_diff, check_window, resolve_sinks
 

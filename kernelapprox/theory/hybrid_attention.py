@@ -71,7 +71,7 @@ from kernelapprox.attention.hybrid import exact_set_mask
 from kernelapprox.theory.attention import _check_inputs, _pair_terms
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kernelapprox.features import FeatureMap
+    from kernelapprox.maps.base import FeatureMap
 
 __all__ = [
     "exact_mass",
