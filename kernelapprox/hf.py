@@ -672,6 +672,7 @@ def linearize(
     fit_lr: float = 1e-2,
     chunk_size: int = 64,
     progress: bool = False,
+    check: bool = True,
     **options: Any,
 ) -> Linearized:
     r"""Swap the model's softmax attention for `kernelapprox.linear_attention`, reversibly.
@@ -722,6 +723,11 @@ def linearize(
         Chunk length of the causal form.
     progress : bool, default False
         Progress bars while fitting learned maps.
+    check : bool, default True
+        On the first call of each linearised layer, `kernelapprox.diagnose.warn_if_hopeless` on
+        its scaled queries and keys (after fitting a data-dependent map): a
+        `kernelapprox.KernelApproxWarning` when the map's closed form predicts a relative kernel
+        MSE above 1 there. Once per layer, not per call.
     **options
         Extra constructor arguments of the maps built from a name (e.g. ``variant="lolcats"``).
 
@@ -745,7 +751,10 @@ def linearize(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     _check_map_spec(feature_map, keep_layers, model)
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, got {check!r}")
     maps: dict[int, FeatureMap] = {}
+    checked: set[int] = set()
 
     def map_for(layer: int, heads: int, dim: int) -> FeatureMap:
         if layer not in maps:
@@ -809,6 +818,13 @@ def linearize(
         r = math.sqrt(s)
         qs, ks = query * r, k_ * r
         fit = bool(fm.data_dependent and not fm.learned)
+        if check and layer not in checked:
+            from .diagnose import warn_if_hopeless
+
+            checked.add(layer)
+            if fit:
+                fm.fit(qs, ks)  # judged as fitted (the attention below fits it again on its keys)
+            warn_if_hopeless(fm, qs, ks)
         valid = _valid_keys(_allowed(attention_mask, b, n, m, causal, query.device), causal)
         if valid is None:
             if causal and n < m:  # decoding with a KV cache

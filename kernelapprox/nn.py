@@ -25,6 +25,7 @@ performer-pytorch and the exact redraw semantics: ``docs/attention-layer.md``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable, Mapping
@@ -42,6 +43,9 @@ from .samplers import GivenSampler, Sampler
 __all__ = ["LinearAttention", "LinearAttentionHeads", "default_num_features"]
 
 FeatureMapSpec = str | FeatureMap | Callable[[int, int], FeatureMap]
+
+#: Attribute set on a feature map once a layer has checked it (`LinearAttentionHeads`, ``check``).
+_CHECKED = "_kernelapprox_checked"
 
 
 def default_num_features(dim_head: int) -> int:
@@ -169,6 +173,14 @@ def _build_feature_map(
     return fm
 
 
+@functools.cache
+def _eager_tick() -> Callable[[LinearAttentionHeads], None]:
+    """`LinearAttentionHeads._count_call` run outside ``torch.compile`` graphs. Built on first
+    use: ``torch.compiler.disable`` imports ``torch._dynamo``, which ``import kernelapprox`` must
+    not load."""
+    return torch.compiler.disable(LinearAttentionHeads._count_call)
+
+
 class LinearAttentionHeads(nn.Module):
     r"""Linear attention on per-head tensors ``(batch, heads, n, dim_head)``, with a redraw schedule.
 
@@ -225,13 +237,13 @@ class LinearAttentionHeads(nn.Module):
     fit : bool, default False
         Call ``feature_map.fit(q, k)`` on every call (data-dependent maps: OPRF/FAVOR++,
         FAVOR#, Nyström), see `kernelapprox.linear_attention`.
-    check : bool, default False
-        Run the library's closed-form check (`kernelapprox.KernelApproxWarning` when the
-        map's predicted relative kernel MSE on the batch exceeds 1). Off by default in a layer:
-        it costs $O(nd)$ statistics and a host synchronisation per call on CPU, breaks
-        ``torch.compile`` graphs, and during training it judges projections that are still
-        being learnt; run `kernelapprox.diagnose` on captured ``q, k`` instead, or turn
-        it on.
+    check : bool, default True
+        On the first call of each map (the first in eager mode, per `FeatureMap` object), run
+        `kernelapprox.diagnose.warn_if_hopeless` on the scaled queries and keys: a
+        `kernelapprox.KernelApproxWarning` when the map's closed form predicts a relative kernel
+        MSE above 1 on that batch (the map cannot approximate softmax attention there; inputs not
+        scaled, or r far too small). One $O(nd)$ evaluation and one host synchronisation per map,
+        none per call; skipped inside ``torch.compile``. ``False`` turns it off.
     chunk_size : int, default 64
         Tokens per chunk of the causal form.
     device, dtype : optional
@@ -242,7 +254,8 @@ class LinearAttentionHeads(nn.Module):
     feature_map : FeatureMap
         The map (a submodule; its projection is a buffer, saved in ``state_dict``).
     training_calls : int
-        Training-mode forward calls so far.
+        Training-mode forward calls so far (inside ``torch.compile``, counted only when a redraw
+        schedule is set).
     redraws : int
         Redraws made by the schedule or by `redraw` so far.
 
@@ -272,7 +285,7 @@ class LinearAttentionHeads(nn.Module):
         redraw_every: int | None = None,
         seed: int | None = None,
         fit: bool = False,
-        check: bool = False,
+        check: bool = True,
         chunk_size: int = 64,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -311,6 +324,7 @@ class LinearAttentionHeads(nn.Module):
         value = _check_optional_int("redraw_every", value)
         if value is not None:
             self._check_can_redraw(f"redraw_every={value}")
+            _eager_tick()  # built here, in eager mode, before any compiled call needs it
         self._redraw_every = value
 
     def _check_can_redraw(self, what: str) -> None:
@@ -349,11 +363,22 @@ class LinearAttentionHeads(nn.Module):
         self.feature_map.redraw(seed=seed)
         return self
 
-    @torch.compiler.disable
     def _tick(self) -> None:
-        """Count a training-mode call; redraw first when the schedule says so."""
+        """Count a training-mode call; redraw first when the schedule says so.
+
+        Inside ``torch.compile`` the count runs outside the graph (a graph break) when a schedule
+        is set; without one there is nothing to redraw, and compiled calls are not counted, so
+        that a compiled model has no graph break here.
+        """
         if not self.training:
             return
+        if torch.compiler.is_compiling():
+            if self._redraw_every is not None:
+                _eager_tick()(self)
+            return
+        self._count_call()
+
+    def _count_call(self) -> None:
         every = self._redraw_every
         if every is not None and self.training_calls > 0 and self.training_calls % every == 0:
             self.redraw()
@@ -427,9 +452,17 @@ class LinearAttentionHeads(nn.Module):
         if self.scale != 1.0:
             root = self.scale**0.5
             q, k = q * root, k * root
+        fm = self.feature_map
+        if self.fit:
+            fm.fit(q, k)
+        if self.check and not torch.compiler.is_compiling() and not getattr(fm, _CHECKED, False):
+            from .diagnose import warn_if_hopeless  # the statistics load on the first check only
+
+            warn_if_hopeless(fm, q, k)
+            object.__setattr__(fm, _CHECKED, True)  # a plain flag: once per map, not per layer or call
         return linear_attention(
-            q, k, v, self.feature_map, causal=self.causal, chunk_size=self.chunk_size,
-            initial_state=initial_state, return_state=return_state, fit=self.fit, check=self.check,
+            q, k, v, fm, causal=self.causal, chunk_size=self.chunk_size,
+            initial_state=initial_state, return_state=return_state,
         )
 
     def extra_repr(self) -> str:
@@ -507,7 +540,7 @@ class LinearAttention(nn.Module):
         redraw_every: int | None = None,
         seed: int | None = None,
         fit: bool = False,
-        check: bool = False,
+        check: bool = True,
         chunk_size: int = 64,
         qkv_bias: bool = False,
         out_bias: bool = True,

@@ -1,61 +1,24 @@
-r"""Linear attention in the seed's three forms, beside an exact quadratic reference.
+r"""Linear attention in three forms, beside an exact quadratic reference.
 
 Layout (after flash-linear-attention): ``naive`` (quadratic reference), ``parallel`` (non-causal),
-``chunk`` (causal, chunk-wise with a carried state), ``recurrent`` (one token per step).
+``chunk`` (causal: a dispatcher over ``chunk_shared`` and ``chunk_runmax``, one algorithm each),
+``recurrent`` (one token per step). The forms compute attention only: the closed-form check of a
+map lives in `kernelapprox.diagnose` (``warn_if_hopeless``), run by the layers that build maps
+(`kernelapprox.nn`, `kernelapprox.hf.linearize`) and here on request (``check=True``).
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 
 from .._validation import no_autocast
 from ..features import FeatureMap
+from ._common import run_input_checks
 from .chunk import chunk_linear_attention
 from .naive import naive_linear_attention, naive_recurrent_linear_attention
 from .parallel import parallel_linear_attention
 from .recurrent import RecurrentLinearAttention
 from .state import LinearAttentionState
-
-
-def _checkable(q: object, k: object, fm: FeatureMap) -> bool:
-    """Whether the closed-form check runs: valid-looking inputs (the attention forms validate and
-    raise otherwise), not on the meta device, and on an accelerator only at a map's first call
-    (the decision to warn needs the host: one synchronisation, not one per call)."""
-    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.is_floating_point()
-            and k.is_floating_point() and q.dim() >= 2 and k.dim() >= 2 and q.shape[-1] == fm.dim
-            and k.shape[-1] == fm.dim and q.shape[-2] > 0 and k.shape[-2] > 0):
-        return False
-    try:
-        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
-    except RuntimeError:
-        return False
-    if q.device.type == "meta":
-        return False
-    if q.device.type != "cpu":
-        if getattr(fm, "_kernelapprox_checked", False):
-            return False
-        object.__setattr__(fm, "_kernelapprox_checked", True)  # a plain flag, not a module attribute
-    return True
-
-
-def _warn_if_hopeless(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> None:
-    from ..diagnose import WARN_RELATIVE_MSE, KernelApproxWarning, quick_relative_mse
-
-    rel = quick_relative_mse(fm, q, k)
-    if rel > WARN_RELATIVE_MSE:
-        warnings.warn(
-            KernelApproxWarning(
-                f"{type(fm).__name__} with r = {fm.num_features}: the closed form predicts a relative "
-                f"kernel MSE of {rel:.3g} on this batch (at the mean |q + k|^2; > {WARN_RELATIVE_MSE:g}), "
-                "so linear attention will be far from softmax attention. Inputs scaled by d^(-1/4)? "
-                "See ka.diagnose(q, k) for every estimator and the r each needs; silence with "
-                "check=False or warnings.filterwarnings('ignore', category=ka.KernelApproxWarning)."
-            ),
-            stacklevel=4,  # _warn_if_hopeless < linear_attention < no_autocast wrapper < caller
-        )
-
 
 __all__ = [
     "linear_attention",
@@ -81,7 +44,7 @@ def linear_attention(
     return_state: bool = False,
     eps: float = 1e-6,
     fit: bool = False,
-    check: bool = True,
+    check: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
     r"""Linear attention with feature map $\varphi$ (queries and keys use the same map).
 
@@ -124,16 +87,12 @@ def linear_attention(
         ``feature_map.fit(q, k)`` (in place; a no-op for maps without any), as the FAVOR++/FAVOR#
         code does per batch. With ``causal=True`` the statistics then include future keys (the
         official code does the same); fit on a calibration batch instead where that matters.
-    check : bool, default True
-        Warn (`kernelapprox.KernelApproxWarning`, once per call site under Python's default
-        filter) when the map's closed form predicts a relative kernel MSE above
-        ``kernelapprox.diagnose.WARN_RELATIVE_MSE`` (1.0) on this batch
-        (`kernelapprox.diagnose.quick_relative_mse`: $O(nd)$ statistics, one
-        closed-form evaluation; maps without closed-form moments are not checked; on an accelerator
-        only the first call of each map is checked, since the decision needs one host
-        synchronisation; inside ``torch.compile`` it is skipped, as a warning decided on the host
-        would break the graph). ``False``, or
-        ``warnings.filterwarnings("ignore", category=ka.KernelApproxWarning)``, turns it off.
+    check : bool, default False
+        Also run `kernelapprox.diagnose.warn_if_hopeless` on this call: a
+        `kernelapprox.KernelApproxWarning` (pointing at the caller) when the map's closed form
+        predicts a relative kernel MSE above 1 on this batch ($O(nd)$ statistics and one host
+        synchronisation; skipped inside ``torch.compile``). Off by default: this function computes
+        attention only. The layers of `kernelapprox.nn` check once per map by default.
 
     Returns
     -------
@@ -157,9 +116,8 @@ def linear_attention(
         if not isinstance(feature_map, FeatureMap):
             raise TypeError(f"feature_map must be a kernelapprox FeatureMap, got {type(feature_map).__name__}")
         feature_map.fit(q, k)
-    if (check and isinstance(feature_map, FeatureMap) and feature_map.is_random
-            and not torch.compiler.is_compiling() and _checkable(q, k, feature_map)):
-        _warn_if_hopeless(feature_map, q, k)
+    if check:
+        run_input_checks(feature_map, q, k)
     if causal:
         return chunk_linear_attention(
             q, k, v, feature_map, chunk_size=chunk_size, initial_state=initial_state,

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .._validation import broadcast_batch, compute_dtype
 from ..exact import check_qkv
 from ..features import FeatureMap
 from .state import LinearAttentionState
+
+#: The checks ``linear_attention(..., check=True)`` runs, ``fn(feature_map, q, k)``. Attention
+#: imports no statistics: `kernelapprox.diagnose` (a layer above) installs its closed-form check
+#: here when it is imported, which ``import kernelapprox`` always does.
+_INPUT_CHECKS: list[Callable[[FeatureMap, torch.Tensor, torch.Tensor], object]] = []
+
+
+def install_input_check(fn: Callable[[FeatureMap, torch.Tensor, torch.Tensor], object]) -> None:
+    """Add ``fn(feature_map, q, k)`` to the checks of ``linear_attention(..., check=True)`` (once)."""
+    if fn not in _INPUT_CHECKS:
+        _INPUT_CHECKS.append(fn)
+
+
+def run_input_checks(feature_map: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Run the installed checks (`install_input_check`) on one call's inputs."""
+    if not _INPUT_CHECKS:
+        raise RuntimeError("check=True needs kernelapprox.diagnose, which installs the check (import kernelapprox)")
+    for fn in _INPUT_CHECKS:
+        fn(feature_map, q, k)
 
 
 def check_feature_map(feature_map: object) -> FeatureMap:
