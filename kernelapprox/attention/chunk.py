@@ -14,11 +14,28 @@ import torch.nn.functional as F
 from .._validation import inputs_validated, no_autocast
 from ..features import FeatureMap
 from . import chunk_runmax, chunk_shared
-from ._common import normalise, prepare, with_ones
+from ._common import apply_padding, normalise, padding_mask, prepare, with_ones
 from .parallel import _GEMM_COLUMNS
 from .state import LinearAttentionState
 
 _PATHS = ("auto", "shared", "runmax")
+
+
+def _padding_scale(s: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    r"""The log-scale given to padded keys: per sequence, the smallest of its valid keys'
+    (0 for a sequence without any), shape (..., 1), detached.
+
+    A padded key contributes through its zero row of $[V, 1]$ only, so its scale need only
+    (a) raise no maximum: it is at most every valid key's, so each running maximum and group
+    reference is that of the valid keys alone, once one has been seen, and (b) keep every weight
+    finite. $-\infty$ would meet (a) but not (b): rows before a sequence's first valid key
+    would have the running maximum $-\infty$, the weights of their (masked) future keys
+    $e^{s_j + \infty}$, and the backward $0 \cdot \infty$ = NaN. With this choice those rows
+    have a finite maximum, every weight a row can see is $\le 1$, and a sequence padded on the
+    left keeps the shared-scale path (its keys' spread is unchanged).
+    """
+    lo = s.masked_fill(pad, float("inf")).amin(dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo))
 
 
 @no_autocast
@@ -32,6 +49,7 @@ def chunk_linear_attention(
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
     eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
     _path: Literal["auto", "shared", "runmax"] = "auto",
     _recompute: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
@@ -82,6 +100,13 @@ def chunk_linear_attention(
     return_state : bool, default False
     eps : float, default 1e-6
         Denominator guard for signed maps, see `kernelapprox.linear_attention`.
+    key_padding_mask : Tensor, optional
+        Bool, ``True`` = padded key, shape (batch, n) or broadcasting with (..., n); see
+        `kernelapprox.linear_attention`. A padded key enters both algorithms with a zero row
+        of $[V, 1]$ (nothing in any numerator or denominator) and the smallest log-scale of its
+        sequence's valid keys (`_padding_scale`), so that it raises no running maximum or
+        group reference. Padded queries still attend to the valid keys before them; a row with
+        none gives 0.
     _path : {"auto", "shared", "runmax"}, default "auto"
         Private (benchmarks and tests): force an algorithm. ``"shared"`` still hands the rows it
         cannot take to the running-maximum path; it cannot run inside ``torch.compile``.
@@ -117,15 +142,22 @@ def chunk_linear_attention(
     compiling = torch.compiler.is_compiling()
     if _path == "shared" and compiling:
         raise ValueError("_path='shared' decides on the host and cannot run inside torch.compile; use 'auto'")
+    pad = padding_mask(key_padding_mask, k.shape)
     q, k, v, out_dtype, cdt = prepare(q, k, v, feature_map, True, initial_state)
+    k, v = apply_padding(pad, k, v)
     with inputs_validated():
         fq = feature_map.query_features(q)  # the per-query scale cancels
         fk, s = feature_map.key_log_features(k)  # per-key log scales s: (..., n), float64 for random maps
     s = s.double()  # keeps the gradient of the per-key scale; the stabilisers are detached
+    if pad is not None:
+        s = s.masked_fill(pad, 0.0)
+        s = torch.where(pad, _padding_scale(s.detach(), pad), s)
     # [v, 1] with zero columns up to a multiple of 8: GEMMs of width 72 are faster than of 65
     # on CPU; the padding is stripped from the outputs and the states returned.
     dv = v.shape[-1]
     v1 = with_ones(v, _GEMM_COLUMNS)
+    if pad is not None:
+        v1 = v1.masked_fill(pad.unsqueeze(-1), 0.0)
     if initial_state is not None and v1.shape[-1] != dv + 1:
         initial_state = LinearAttentionState(
             F.pad(initial_state.kv, (0, v1.shape[-1] - dv - 1)), initial_state.log_scale)
