@@ -231,7 +231,7 @@ def split(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def normalise(num: torch.Tensor, den: torch.Tensor, positive: bool, eps: float) -> torch.Tensor:
-    """``num / den`` (num (..., n, dv), den (..., n, 1)), guarding vanishing denominators.
+    r"""``num / den`` (num (..., n, dv), den (..., n, 1)), guarding vanishing denominators.
 
     Positive maps: a denominator can only vanish by underflow; it is clamped to the smallest normal
     number. Signed maps (trigonometric): ``den + 2 eps`` where ``|den| <= eps`` (the Performer guard).
