@@ -835,13 +835,13 @@ class LinearAttention(nn.Module):
             pad = pad.reshape(pad.shape[0], 1, m)  # (batch, 1, m): all heads
         self.attention._tick()
         res = self.attention._attend(q, k, v, initial_state, return_state, pad, causal)
-        state = None
-        if return_state:
-            res, state = res
-        out = self.to_out(self.merge_heads(res))
+        heads_out, state = res if return_state else (res, None)
+        out = self.to_out(self.merge_heads(heads_out))
         if not self.batch_first:
             out = out.transpose(0, 1)
-        return (out, state) if return_state else out
+        if state is not None:
+            return out, cast(LinearAttentionState, state)
+        return cast(torch.Tensor, out)
 
     def forward_heads(
         self,

@@ -22,7 +22,6 @@ import pytest
 import torch
 from torch import nn
 
-import kernelapprox as ka
 from kernelapprox.nn import LinearAttention, MultiheadLinearAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: threads only cost
