@@ -495,13 +495,15 @@ class LinearAttentionHeads(nn.Module):
         self.redraws = int(state["redraws"])
 
     # ------------------------------------------------------------------ attention
-    def _check_heads(self, name: str, t: object) -> torch.Tensor:
+    def _check_heads(self, name: str, t: object, kv: bool = False) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(
                 f"{name} must have shape (batch, heads, n, features) with 4 dimensions, got shape {tuple(t.shape)}"
             )
+        if kv and self.heads % t.shape[1] == 0:  # grouped-query heads (see linear_attention)
+            return t
         if tuple(self.feature_map.batch_shape) == (self.heads,) and self.heads != 1 and t.shape[1] != self.heads:
             raise ValueError(
                 f"{name} has {t.shape[1]} heads (shape {tuple(t.shape)}), but the feature map holds "
@@ -526,7 +528,8 @@ class LinearAttentionHeads(nn.Module):
         q : Tensor, shape (batch, heads, n, dim_head)
         k : Tensor, shape (batch, heads, m, dim_head)
         v : Tensor, shape (batch, heads, m, dv)
-            ``m == n`` if causal.
+            ``m == n`` if causal. ``k`` and ``v`` may have fewer heads, dividing ``heads``
+            (grouped-query attention, `kernelapprox.linear_attention`).
         key_padding_mask : Tensor, optional
             Shape (batch, m), bool ``True`` = padded key (or float 0/-inf), as in
             `torch.nn.MultiheadAttention`; see `kernelapprox.linear_attention`.
@@ -545,8 +548,8 @@ class LinearAttentionHeads(nn.Module):
             (batch, heads, feature_dim, dv + 1).
         """
         q = self._check_heads("q", q)
-        k = self._check_heads("k", k)
-        v = self._check_heads("v", v)
+        k = self._check_heads("k", k, kv=True)
+        v = self._check_heads("v", v, kv=True)
         _check_bool("return_state", return_state)
         pad = padding_mask(key_padding_mask, k.shape)
         self._tick()
@@ -808,11 +811,12 @@ class LinearAttention(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
         """`forward` with separate key and value inputs (the path of `MultiheadLinearAttention`)."""
         layout = "(batch, n, " if self.batch_first else "(n, batch, "
-        for name, t, width in (("x", query, self.dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+        checks = (("x", query, "dim", self.dim), ("key", key, "kdim", self.kdim), ("value", value, "vdim", self.vdim))
+        for name, t, dim_name, width in checks:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dim() != 3 or t.shape[-1] != width:
-                raise ValueError(f"{name} must have shape {layout}{width}), got shape {tuple(t.shape)}")
+                raise ValueError(f"{name} must have shape {layout}{dim_name}={width}), got shape {tuple(t.shape)}")
         _check_bool("return_state", return_state)
         if not self.batch_first:  # sequence-first in, sequence-first out
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))

@@ -198,3 +198,16 @@ def test_transformer_encoder_layer_trains_with_either_attention(batch_first, cau
     for losses in (mha, lin):
         assert all(torch.isfinite(torch.tensor(losses)))
         assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_heads_module_takes_grouped_kv_heads():
+    from kernelapprox.nn import LinearAttentionHeads
+
+    attn = LinearAttentionHeads(8, heads=4, num_features=16, seed=0, check=False)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=g)
+    k, v = (torch.randn(2, 2, 5, 8, generator=g) for _ in range(2))
+    ref = attn(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1))
+    assert torch.allclose(attn(q, k, v), ref, atol=1e-6)
+    with pytest.raises(ValueError, match="heads"):
+        attn(q, k[:, :1].expand(2, 3, 5, 8), v[:, :1].expand(2, 3, 5, 8))
