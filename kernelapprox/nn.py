@@ -568,7 +568,9 @@ class LinearAttentionHeads(nn.Module):
         if self.check and not torch.compiler.is_compiling() and not getattr(fm, _CHECKED, False):
             from .diagnose import warn_if_hopeless  # the statistics load on the first check only
 
-            warn_if_hopeless(fm, q, k)
+            # padded keys (any content) out of the statistics: zero keys, of kernel value 1
+            kc = k if key_padding_mask is None else k.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
+            warn_if_hopeless(fm, q, kc)
             object.__setattr__(fm, _CHECKED, True)  # a plain flag: once per map, not per layer or call
         return linear_attention(
             q, k, v, fm, causal=self.causal if causal is None else causal, chunk_size=self.chunk_size,

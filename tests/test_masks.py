@@ -264,3 +264,20 @@ def test_layout_bthd_equals_the_transposed_call(causal):
         ka.linear_attention(*t, fm, causal=causal)
     with pytest.raises(ValueError, match="layout"):
         ka.linear_attention(q, k, v, fm, layout="bhdt")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("where", [(6, 7, 8, 9), (0, 1, 2, 3)], ids=["right", "left"])
+def test_the_state_after_a_padded_sequence_is_the_unpadded_one(causal, where):
+    """The returned state (S, z) ignores padded keys, and continuing from it is unchanged."""
+    fm = ka.PositiveRF(D, 16, seed=0, batch_shape=(H,), dtype=F64)
+    q, k, v = _inputs()
+    _, ref = ka.linear_attention(q, k, v, fm, causal=causal, return_state=True, chunk_size=4)
+    qp, kp, vp, mask, _ = _pad(q, k, v, where)
+    _, st = ka.linear_attention(qp, kp, vp, fm, causal=causal, return_state=True, chunk_size=4,
+                                key_padding_mask=mask)
+    assert torch.allclose(st.S, ref.S, rtol=1e-10, atol=0) and torch.allclose(st.z, ref.z, rtol=1e-10, atol=0)
+    q2, k2, v2 = _inputs(seed=9, n=3)
+    a = ka.linear_attention(q2, k2, v2, fm, causal=True, initial_state=st)
+    b = ka.linear_attention(q2, k2, v2, fm, causal=True, initial_state=ref)
+    assert torch.allclose(a, b, atol=1e-12)
