@@ -52,9 +52,12 @@ import numpy as np
 import torch
 
 from ._validation import check_floating, check_last_dim, check_positive_int
+from .attention._common import install_input_check
 from .registry import estimators
 
-__all__ = ["Diagnosis", "diagnose", "KernelApproxWarning", "quick_relative_mse", "WARN_RELATIVE_MSE"]
+__all__ = [
+    "Diagnosis", "diagnose", "KernelApproxWarning", "quick_relative_mse", "warn_if_hopeless", "WARN_RELATIVE_MSE",
+]
 
 #: Largest normaliser relative variance at which the delta method was found accurate (docs/theory.md §2).
 DELTA_VALID = 0.05
@@ -307,12 +310,14 @@ class KernelApproxWarning(UserWarning):
     """Raised (once per call site, by Python's default warning filter) when the closed forms predict
     that a random feature map cannot approximate $e^{q^\\top k}$ on the given batch.
 
-    Silence it with ``warnings.filterwarnings("ignore", category=ka.KernelApproxWarning)`` or
-    ``ka.linear_attention(..., check=False)``.
+    Issued by `warn_if_hopeless`: once per map by `kernelapprox.nn.LinearAttention`,
+    `kernelapprox.nn.LinearAttentionHeads` and `kernelapprox.hf.linearize` (their ``check=False``
+    turns it off), and by ``ka.linear_attention(..., check=True)``. Silence it with
+    ``warnings.filterwarnings("ignore", category=ka.KernelApproxWarning)``.
     """
 
 
-#: Predicted relative kernel MSE above which `kernelapprox.linear_attention` warns.
+#: Predicted relative kernel MSE above which `warn_if_hopeless` warns.
 WARN_RELATIVE_MSE = 1.0
 
 
@@ -371,3 +376,112 @@ def quick_relative_mse(fm: Any, q: torch.Tensor, k: torch.Tensor) -> float:
         y[0, 1] = math.sqrt(max(b2 - y[0, 0] ** 2, 0.0))
     rel = np.asarray(theory.relative_mse(fm, x, y), dtype=np.float64)
     return float(np.max(rel))
+
+
+def _checkable(fm: Any, q: object, k: object) -> bool:
+    """Inputs the check can read: floating tensors of the map's ``dim`` with broadcastable batch
+    dimensions and at least one row, off the meta device (anything else is left to the attention
+    call, which raises the input errors)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.is_floating_point()
+            and k.is_floating_point() and q.dim() >= 2 and k.dim() >= 2 and q.shape[-1] == fm.dim
+            and k.shape[-1] == fm.dim and q.shape[-2] > 0 and k.shape[-2] > 0):
+        return False
+    try:
+        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    except RuntimeError:
+        return False
+    return q.device.type != "meta"
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` of the first frame outside kernelapprox and torch (the user's call), counted
+    from the caller of this function's caller (`warn_if_hopeless`)."""
+    import os
+    import sys
+
+    skip = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+    frame: Any = sys._getframe(2)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_if_hopeless(
+    feature_map: Any, q: torch.Tensor, k: torch.Tensor, *, stacklevel: int | None = None
+) -> float:
+    r"""Warn when ``feature_map`` cannot approximate $e^{q^\top k}$ on the batch ``(q, k)``.
+
+    Evaluates `quick_relative_mse` (the closed form at the mean pair, $O(nd)$ statistics and one
+    host synchronisation) and issues a `KernelApproxWarning` when it exceeds `WARN_RELATIVE_MSE`:
+
+    $$
+    \frac{\operatorname{MSE}\hat K(\bar x, \bar y)}{K(\bar x, \bar y)^2} > 1,
+    $$
+
+    where linear attention with this map is far from softmax attention [Cho21]_. Maps without
+    closed-form moments (deterministic, learned, hybrid, SORF/QMC rows) are never flagged, nor
+    are inputs the attention call would reject, and nothing runs inside ``torch.compile`` (a
+    decision on the host would break the graph). The layers of `kernelapprox.nn` and
+    `kernelapprox.hf.linearize` call it once per map; ``ka.linear_attention(..., check=True)`` on
+    every call.
+
+    Parameters
+    ----------
+    feature_map : FeatureMap
+    q : Tensor, shape (..., n, d)
+    k : Tensor, shape (..., m, d)
+        The inputs of the attention (already scaled, as the map sees them).
+    stacklevel : int, optional
+        Passed to `warnings.warn` (1: this function, 2: its caller). Default: the first frame
+        outside kernelapprox and torch, i.e. the user's line.
+
+    Returns
+    -------
+    float
+        The predicted relative kernel MSE (``nan`` where nothing was checked).
+
+    References
+    ----------
+    .. [Cho21] K. Choromanski et al. "Rethinking attention with Performers", ICLR 2021.
+
+    Examples
+    --------
+    >>> import torch, warnings, kernelapprox as ka
+    >>> from kernelapprox.diagnose import warn_if_hopeless
+    >>> q, k = torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(0)).unbind(0)
+    >>> fm = ka.PositiveRF(64, 256, seed=0)
+    >>> with warnings.catch_warnings(record=True) as w:
+    ...     warnings.simplefilter("always")
+    ...     rel = warn_if_hopeless(fm, q, k)      # the unscaled attention logits
+    >>> rel > 1, [x.category.__name__ for x in w]
+    (True, ['KernelApproxWarning'])
+    >>> warn_if_hopeless(fm, q / 8, k / 8) < 1       # small norms: silent
+    True
+    """
+    if (not getattr(feature_map, "is_random", False) or torch.compiler.is_compiling()
+            or not _checkable(feature_map, q, k)):
+        return math.nan
+    rel = quick_relative_mse(feature_map, q, k)
+    if rel > WARN_RELATIVE_MSE:
+        import warnings
+
+        warnings.warn(
+            KernelApproxWarning(
+                f"{type(feature_map).__name__} with r = {feature_map.num_features}: the closed form predicts "
+                f"a relative kernel MSE of {rel:.3g} on this batch (at the mean |q + k|^2; > "
+                f"{WARN_RELATIVE_MSE:g}), so linear attention will be far from softmax attention. Inputs "
+                "scaled by d^(-1/4)? See ka.diagnose(q, k) for every estimator and the r each needs; "
+                "silence with check=False or warnings.filterwarnings('ignore', category=ka.KernelApproxWarning)."
+            ),
+            stacklevel=_user_stacklevel() if stacklevel is None else stacklevel,
+        )
+    return rel
+
+
+def _linear_attention_check(feature_map: Any, q: torch.Tensor, k: torch.Tensor) -> None:
+    """The check of ``ka.linear_attention(..., check=True)``: `warn_if_hopeless`."""
+    warn_if_hopeless(feature_map, q, k)
+
+
+install_input_check(_linear_attention_check)

@@ -85,12 +85,13 @@ def softmax_attention(
     causal: bool = False,
     *,
     chunk_size: int = 1024,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Exact softmax attention with the unscaled kernel $\exp(q^\top k)$.
 
     $$
-    o_i = \frac{\sum_{j} e^{q_i^\top k_j} v_j}{\sum_{j} e^{q_i^\top k_j}}
-    \quad (j \le i \text{ if causal}).
+    o_i = \frac{\sum_{j \in J_i} e^{q_i^\top k_j} v_j}{\sum_{j \in J_i} e^{q_i^\top k_j}},
+    \qquad J_i = \{j \text{ not padded}\}\ (\cap\ \{j \le i\} \text{ if causal}).
     $$
 
     Chunked over queries (``chunk_size`` queries at a time) with a max-subtracted softmax, so peak
@@ -106,6 +107,10 @@ def softmax_attention(
         Mask keys ``j > i`` (needs ``n == m``).
     chunk_size : int, default 1024
         Queries per chunk.
+    key_padding_mask : Tensor, optional
+        Keys to ignore, as in `kernelapprox.linear_attention` (the reference of its masked
+        forms): bool ``True`` = padded, or float 0/-inf; shape (batch, m) or broadcasting with
+        ``k.shape[:-1]``. A row without any allowed key gives 0 (SDPA gives NaN there).
 
     Returns
     -------
@@ -121,6 +126,9 @@ def softmax_attention(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    from .attention._common import padding_mask  # (attention imports this module)
+
+    pad = padding_mask(key_padding_mask, k.shape)
     cdt = compute_dtype(out_dtype)
     q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
     n, m = q.shape[-2], k.shape[-2]
@@ -128,9 +136,16 @@ def softmax_attention(
     for s in range(0, n, chunk_size):
         e = min(n, s + chunk_size)
         scores = torch.matmul(q[..., s:e, :], k.mT)
+        blocked = None if pad is None else pad.unsqueeze(-2)  # (..., 1, m)
         if causal:
             i = torch.arange(s, e, device=q.device).unsqueeze(-1)
             j = torch.arange(m, device=q.device)
-            scores = scores.masked_fill(j > i, float("-inf"))
-        outs.append(torch.matmul(torch.softmax(scores, dim=-1), v))
+            blocked = j > i if blocked is None else blocked | (j > i)
+        if blocked is None:
+            outs.append(torch.matmul(torch.softmax(scores, dim=-1), v))
+            continue
+        scores = scores.masked_fill(blocked, float("-inf"))
+        empty = blocked.all(dim=-1, keepdim=True)  # rows without any allowed key: 0, not NaN
+        p = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+        outs.append(torch.matmul(p, v))
     return torch.cat(outs, dim=-2).to(out_dtype)

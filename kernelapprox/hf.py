@@ -623,6 +623,30 @@ def _valid_keys(allowed: torch.Tensor, causal: bool) -> torch.Tensor | None:
     return None if bool(valid.all()) else valid
 
 
+def _fit_map(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> FeatureMap:
+    """The map to use on queries ``q`` and keys ``k`` (..., m_valid, d), fitted on them.
+
+    Nyström with landmarks chosen by a rule ("segment-means", "kmeans++") needs at least as many
+    keys as landmarks; a short sentence has fewer (9 valid keys for 32 landmarks). Each sequence
+    then gets ``min(num_features, valid keys)`` landmarks, placed on its own keys (landmarks have
+    the shape of the keys of the last fit): with fewer keys than ``num_features``, a
+    Nyström map on the keys themselves (same ridge and cutoff), exact softmax attention on that
+    sequence, since every key is a landmark. The layer's own map is left as it was. Every other
+    map is fitted in place, ``fm.fit(q, k)``.
+    """
+    from .deterministic import NystromFeatures
+
+    if isinstance(fm, NystromFeatures) and not isinstance(fm.landmarks, torch.Tensor):
+        if k.shape[-2] < fm.num_features:
+            return NystromFeatures(fm.dim, landmarks=k.detach(), ridge=fm.ridge, rcond=fm.rcond,
+                                   dtype=fm.landmarks_.dtype, device=fm.landmarks_.device)
+        # landmarks placed by a rule take the shape of these keys: the batch shape of a previous
+        # fit (the whole batch, another sequence) is not a constraint on this one
+        fm.batch_shape = ()
+    fm.fit(q, k)
+    return fm
+
+
 @dataclass
 class Linearized:
     """Handle returned by `linearize`: the swapped model, its maps, and ``restore()``.
@@ -672,6 +696,7 @@ def linearize(
     fit_lr: float = 1e-2,
     chunk_size: int = 64,
     progress: bool = False,
+    check: bool = True,
     **options: Any,
 ) -> Linearized:
     r"""Swap the model's softmax attention for `kernelapprox.linear_attention`, reversibly.
@@ -688,7 +713,9 @@ def linearize(
     ($j \le i$ where the model is causal; padded keys excluded). Random maps get an
     independent draw per head (``batch_shape=(heads,)``) and per layer; data-dependent maps
     (``fm.data_dependent``: FAVOR++, FAVOR#, Nyström) are fitted on every batch they see, as in
-    use; learned maps (Hedgehog) are fitted per head on ``calibration`` inputs by
+    use (Nyström: per sequence on its valid keys, with ``min(num_features, valid keys)`` landmarks,
+    so a sequence of at most ``num_features`` tokens gets exact softmax attention); learned maps
+    (Hedgehog) are fitted per head on ``calibration`` inputs by
     `kernelapprox.fit_feature_map` before the swap. Dropout on attention weights is not
     applied (use the model in eval mode). Decoding with a KV cache (``n < m`` queries) summarises
     the cached prefix into a linear-attention state and continues causally: equal to a full
@@ -722,6 +749,11 @@ def linearize(
         Chunk length of the causal form.
     progress : bool, default False
         Progress bars while fitting learned maps.
+    check : bool, default True
+        On the first call of each linearised layer, `kernelapprox.diagnose.warn_if_hopeless` on
+        its scaled queries and keys (after fitting a data-dependent map): a
+        `kernelapprox.KernelApproxWarning` when the map's closed form predicts a relative kernel
+        MSE above 1 there. Once per layer, not per call.
     **options
         Extra constructor arguments of the maps built from a name (e.g. ``variant="lolcats"``).
 
@@ -745,7 +777,10 @@ def linearize(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     _check_map_spec(feature_map, keep_layers, model)
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, got {check!r}")
     maps: dict[int, FeatureMap] = {}
+    checked: set[int] = set()
 
     def map_for(layer: int, heads: int, dim: int) -> FeatureMap:
         if layer not in maps:
@@ -778,9 +813,9 @@ def linearize(
     order: dict[int, int] = {}
 
     def la(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, causal: bool, fit: bool,
-           state: Any = None) -> torch.Tensor:
+           state: Any = None, pad: torch.Tensor | None = None) -> torch.Tensor:
         out = linear_attention(q, k, v, fm, causal=causal, chunk_size=chunk_size, fit=fit, check=False,
-                               initial_state=state)
+                               initial_state=state, key_padding_mask=pad)
         return cast(torch.Tensor, out)  # no state was requested
 
     def la_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap) -> torch.Tensor:
@@ -809,14 +844,24 @@ def linearize(
         r = math.sqrt(s)
         qs, ks = query * r, k_ * r
         fit = bool(fm.data_dependent and not fm.learned)
+        if check and layer not in checked:
+            from .diagnose import warn_if_hopeless
+
+            checked.add(layer)
+            # judged as fitted (the attention below fits it again on its valid keys)
+            warn_if_hopeless(_fit_map(fm, qs, ks) if fit else fm, qs, ks)
         valid = _valid_keys(_allowed(attention_mask, b, n, m, causal, query.device), causal)
         if valid is None:
+            fm_ = _fit_map(fm, qs, ks) if fit else fm
             if causal and n < m:  # decoding with a KV cache
-                if fit:
-                    fm.fit(qs, ks)
-                out = la_offset(qs, ks, v_, fm)
+                out = la_offset(qs, ks, v_, fm_)
             else:
-                out = la(qs, ks, v_, fm, causal, fit)
+                out = la(qs, ks, v_, fm_, causal, False)
+            return out.transpose(1, 2).contiguous(), None
+        if not fit and n == m:
+            # one call with the key padding mask: every query sees the valid keys (j <= i if
+            # causal), a row without any gives 0 -- the model's own mask (checked above)
+            out = la(qs, ks, v_, fm, causal, False, pad=~valid)
             return out.transpose(1, 2).contiguous(), None
         out = torch.zeros(b, h, n, v_.shape[-1], dtype=torch.promote_types(query.dtype, value.dtype),
                           device=query.device)
@@ -826,14 +871,13 @@ def linearize(
             if idx.numel() == 0:
                 continue
             ki, vi = ks[i][:, idx], v_[i][:, idx]
+            fm_i = _fit_map(fm, qs[i], ki) if fit else fm  # per sequence, on its valid keys
             if not causal:
-                out[i] = la(qs[i], ki, vi, fm, False, fit).to(out.dtype)
+                out[i] = la(qs[i], ki, vi, fm_i, False, False).to(out.dtype)
                 continue
-            if fit:
-                fm.fit(qs[i], ki)
             rest = positions
             if n == m:  # valid queries: causal attention on the compacted sequence (order is kept)
-                out[i][:, idx] = la(qs[i][:, idx], ki, vi, fm, True, False).to(out.dtype)
+                out[i][:, idx] = la(qs[i][:, idx], ki, vi, fm_i, True, False).to(out.dtype)
                 rest = (~valid[i]).nonzero().squeeze(-1)
             # the other queries see the valid keys up to their position: grouped by that count
             seen = torch.searchsorted(idx, rest, right=True)
@@ -841,7 +885,7 @@ def linearize(
                 if c == 0:
                     continue  # no allowed key: the row is left at zero
                 rows = rest[seen == c] - (m - n)
-                out[i][:, rows] = la(qs[i][:, rows], ki[:, :c], vi[:, :c], fm, False, False).to(out.dtype)
+                out[i][:, rows] = la(qs[i][:, rows], ki[:, :c], vi[:, :c], fm_i, False, False).to(out.dtype)
         return out.transpose(1, 2).contiguous(), None
 
     switch = _Switch(model, attend, "linear")

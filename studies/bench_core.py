@@ -332,19 +332,19 @@ from studies.bench_core import train_path
 
 n, path, B = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 H, d, r = 8, 64, 256
-fm = train_path(path, d, r)
+fm, kw = train_path(path, d, r)
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(B, H, n, d, generator=g) for _ in range(3))
 q.mul_(d ** -0.25)
 k.mul_(d ** -0.25)
 q, k, v = (t.requires_grad_() for t in (q, k, v))
-small = ka.linear_attention(q[..., :64, :], k[..., :64, :], v[..., :64, :], fm, causal=True)
+small = ka.chunk_linear_attention(q[..., :64, :], k[..., :64, :], v[..., :64, :], fm, **kw)
 small.sum().backward()
 q.grad = k.grad = v.grad = None
 with open("/proc/self/clear_refs", "w") as f:  # reset the peak-RSS mark (VmHWM)
     f.write("5")
 base = status("VmRSS")
-ka.linear_attention(q, k, v, fm, causal=True, check=False).sum().backward()
+ka.chunk_linear_attention(q, k, v, fm, **kw).sum().backward()
 peak = status("VmHWM")
 print(json.dumps({"peak_mib": peak - base, "features_mib": 2 * B * H * n * r * 4 / 2**20}))
 """
@@ -354,19 +354,17 @@ _REPO = str(Path(__file__).resolve().parents[1])  # where `studies` is importabl
 TRAIN_PATHS = ("old", "new", "runmax", "trig-autograd", "trig")
 
 
-def train_path(path: str, d: int, r: int) -> ka.FeatureMap:
-    """Set the causal form's path flags for ``path`` (one of `TRAIN_PATHS`) and return its map:
-    "old" plain autograd through the running-maximum path; "new" the shared-scale path with its
-    recomputing backward; "runmax" the running-maximum path with recomputed runs (what CUDA and
-    signed maps take); "trig" / "trig-autograd" ``TrigRF`` (signed) with / without recomputation.
-    The caller restores the flags (both True) when it runs in-process."""
-    from kernelapprox.attention import chunk
-
-    chunk._SHARED_SCALE = path == "new"
-    chunk._RECOMPUTE_GROUPS = path in ("new", "runmax", "trig")
+def train_path(path: str, d: int, r: int) -> tuple[ka.FeatureMap, dict[str, object]]:
+    """The map of ``path`` (one of `TRAIN_PATHS`) and the arguments of ``chunk_linear_attention``
+    that choose its algorithm: "old" plain autograd through the running-maximum path; "new" the
+    shared-scale path with its recomputing backward; "runmax" the running-maximum path with
+    recomputed runs (what CUDA and signed maps take); "trig" / "trig-autograd" ``TrigRF`` (signed)
+    with / without recomputation."""
+    kw: dict[str, object] = {"_path": "shared" if path == "new" else "runmax",
+                             "_recompute": path in ("new", "runmax", "trig")}
     if path.startswith("trig"):
-        return ka.TrigRF(d, r, seed=0)
-    return ka.PositiveRF(d, r, sampler="orthogonal", seed=0)
+        return ka.TrigRF(d, r, seed=0), kw
+    return ka.PositiveRF(d, r, sampler="orthogonal", seed=0), kw
 
 
 def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1) -> dict[str, float]:
@@ -377,22 +375,17 @@ def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1) -> di
     path with recomputed runs of 8 chunks ("runmax", the path of CUDA tensors); ``TrigRF``
     (signed features, always the running-maximum path) without and with recomputation. CPU: the
     ``VmHWM`` method of `bench_memory` in a fresh subprocess; CUDA: ``max_memory_allocated``."""
-    from kernelapprox.attention import chunk
-
     out: dict[str, float] = {}
     for n in ns:
         for path in TRAIN_PATHS:
             if device.type == "cuda":
-                try:
-                    fm = train_path(path, 64, 256).to(device)
-                    q, k, v = (t.requires_grad_() for t in _inputs(B, 8, n, 64, device, torch.float32))
-                    torch.cuda.reset_peak_memory_stats(device)
-                    base = torch.cuda.memory_allocated(device)
-                    ka.linear_attention(q, k, v, fm, causal=True, check=False).sum().backward()
-                    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-                finally:
-                    chunk._SHARED_SCALE = True
-                    chunk._RECOMPUTE_GROUPS = True
+                fm, kw = train_path(path, 64, 256)
+                fm = fm.to(device)
+                q, k, v = (t.requires_grad_() for t in _inputs(B, 8, n, 64, device, torch.float32))
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                ka.chunk_linear_attention(q, k, v, fm, **kw).sum().backward()  # type: ignore[union-attr]
+                peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
             else:
                 res = subprocess.run(  # the child imports train_path from this package
                     [sys.executable, "-c", _TRAIN_CHILD, str(n), path, str(B)],

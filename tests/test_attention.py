@@ -445,15 +445,15 @@ def test_softmax_attention_float32_large_logits_finite():
 @pytest.mark.parametrize("budget", [1, 10**9], ids=["block-per-sequence", "one-block"])
 def test_causal_inference_blocks(monkeypatch, groups, budget):
     """The shared-scale forward without autograd takes the sequences in blocks sized to
-    ``_chunked_fn._BLOCK_BYTES`` and writes its output into the memory of the weighted values:
+    ``chunk_shared._BLOCK_BYTES`` and writes its output into the memory of the weighted values:
     with a block per sequence or one block, one group of chunks or several (another code path),
     and an initial state, output and final state equal the naive reference (1e-10, float64), the
     state shape carries no zero padding, and the inputs are untouched."""
-    from kernelapprox.attention import _chunked_fn, chunk
+    from kernelapprox.attention import chunk_shared
 
-    monkeypatch.setattr(_chunked_fn, "_BLOCK_BYTES", budget)
+    monkeypatch.setattr(chunk_shared, "_BLOCK_BYTES", budget)
     if groups > 1:
-        monkeypatch.setattr(chunk, "_GROUP_TOKENS", 1)  # the smallest groups the rule allows
+        monkeypatch.setattr(chunk_shared, "_GROUP_TOKENS", 1)  # the smallest groups the rule allows
     fm = make_map("positive")
     q, k, v = qkv(n=41)
     q0, k0, v0 = q.clone(), k.clone(), v.clone()
@@ -497,10 +497,10 @@ def test_values_broadcast_over_heads(causal):
 def _paths(monkeypatch) -> dict[str, int]:
     """Count the calls of the shared-scale path's custom autograd Function (training) and of its
     plain forward (inference), so a test knows which path it checked."""
-    from kernelapprox.attention import _chunked_fn
+    from kernelapprox.attention import chunk_shared
 
     calls = {"function": 0, "forward": 0}
-    apply, forward = _chunked_fn.ChunkedCausal.apply, _chunked_fn.chunked_forward
+    apply, forward = chunk_shared.ChunkedCausal.apply, chunk_shared.chunked_forward
 
     def counted_apply(*a):
         calls["function"] += 1
@@ -510,8 +510,8 @@ def _paths(monkeypatch) -> dict[str, int]:
         calls["forward"] += 1
         return forward(*a, **kw)
 
-    monkeypatch.setattr(_chunked_fn.ChunkedCausal, "apply", counted_apply)
-    monkeypatch.setattr(_chunked_fn, "chunked_forward", counted_forward)
+    monkeypatch.setattr(chunk_shared.ChunkedCausal, "apply", counted_apply)
+    monkeypatch.setattr(chunk_shared, "chunked_forward", counted_forward)
     return calls
 
 
@@ -519,7 +519,7 @@ def _paths(monkeypatch) -> dict[str, int]:
 def test_scan_equals_cumsum(reverse):
     """The two-sweep in-place scan of the chunk states equals torch.cumsum (flipped for suffix
     sums) for every length, powers of two and not."""
-    from kernelapprox.attention._chunked_fn import _scan_
+    from kernelapprox.attention.chunk_shared import _scan_
 
     for g in range(1, 41):
         x = randn(2, g, 3, 2, seed=g)
@@ -535,14 +535,14 @@ def test_causal_backward_equals_naive(monkeypatch, shared, n, chunk_size, r):
     quadratic reference, forward (1e-10) and backward (1e-8), normaliser included (the output is
     the ratio). Groups are made small, so the shared-scale state is carried and rescaled between
     groups (except with a single chunk). The path counter proves which path ran."""
-    import kernelapprox.attention.chunk as chunk
+    import kernelapprox.attention.chunk_shared as chunk_shared
 
-    monkeypatch.setattr(chunk, "_SHARED_SCALE", shared)
-    monkeypatch.setattr(chunk, "_GROUP_TOKENS", 8)  # groups of 2-3 chunks: states carried between groups
+    monkeypatch.setattr(chunk_shared, "_GROUP_TOKENS", 8)  # groups of 2-3 chunks: states carried between groups
     calls = _paths(monkeypatch)
     fm = ka.PositiveRF(D, r, sampler="orthogonal", seed=0, dtype=F64)
     q, k, v = (t.clone().requires_grad_(True) for t in qkv(n=n, seed=21))
-    out = ka.linear_attention(q, k, v, fm, causal=True, chunk_size=chunk_size)
+    out = ka.chunk_linear_attention(q, k, v, fm, chunk_size=chunk_size, _path="shared" if shared else "runmax",
+                                    _recompute=False)
     ref = ka.naive_linear_attention(q, k, v, fm, causal=True)
     torch.testing.assert_close(out, ref, **TOL)
     w = randn(*out.shape, seed=6)
@@ -600,7 +600,7 @@ def test_causal_gradcheck():
 def test_chunked_function_gradcheck():
     """gradcheck of the custom Function alone, both outputs (chunk outputs and final state) and
     all four inputs, with three groups of chunks and the rescaling factors between them."""
-    from kernelapprox.attention._chunked_fn import ChunkedCausal
+    from kernelapprox.attention.chunk_shared import ChunkedCausal
 
     L, nc, C, Fd, dv1 = 2, 5, 3, 4, 3
     fq, fk = (randn(L, nc, C, Fd, seed=s).abs().requires_grad_(True) for s in (1, 2))
@@ -630,23 +630,21 @@ def _saved_numels(fn) -> list[int]:
 
 @pytest.mark.parametrize(("shared", "recompute"), [(True, True), (False, True), (False, False)],
                          ids=["shared-scale", "running-max-recomputed", "running-max-autograd"])
-def test_causal_training_saves_no_chunk_states(monkeypatch, shared, recompute):
+def test_causal_training_saves_no_chunk_states(shared, recompute):
     """Training memory: with the shared-scale path, and with the running-maximum path in
     recomputed runs, nothing that autograd saves is larger than the features or [v, 1]
     (n x max(F, d_v + 1) per head), and the total is a few such tensors, so no (n_c, F, d_v + 1)
     stack of chunk states is kept for the backward. Shapes make the state stack 4x the larger of
     the two (F = 16, d_v + 1 = 32, C = 4). The running-maximum path with plain autograd
-    (``_RECOMPUTE_GROUPS = False``) keeps them: checked to exceed the bounds, so the test can
+    (``_recompute=False``) keeps them: checked to exceed the bounds, so the test can
     tell the cases apart."""
-    import kernelapprox.attention.chunk as chunk
-
-    monkeypatch.setattr(chunk, "_SHARED_SCALE", shared)
-    monkeypatch.setattr(chunk, "_RECOMPUTE_GROUPS", recompute)
     n, Fd, dv, C = 256, 16, 31, 4
     fm = ka.PositiveRF(D, Fd, seed=0, dtype=F64)
     q, k = (randn(1, 2, n, D, seed=s, scale=0.5).requires_grad_(True) for s in (1, 2))
     v = randn(1, 2, n, dv, seed=3).requires_grad_(True)
-    sizes = _saved_numels(lambda: ka.linear_attention(q, k, v, fm, causal=True, chunk_size=C))
+    path = "shared" if shared else "runmax"
+    sizes = _saved_numels(lambda: ka.chunk_linear_attention(q, k, v, fm, chunk_size=C, _path=path,
+                                                            _recompute=recompute))
     row = 2 * n * max(Fd, dv + 1)  # the larger of the features and [v, 1] (2 heads)
     within = max(sizes) <= row and sum(sizes) <= 8 * row
     assert within == recompute, (max(sizes) / row, sum(sizes) / row)
@@ -657,13 +655,13 @@ def test_causal_mixed_paths_equal_naive(monkeypatch):
     (made 0.2 nats here, so it happens at some token of each sequence), the rows before that
     token come from the shared-scale path and the rest from the running-maximum path: together
     they equal the naive reference, forward and backward."""
-    import kernelapprox.attention.chunk as chunk
+    import kernelapprox.attention.chunk_shared as chunk_shared
 
-    monkeypatch.setattr(chunk, "_SPREAD", 0.2)
+    monkeypatch.setattr(chunk_shared, "_SPREAD", 0.2)
     calls = _paths(monkeypatch)
     masks = []
-    orig = chunk._clean_mask
-    monkeypatch.setattr(chunk, "_clean_mask", lambda *a: masks.append(orig(*a)) or masks[-1])
+    orig = chunk_shared.clean_mask
+    monkeypatch.setattr(chunk_shared, "clean_mask", lambda *a: masks.append(orig(*a)) or masks[-1])
     fm = ka.PositiveRF(D, 16, sampler="orthogonal", seed=0, dtype=F64)
     q, k, v = (t.clone().requires_grad_(True) for t in qkv(seed=51))
     out = ka.linear_attention(q, k, v, fm, causal=True, chunk_size=4)

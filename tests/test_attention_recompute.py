@@ -1,13 +1,13 @@
 """Training of the causal chunked form's running-maximum path with recomputation per group.
 
-In training, each group of chunks of the running-maximum path (signed maps such as
-`ka.TrigRF`, and positive maps with ``chunk._SHARED_SCALE = False``) runs under
-``torch.utils.checkpoint.checkpoint`` (``chunk._RECOMPUTE_GROUPS``): the graph keeps the group's
-arguments and the state entering it, and the backward reruns the group. Checked here, in float64
-against the plain references of ``kernelapprox.attention.naive``: forward and backward (q, k, v
-and through ``initial_state`` / ``return_state``), chunk sizes that do and do not divide ``n``,
-several groups, a non-finite value, bitwise equality with plain autograd
-(``_RECOMPUTE_GROUPS = False``), and the bytes saved for the backward.
+In training, each group of chunks of the running-maximum path (`kernelapprox.attention.chunk_runmax`:
+signed maps such as `ka.TrigRF`, and positive maps with ``_path="runmax"``) runs under
+``torch.utils.checkpoint.checkpoint`` (``_recompute=True``, the default): the graph keeps the
+group's arguments and the state entering it, and the backward reruns the group. Checked here, in
+float64 against the plain references of ``kernelapprox.attention.naive``: forward and backward
+(q, k, v and through ``initial_state`` / ``return_state``), chunk sizes that do and do not divide
+``n``, several groups, a non-finite value, bitwise equality with plain autograd
+(``_recompute=False``), and the bytes saved for the backward.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from conftest import F64, randn
 
 import kernelapprox as ka
-import kernelapprox.attention.chunk as chunk
+import kernelapprox.attention.chunk_runmax as chunk_runmax
 from kernelapprox.attention.parallel import _GEMM_COLUMNS
 
 D = 4
@@ -38,15 +38,14 @@ def make_map(name: str, r: int = 16) -> ka.FeatureMap:
         return ka.TrigRF(D, r, seed=2, dtype=F64)  # F = 2r
     if name == "trig-offset":
         return ka.TrigRF(D, 2 * r, variant="offset", seed=2, dtype=F64)  # F = 2r
-    if name == "positive":  # on the running-maximum path with _SHARED_SCALE = False (fixture)
+    if name == "positive":  # on the running-maximum path with _path="runmax" (see `attend`)
         return ka.PositiveRF(D, 2 * r, sampler="orthogonal", seed=0, dtype=F64)  # F = 2r
     raise AssertionError(name)
 
 
-@pytest.fixture(autouse=True)
-def running_max(monkeypatch):
-    """Every test here runs on the running-maximum path (signed maps take it anyway)."""
-    monkeypatch.setattr(chunk, "_SHARED_SCALE", False)
+def attend(q, k, v, fm, recompute: bool = True, **kw):
+    """Causal attention on the running-maximum path (signed maps take it anyway)."""
+    return ka.chunk_linear_attention(q, k, v, fm, _path="runmax", _recompute=recompute, **kw)
 
 
 def leaves(n: int, dv: int = 3, seed: int = 0, lead=(2, 2)) -> list[torch.Tensor]:
@@ -59,38 +58,37 @@ def leaves(n: int, dv: int = 3, seed: int = 0, lead=(2, 2)) -> list[torch.Tensor
 
 def groups_of(n: int, C: int, Fd: int, dv: int, recompute: bool = True) -> int:
     """The number of groups of the running-maximum loop (its formula in `chunk_linear_attention`),
-    in training with recomputation split into runs of at most ``chunk._RECOMPUTE_CHUNKS`` chunks."""
+    in training with recomputation split into runs of at most ``_RECOMPUTE_CHUNKS`` chunks."""
     m = _GEMM_COLUMNS  # [v, 1] is zero-padded to a multiple of m columns
     nc, dv1 = -(-n // C), -(-(dv + 1) // m) * m
     group = max(1, (nc * C * (Fd + dv1)) // (Fd * dv1))
     if recompute:
-        group = min(group, chunk._RECOMPUTE_CHUNKS)
+        group = min(group, chunk_runmax._RECOMPUTE_CHUNKS)
     return -(-nc // group)
 
 
 def count_checkpoints(monkeypatch) -> list[int]:
     """Count the groups run under ``checkpoint`` (one list entry per call)."""
     calls: list[int] = []
-    orig = chunk.checkpoint
+    orig = chunk_runmax.checkpoint
 
     def counted(*a, **kw):
         calls.append(1)
         return orig(*a, **kw)
 
-    monkeypatch.setattr(chunk, "checkpoint", counted)
+    monkeypatch.setattr(chunk_runmax, "checkpoint", counted)
     return calls
 
 
 def grads_both_ways(monkeypatch, f, inputs):
-    """``f(*inputs)`` -> (output, loss); the output and the gradients of the loss w.r.t. ``inputs``
-    with ``_RECOMPUTE_GROUPS`` True and False, checked bitwise equal (NaN where NaN) and the
+    """``f(*inputs, recompute)`` -> (output, loss); the output and the gradients of the loss w.r.t.
+    ``inputs`` with recomputation and without, checked bitwise equal (NaN where NaN) and the
     number of checkpointed groups returned."""
     calls = count_checkpoints(monkeypatch)
     res = {}
     for rec in (True, False):
-        monkeypatch.setattr(chunk, "_RECOMPUTE_GROUPS", rec)
         n_before = len(calls)
-        out, loss = f(*inputs)
+        out, loss = f(*inputs, rec)
         res[rec] = (out.detach(), torch.autograd.grad(loss, inputs), len(calls) - n_before)
     assert res[False][2] == 0
     for a, b in zip((res[True][0], *res[True][1]), (res[False][0], *res[False][1]), strict=True):
@@ -108,8 +106,8 @@ def test_recompute_equals_naive(monkeypatch, name, n, C, dv):
     inputs = leaves(n, dv, seed=3)
     w = randn(2, 2, n, dv, seed=9)
 
-    def f(q, k, v):
-        out = ka.linear_attention(q, k, v, fm, causal=True, chunk_size=C)
+    def f(q, k, v, rec):
+        out = attend(q, k, v, fm, rec, chunk_size=C)
         return out, (out * w).sum()
 
     out, grads, calls = grads_both_ways(monkeypatch, f, inputs)
@@ -138,11 +136,11 @@ def test_recompute_through_states(monkeypatch, name):
     ws = randn(2, 2, fm.feature_dim, dv + 1, seed=11)
     assert groups_of(cut, C, fm.feature_dim, dv) > 1 and groups_of(n - cut, C, fm.feature_dim, dv) > 1
 
-    def f(q, k, v):
-        o1, st = ka.linear_attention(q[..., :cut, :], k[..., :cut, :], v[..., :cut, :], fm, causal=True,
-                                     chunk_size=C, return_state=True)
-        o2, st2 = ka.linear_attention(q[..., cut:, :], k[..., cut:, :], v[..., cut:, :], fm, causal=True,
-                                      chunk_size=C, initial_state=st, return_state=True)
+    def f(q, k, v, rec):
+        o1, st = attend(q[..., :cut, :], k[..., :cut, :], v[..., :cut, :], fm, rec,
+                        chunk_size=C, return_state=True)
+        o2, st2 = attend(q[..., cut:, :], k[..., cut:, :], v[..., cut:, :], fm, rec,
+                         chunk_size=C, initial_state=st, return_state=True)
         S = st2.kv * torch.exp(st2.log_scale)
         out = torch.cat((o1, o2), dim=-2)
         return torch.cat((out.flatten(-2), S.flatten(-2)), dim=-1), (out * w).sum() + (S * ws).sum()
@@ -169,10 +167,8 @@ def test_recompute_gradcheck_initial_state():
     kv0 = st.kv.clone().requires_grad_(True)
 
     def f(q, k, v, kv0):
-        return ka.linear_attention(q, k, v, fm, causal=True, chunk_size=2,
-                                   initial_state=ka.LinearAttentionState(kv0, st.log_scale))
+        return attend(q, k, v, fm, chunk_size=2, initial_state=ka.LinearAttentionState(kv0, st.log_scale))
 
-    assert chunk._RECOMPUTE_GROUPS
     assert torch.autograd.gradcheck(f, (q, k, v, kv0))
 
 
@@ -196,8 +192,8 @@ def test_recompute_nonfinite(monkeypatch, name, which):
     w = randn(2, 2, n, dv, seed=12)
     w[..., j:, :] = 0.0  # loss on the rows before j
 
-    def f(q, k, v):
-        out = ka.linear_attention(q, k, v, fm, causal=True, chunk_size=C)
+    def f(q, k, v, rec):
+        out = attend(q, k, v, fm, rec, chunk_size=C)
         return out, (out[..., :j, :] * w[..., :j, :]).sum()
 
     out, grads, calls = grads_both_ways(monkeypatch, f, inputs)
@@ -229,7 +225,7 @@ def saved_bytes(fn) -> int:
     return sum(storages.values())
 
 
-def test_recompute_saves_no_chunk_states(monkeypatch):
+def test_recompute_saves_no_chunk_states():
     """Bytes saved for the backward, with and without recomputation.
 
     Bound with recomputation, per head, in float64 elements: the inputs (n(2d + d_v)), the
@@ -248,6 +244,5 @@ def test_recompute_saves_no_chunk_states(monkeypatch):
     bound = 8 * heads * (4 * n * (D + Fd + dv1 + C) + groups * Fd * dv1)
     sizes = {}
     for rec in (True, False):
-        monkeypatch.setattr(chunk, "_RECOMPUTE_GROUPS", rec)
-        sizes[rec] = saved_bytes(lambda rec=rec: ka.linear_attention(q, k, v, fm, causal=True, chunk_size=C))
+        sizes[rec] = saved_bytes(lambda rec=rec: attend(q, k, v, fm, rec, chunk_size=C))
     assert sizes[True] <= bound < sizes[False], (sizes, bound)

@@ -143,12 +143,18 @@ def test_causal_compiles_once_across_lengths(name):
 
 
 def test_check_warning_still_fires_in_eager():
-    """The closed-form check of ``linear_attention`` is skipped under ``torch.compile`` only."""
+    """The opt-in closed-form check (``check=True``) is skipped under ``torch.compile`` (no graph
+    break, no warning) and still runs in eager mode."""
     fm = ka.TrigRF(D, 4, seed=0)
     q, k, v = (3 * t for t in _data())
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        ka.linear_attention(q, k, v, fm)
+        out = torch.compile(lambda q, k, v: ka.linear_attention(q, k, v, fm, check=True),
+                            fullgraph=True, backend="eager")(q, k, v)
+    assert not any(issubclass(x.category, ka.KernelApproxWarning) for x in w)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _close(out, ka.linear_attention(q, k, v, fm, check=True))
     assert any(issubclass(x.category, ka.KernelApproxWarning) for x in w)
 
 

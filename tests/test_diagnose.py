@@ -105,30 +105,109 @@ def test_output_forms_and_validation():
         ka.diagnose(q.numpy(), k)  # type: ignore[arg-type]
 
 
-def _attention_warnings(q, k, fm, **kw) -> list[warnings.WarningMessage]:
-    v = torch.randn(*q.shape[:-1], 4, dtype=q.dtype, generator=torch.Generator().manual_seed(1))
+def _kernel_warnings(fn) -> list[warnings.WarningMessage]:
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        ka.linear_attention(q, k, v, fm, **kw)
+        fn()
     return [w for w in rec if issubclass(w.category, ka.KernelApproxWarning)]
 
 
+def _attention_warnings(q, k, fm, **kw) -> list[warnings.WarningMessage]:
+    v = torch.randn(*q.shape[:-1], 4, dtype=q.dtype, generator=torch.Generator().manual_seed(1))
+    return _kernel_warnings(lambda: ka.linear_attention(q, k, v, fm, **kw))
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_linear_attention_warns_where_the_estimator_cannot_work(causal):
-    """sigma = 1, d = 64 (standard attention scale): FAVOR+ at r = 256 warns, pointing at the caller;
-    sigma = 0.25: silent; check=False: silent; deterministic maps: never checked."""
+def test_linear_attention_checks_only_when_asked(causal):
+    """The primitive computes attention only: silent by default even where FAVOR+ cannot work
+    (sigma = 1, d = 64, r = 256); with ``check=True`` it warns, pointing at the caller; sigma =
+    0.25: silent; deterministic maps: never checked."""
     q, k = data(1.0, n=128)
     fm = ka.PositiveRF(64, 256, sampler="orthogonal", seed=0)
-    got = _attention_warnings(q, k, fm, causal=causal)
+    assert _attention_warnings(q, k, fm, causal=causal) == []
+    got = _attention_warnings(q, k, fm, causal=causal, check=True)
     assert len(got) == 1 and "ka.diagnose" in str(got[0].message)
     assert got[0].filename == __file__
-    assert _attention_warnings(0.25 * q, 0.25 * k, fm, causal=causal) == []
-    assert _attention_warnings(q, k, fm, causal=causal, check=False) == []
-    assert _attention_warnings(q, k, ka.EluFeatures(64), causal=causal) == []
+    assert _attention_warnings(0.25 * q, 0.25 * k, fm, causal=causal, check=True) == []
+    assert _attention_warnings(q, k, ka.EluFeatures(64), causal=causal, check=True) == []
     # a fitted FAVOR++ map is predicted with its own A: still hopeless at this scale
-    assert len(_attention_warnings(q, k, ka.OptimalPositiveRF(64, 256, seed=0), fit=True, causal=causal)) == 1
+    opt = ka.OptimalPositiveRF(64, 256, seed=0)
+    assert len(_attention_warnings(q, k, opt, fit=True, causal=causal, check=True)) == 1
     with pytest.raises(TypeError, match="check must be a bool"):
         ka.linear_attention(q, k, q, fm, check=1)  # type: ignore[arg-type]
+
+
+def test_attention_imports_no_statistics():
+    """No module of ``kernelapprox/attention`` imports ``diagnose`` or ``theory`` (module level or
+    inside a function): the check reaches attention through `install_input_check` only."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(ka.__file__).parent / "attention"
+    files = sorted(folder.glob("*.py"))
+    assert len(files) >= 8
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                assert "diagnose" not in parts and "theory" not in parts, (path.name, name)
+
+
+def test_layer_checks_once_per_map_by_default():
+    """``nn.LinearAttentionHeads`` checks on by default, once per map: the first call at sigma = 1
+    warns (pointing at the caller's line), later calls and a second layer sharing the map do not;
+    a new map is checked again; ``check=False`` never warns; small inputs never do."""
+    from kernelapprox.nn import LinearAttention, LinearAttentionHeads
+
+    q, k = (t.float().reshape(1, 1, 128, 64) for t in data(1.0, n=128))
+    v = torch.randn(1, 1, 128, 8)
+    attn = LinearAttentionHeads(64, num_features=256, scale=1.0, seed=0)
+    got = _kernel_warnings(lambda: attn(q, k, v))
+    assert len(got) == 1 and got[0].filename == __file__
+    assert _kernel_warnings(lambda: attn(q, k, v)) == []
+    shared = LinearAttentionHeads(64, feature_map=attn.feature_map, scale=1.0)
+    assert _kernel_warnings(lambda: shared(q, k, v)) == []
+    assert len(_kernel_warnings(lambda: LinearAttentionHeads(64, num_features=256, scale=1.0, seed=1)(q, k, v))) == 1
+    off = LinearAttentionHeads(64, num_features=256, scale=1.0, seed=2, check=False)
+    assert _kernel_warnings(lambda: off(q, k, v)) == []
+    assert _kernel_warnings(lambda: LinearAttentionHeads(64, num_features=256, scale=1.0, seed=3)(
+        0.25 * q, 0.25 * k, v)) == []
+    # the full layer: inputs whose projections have norms of order d^(1/4) x 4 warn once
+    layer = LinearAttention(64, heads=1, num_features=256, seed=0)
+    with torch.no_grad():
+        for lin in (layer.to_q, layer.to_k):
+            lin.weight.mul_(40.0)
+    x = torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(3))
+    assert len(_kernel_warnings(lambda: layer(x))) == 1
+    assert _kernel_warnings(lambda: layer(x)) == []
+
+
+def test_linearize_checks_each_layer_once():
+    """``hf.linearize`` checks each linearised layer's map on its first call (query and key
+    projections scaled so that the logits are large: FAVOR+ at r = 16 is hopeless there), and not
+    on later calls; ``check=False`` is silent."""
+    transformers = pytest.importorskip("transformers")
+    from kernelapprox.hf import linearize
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=37, vocab_size=99, attn_implementation="sdpa")
+    model = transformers.BertModel(cfg).eval()
+    with torch.no_grad():
+        for layer in model.encoder.layer:
+            layer.attention.self.query.weight.mul_(30.0)
+            layer.attention.self.key.weight.mul_(30.0)
+    ids = torch.randint(1, 99, (2, 12), generator=torch.Generator().manual_seed(1))
+    with linearize(model, "positive", num_features=16):
+        assert len(_kernel_warnings(lambda: model(input_ids=ids))) == 2  # one per layer
+        assert _kernel_warnings(lambda: model(input_ids=ids)) == []
+    with linearize(model, "positive", num_features=16, check=False):
+        assert _kernel_warnings(lambda: model(input_ids=ids)) == []
 
 
 def test_quick_prediction_is_the_closed_form_at_the_mean_pair():

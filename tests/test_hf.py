@@ -516,6 +516,29 @@ def test_data_dependent_maps_are_fitted_on_the_batch(name):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nystrom_on_short_padded_batches_uses_the_valid_keys_as_landmarks(arch):
+    """Short sentences padded to n = 9 (row 1: 6 valid keys) with m = 32 landmarks: each sequence
+    gets min(m, valid keys) landmarks, here its own valid keys, and Nyström on the keys themselves
+    is softmax attention (to ~1e-14 in float64 at these norms; float32 model: 1e-5 as above). With
+    m = 4 < 6 the segment means are used: not exact, an error well above the exact one's rounding
+    (the tiny random models attend almost uniformly, so it is small: ~4e-5; the check can fail)."""
+    model = build(arch)
+    inp = inputs(pad=True)
+    ref = hidden(model, **inp)
+    with hf.linearize(model, "nystrom", num_features=32):
+        out = hidden(model, **inp)
+    rel = (out - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rel.max() <= 1e-5, rel.max()
+    with hf.linearize(model, "nystrom", num_features=32):  # one short unpadded sentence too
+        one = hidden(model, input_ids=inp["input_ids"][:1, :5])
+    assert torch.allclose(one, hidden(model, input_ids=inp["input_ids"][:1, :5]), atol=1e-5)
+    with hf.linearize(model, "nystrom", num_features=4):
+        approx = hidden(model, **inp)
+    rel4 = (approx - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rel4.max() > 10 * rel.max()
+
+
 def test_learned_maps_are_fitted_on_calibration():
     model = build("bert")
     cal = dict(input_ids=inputs(pad=False, seed=7, n=12)["input_ids"])

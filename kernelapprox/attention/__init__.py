@@ -1,61 +1,27 @@
-r"""Linear attention in the seed's three forms, beside an exact quadratic reference.
+r"""Linear attention in three forms, beside an exact quadratic reference.
 
 Layout (after flash-linear-attention): ``naive`` (quadratic reference), ``parallel`` (non-causal),
-``chunk`` (causal, chunk-wise with a carried state), ``recurrent`` (one token per step).
+``chunk`` (causal: a dispatcher over ``chunk_shared`` and ``chunk_runmax``, one algorithm each),
+``recurrent`` (one token per step). The forms compute attention only: the closed-form check of a
+map lives in `kernelapprox.diagnose` (``warn_if_hopeless``), run by the layers that build maps
+(`kernelapprox.nn`, `kernelapprox.hf.linearize`) and here on request (``check=True``).
 """
 
 from __future__ import annotations
 
-import warnings
+import math
+from typing import Literal
 
 import torch
 
 from .._validation import no_autocast
 from ..maps.base import FeatureMap
+from ._common import padding_mask, run_input_checks
 from .chunk import chunk_linear_attention
 from .naive import naive_linear_attention, naive_recurrent_linear_attention
 from .parallel import parallel_linear_attention
 from .recurrent import RecurrentLinearAttention
 from .state import LinearAttentionState
-
-
-def _checkable(q: object, k: object, fm: FeatureMap) -> bool:
-    """Whether the closed-form check runs: valid-looking inputs (the attention forms validate and
-    raise otherwise), not on the meta device, and on an accelerator only at a map's first call
-    (the decision to warn needs the host: one synchronisation, not one per call)."""
-    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.is_floating_point()
-            and k.is_floating_point() and q.dim() >= 2 and k.dim() >= 2 and q.shape[-1] == fm.dim
-            and k.shape[-1] == fm.dim and q.shape[-2] > 0 and k.shape[-2] > 0):
-        return False
-    try:
-        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
-    except RuntimeError:
-        return False
-    if q.device.type == "meta":
-        return False
-    if q.device.type != "cpu":
-        if getattr(fm, "_kernelapprox_checked", False):
-            return False
-        object.__setattr__(fm, "_kernelapprox_checked", True)  # a plain flag, not a module attribute
-    return True
-
-
-def _warn_if_hopeless(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> None:
-    from ..diagnose import WARN_RELATIVE_MSE, KernelApproxWarning, quick_relative_mse
-
-    rel = quick_relative_mse(fm, q, k)
-    if rel > WARN_RELATIVE_MSE:
-        warnings.warn(
-            KernelApproxWarning(
-                f"{type(fm).__name__} with r = {fm.num_features}: the closed form predicts a relative "
-                f"kernel MSE of {rel:.3g} on this batch (at the mean |q + k|^2; > {WARN_RELATIVE_MSE:g}), "
-                "so linear attention will be far from softmax attention. Inputs scaled by d^(-1/4)? "
-                "See ka.diagnose(q, k) for every estimator and the r each needs; silence with "
-                "check=False or warnings.filterwarnings('ignore', category=ka.KernelApproxWarning)."
-            ),
-            stacklevel=4,  # _warn_if_hopeless < linear_attention < no_autocast wrapper < caller
-        )
-
 
 __all__ = [
     "linear_attention",
@@ -81,14 +47,21 @@ def linear_attention(
     return_state: bool = False,
     eps: float = 1e-6,
     fit: bool = False,
-    check: bool = True,
+    check: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    layout: Literal["bhtd", "bthd"] = "bhtd",
 ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
     r"""Linear attention with feature map $\varphi$ (queries and keys use the same map).
 
     $$
-    o_i = \frac{\varphi(q_i)^\top \sum_{j} \varphi(k_j) v_j^\top}{\varphi(q_i)^\top \sum_j \varphi(k_j)}
-    \qquad (j \le i \text{ if causal}),
+    o_i = \frac{\varphi(\sqrt s\, q_i)^\top \sum_{j \in J_i} \varphi(\sqrt s\, k_j) v_j^\top}
+               {\varphi(\sqrt s\, q_i)^\top \sum_{j \in J_i} \varphi(\sqrt s\, k_j)},
+    \qquad J_i = \{j \text{ not padded}\}\ (\cap\ \{j \le i\} \text{ if causal}),
     $$
+
+    the estimate of softmax attention $\operatorname{softmax}_{j \in J_i}(s\, q_i^\top k_j)$
+    (``scale`` $= s$, default 1).
 
     computed by associativity: $O(nFd_v)$ time instead of $O(n^2 d)$
     [Kat20]_, [Cho21]_. Non-causal: one state $\varphi(K)^\top[V, 1]$. Causal: chunk-wise
@@ -98,12 +71,29 @@ def linear_attention(
     the ratio and keys share one scale per sequence, so nothing overflows for finite inputs.
     16-bit inputs are computed in float32 and the output is cast back.
 
+    Layout. ``(..., heads, n, d)`` (``layout="bhtd"``, the layout of
+    `torch.nn.functional.scaled_dot_product_attention`), or ``(batch, n, heads, d)`` with
+    ``layout="bthd"`` (flash-linear-attention's ``(B, T, H, K)``; transposed views in and out, no
+    copy). The two cannot be told apart from the shapes alone; where they can (a map with one
+    projection per head, ``batch_shape=(H,)``, and inputs whose dimension -2, not -3, has size
+    ``H``), reading the other layout raises a ``ValueError`` instead of computing silently.
+
+    Grouped-query attention. Keys and values with $H_{kv}$ heads (dimension -3) and queries with
+    $H_q$ heads, $H_{kv}$ dividing $H_q$: query head $h$ reads KV head
+    $\lfloor h / (H_q/H_{kv}) \rfloor$, as ``k.repeat_interleave(H_q // H_kv, dim=-3)`` would
+    give (and as in SDPA's ``enable_gqa`` and the Hugging Face models). With a map shared by all
+    heads the KV heads are not copied: the queries are viewed as (..., $H_{kv}$, $H_q/H_{kv}$,
+    n, d) and broadcast against (..., $H_{kv}$, 1, m, d), so each KV head's features and state
+    are computed once; a map with one projection per query head needs $\varphi_h(k)$ per query
+    head, and the KV heads are repeated.
+
     Parameters
     ----------
     q : Tensor, shape (..., n, d)
     k : Tensor, shape (..., m, d)
     v : Tensor, shape (..., m, dv)
-        Leading dimensions broadcast with each other and with ``feature_map.batch_shape``.
+        Leading dimensions broadcast with each other and with ``feature_map.batch_shape``
+        (dimension -3 of ``k`` and ``v`` may also divide that of ``q``: grouped-query heads).
     feature_map : FeatureMap
     causal : bool, default False
         Token ``i`` attends to keys ``j <= i`` (``n == m``).
@@ -124,20 +114,39 @@ def linear_attention(
         ``feature_map.fit(q, k)`` (in place; a no-op for maps without any), as the FAVOR++/FAVOR#
         code does per batch. With ``causal=True`` the statistics then include future keys (the
         official code does the same); fit on a calibration batch instead where that matters.
-    check : bool, default True
-        Warn (`kernelapprox.KernelApproxWarning`, once per call site under Python's default
-        filter) when the map's closed form predicts a relative kernel MSE above
-        ``kernelapprox.diagnose.WARN_RELATIVE_MSE`` (1.0) on this batch
-        (`kernelapprox.diagnose.quick_relative_mse`: $O(nd)$ statistics, one
-        closed-form evaluation; maps without closed-form moments are not checked; on an accelerator
-        only the first call of each map is checked, since the decision needs one host
-        synchronisation; inside ``torch.compile`` it is skipped, as a warning decided on the host
-        would break the graph). ``False``, or
-        ``warnings.filterwarnings("ignore", category=ka.KernelApproxWarning)``, turns it off.
+    check : bool, default False
+        Also run `kernelapprox.diagnose.warn_if_hopeless` on this call: a
+        `kernelapprox.KernelApproxWarning` (pointing at the caller) when the map's closed form
+        predicts a relative kernel MSE above 1 on this batch ($O(nd)$ statistics and one host
+        synchronisation; skipped inside ``torch.compile``). Off by default: this function computes
+        attention only. The layers of `kernelapprox.nn` check once per map by default.
+    key_padding_mask : Tensor, optional
+        Keys to ignore, with the polarity of `torch.nn.MultiheadAttention`: bool, ``True`` =
+        padded (ignored); or float, ``0`` = kept and ``-inf`` = padded (other values raise).
+        Shape ``(batch, m)`` (broadcast over the heads) or any shape broadcasting with
+        ``k.shape[:-1]``. A padded key contributes nothing: it is replaced by a zero key (so
+        non-finite padding is harmless and gets no gradient), its row of the weighted values
+        $[V, 1]$ is zero in every form (numerator and denominator), and its log-scale is
+        $-\infty$, outside every key-scale maximum (a padded key of huge norm would otherwise
+        underflow the real keys' weights). A query with no valid key (a fully padded sequence,
+        or causal rows before the first valid key) gives 0, without NaN. Padded *queries* are
+        computed like any other (mask their outputs downstream, as with softmax attention).
+    scale : float, optional
+        $s > 0$ multiplying $q^\top k$, as SDPA's ``scale``: the kernel estimated is
+        $e^{s\,q^\top k}$. Default 1: the library's maps approximate $e^{q^\top k}$, so
+        ``scale=None`` is SDPA's ``scale=1``, not SDPA's default $1/\sqrt d$ (pass
+        ``scale=d**-0.5`` for that). Implemented by feeding $\sqrt s\,q$ and $\sqrt s\,k$ to
+        the map, exact for every map: $\exp((\sqrt s q)^\top(\sqrt s k)) = \exp(s\,q^\top k)$, and
+        the symmetric split keeps queries and keys on the same footing (the variance of random
+        maps and the fit of data-dependent maps depend on both norms).
+    layout : {"bhtd", "bthd"}, default "bhtd"
+        ``"bhtd"``: (..., heads, n, d); ``"bthd"``: (batch, n, heads, d), output (batch, n, heads, dv)
+        (see Layout above). ``key_padding_mask`` is (batch, m) in both.
 
     Returns
     -------
     out : Tensor, shape (..., n, dv), dtype ``promote(q, k, v)``
+        (batch, n, heads, dv) with ``layout="bthd"``.
     state : LinearAttentionState, if ``return_state``
 
     Examples
@@ -145,26 +154,154 @@ def linear_attention(
     >>> import kernelapprox as ka
     >>> q, k, v = torch.randn(3, 2, 4, 128, 16).unbind(0)
     >>> fm = ka.PositiveRF(dim=16, num_features=64, seed=0)
-    >>> out = ka.linear_attention(q / 2, k / 2, v, fm, causal=True)
+    >>> out = ka.linear_attention(q, k, v, fm, causal=True, scale=16**-0.5)
     >>> out.shape
     torch.Size([2, 4, 128, 16])
+
+    Padding: the real tokens' outputs do not depend on the padded keys.
+
+    >>> mask = torch.zeros(2, 128, dtype=torch.bool)
+    >>> mask[1, 100:] = True                                 # sequence 1 has 100 tokens
+    >>> out = ka.linear_attention(q, k, v, fm, key_padding_mask=mask, scale=0.25)
+    >>> ref = ka.linear_attention(q[1:, :, :100], k[1:, :, :100], v[1:, :, :100], fm, scale=0.25)
+    >>> bool(torch.allclose(out[1:, :, :100], ref, atol=1e-5))
+    True
+
+    Grouped-query heads (8 query heads, 2 KV heads) and flash-linear-attention's layout:
+
+    >>> q8 = torch.randn(2, 8, 128, 16)
+    >>> ka.linear_attention(q8, k[:, :2], v[:, :2], fm, scale=0.25).shape
+    torch.Size([2, 8, 128, 16])
+    >>> ka.linear_attention(q8.transpose(1, 2), k[:, :2].transpose(1, 2), v[:, :2].transpose(1, 2),
+    ...                     fm, scale=0.25, layout="bthd").shape
+    torch.Size([2, 128, 8, 16])
     """
     if not isinstance(fit, bool):
         raise TypeError(f"fit must be a bool, got {fit!r}")
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {check!r}")
+    if layout not in ("bhtd", "bthd"):
+        raise ValueError(f"layout must be 'bhtd' (..., heads, n, d) or 'bthd' (batch, n, heads, d), got {layout!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if layout == "bthd":
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() < 3:
+                raise ValueError(f"layout='bthd' needs {name} of shape (..., n, heads, d), got shape {tuple(t.shape)}")
+        res = linear_attention(
+            q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), feature_map, causal=causal,
+            chunk_size=chunk_size, initial_state=initial_state, return_state=return_state, eps=eps, fit=fit,
+            check=check, key_padding_mask=key_padding_mask, scale=scale,
+        )
+        if return_state:
+            out, state = res
+            return out.transpose(-3, -2), state
+        return res.transpose(-3, -2)  # type: ignore[union-attr]
+    _check_layout(q, k, feature_map)
+    if scale is not None:
+        s = _check_scale(scale)
+        if s != 1.0:
+            root = math.sqrt(s)
+            q, k = q * root, k * root
+    pad = padding_mask(key_padding_mask, k.shape)
+    grouped = _grouped_heads(q, k, v)
+    if grouped is not None:
+        return _grouped_attention(
+            q, k, v, feature_map, grouped, pad, causal=causal, chunk_size=chunk_size,
+            initial_state=initial_state, return_state=return_state, eps=eps, fit=fit, check=check,
+        )
     if fit:
         if not isinstance(feature_map, FeatureMap):
             raise TypeError(f"feature_map must be a kernelapprox FeatureMap, got {type(feature_map).__name__}")
         feature_map.fit(q, k)
-    if (check and isinstance(feature_map, FeatureMap) and feature_map.is_random
-            and not torch.compiler.is_compiling() and _checkable(q, k, feature_map)):
-        _warn_if_hopeless(feature_map, q, k)
+    if check:
+        run_input_checks(feature_map, q, k)
     if causal:
         return chunk_linear_attention(
             q, k, v, feature_map, chunk_size=chunk_size, initial_state=initial_state,
-            return_state=return_state, eps=eps,
+            return_state=return_state, eps=eps, key_padding_mask=pad,
         )
     return parallel_linear_attention(
-        q, k, v, feature_map, initial_state=initial_state, return_state=return_state, eps=eps
+        q, k, v, feature_map, initial_state=initial_state, return_state=return_state, eps=eps,
+        key_padding_mask=pad,
     )
+
+
+def _check_scale(scale: object) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a positive float or None, got {scale!r} ({type(scale).__name__})")
+    s = float(scale)
+    if not (math.isfinite(s) and s > 0):
+        raise ValueError(
+            f"scale must be a positive finite float (it multiplies q.k; the kernel exp(s q.k) is split "
+            f"as sqrt(s) q, sqrt(s) k), got {scale!r}"
+        )
+    return s
+
+
+def _check_layout(q: torch.Tensor, k: torch.Tensor, feature_map: object) -> None:
+    """Raise where a (B, T, H, K) tensor is detectably read as (B, H, T, K): a per-head map
+    (``batch_shape[-1] = H > 1``) whose ``H`` is not dimension -3 of the inputs but dimension -2."""
+    bs = tuple(getattr(feature_map, "batch_shape", ()))
+    if not bs or bs[-1] == 1:
+        return
+    h = bs[-1]
+    for name, t in (("q", q),):  # (k, v may have fewer heads: grouped-query attention)
+        if t.dim() >= 3 and t.shape[-3] not in (1, h) and t.shape[-2] == h:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}: its dimension -2 has the feature map's {h} heads "
+                f"(batch_shape={bs}) and dimension -3 does not; this looks like the (batch, n, heads, d) "
+                "layout of flash-linear-attention: pass layout='bthd' (the default layout is "
+                "(..., heads, n, d))"
+            )
+
+
+def _grouped_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int | None:
+    """``H_q / H_kv`` when ``k``, ``v`` have fewer heads (dimension -3) than ``q``, which they
+    divide (grouped-query attention); ``None`` when the heads match or broadcast."""
+    if q.dim() < 3 or k.dim() < 3 or v.dim() < 3:
+        return None
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if hk != hv:
+        if hk == 1 or hv == 1:  # one of them broadcasts: group by the other
+            hk = max(hk, hv)
+        else:
+            raise ValueError(f"k and v must have the same number of heads (dimension -3), got {tuple(k.shape)} "
+                             f"and {tuple(v.shape)}")
+    if hk in (1, hq):
+        return None
+    if hq % hk:
+        raise ValueError(
+            f"q has {hq} heads (dimension -3) and k, v have {hk}: grouped-query attention needs the "
+            f"key/value heads to divide the query heads (shapes q {tuple(q.shape)}, k {tuple(k.shape)})"
+        )
+    return hq // hk
+
+
+def _grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: FeatureMap, group: int,
+    pad: torch.Tensor | None, **kwargs,
+) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
+    """Grouped-query attention (see `linear_attention`): a broadcasting view for a map shared by
+    the heads, without state arguments and with a head-free mask; the repetition otherwise."""
+    hq = q.shape[-3]
+    bs = tuple(getattr(feature_map, "batch_shape", ()))
+    view = (
+        bs in ((), (1,)) and kwargs["initial_state"] is None and not kwargs["return_state"]
+        and (pad is None or pad.dim() < 2 or pad.shape[-2] == 1)
+    )
+    if not view:
+        def rep(t: torch.Tensor) -> torch.Tensor:
+            if t.shape[-3] == hq:
+                return t
+            h = t.shape[-3]
+            return t.unsqueeze(-3).expand(*t.shape[:-2], hq // h, *t.shape[-2:]).reshape(
+                *t.shape[:-3], hq, *t.shape[-2:])
+        return linear_attention(q, rep(k), rep(v), feature_map, key_padding_mask=pad, **kwargs)
+    hk = hq // group
+    qg = q.unflatten(-3, (hk, group))  # (..., H_kv, g, n, d): a view
+    kg, vg = (t.unsqueeze(-3) for t in (k, v))  # (..., H_kv, 1, m, .): views
+    pg = None if pad is None else pad.unsqueeze(-2)
+    out = linear_attention(qg, kg, vg, feature_map, key_padding_mask=pg, **kwargs)
+    return out.flatten(-4, -3)  # type: ignore[union-attr]

@@ -2,12 +2,102 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .._validation import broadcast_batch, compute_dtype
 from ..exact import check_qkv
 from ..maps.base import FeatureMap
 from .state import LinearAttentionState
+
+#: The checks ``linear_attention(..., check=True)`` runs, ``fn(feature_map, q, k)``. Attention
+#: imports no statistics: `kernelapprox.diagnose` (a layer above) installs its closed-form check
+#: here when it is imported, which ``import kernelapprox`` always does.
+_INPUT_CHECKS: list[Callable[[FeatureMap, torch.Tensor, torch.Tensor], object]] = []
+
+
+def install_input_check(fn: Callable[[FeatureMap, torch.Tensor, torch.Tensor], object]) -> None:
+    """Add ``fn(feature_map, q, k)`` to the checks of ``linear_attention(..., check=True)`` (once)."""
+    if fn not in _INPUT_CHECKS:
+        _INPUT_CHECKS.append(fn)
+
+
+def run_input_checks(feature_map: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Run the installed checks (`install_input_check`) on one call's inputs."""
+    if not _INPUT_CHECKS:
+        raise RuntimeError("check=True needs kernelapprox.diagnose, which installs the check (import kernelapprox)")
+    for fn in _INPUT_CHECKS:
+        fn(feature_map, q, k)
+
+
+def padding_mask(
+    mask: object, k_shape: torch.Size, lead: torch.Size | None = None, name: str = "key_padding_mask"
+) -> torch.Tensor | None:
+    r"""A key padding mask as a bool tensor ``True`` = padded, with ``len(k_shape) - 1`` dimensions.
+
+    Accepted (the conventions of `torch.nn.MultiheadAttention`): ``None``; a bool tensor,
+    ``True`` where the key is padding (ignored); or a float tensor added to the scores, holding
+    ``0`` (kept) and ``-inf`` (padded) only. Shape ``(B, m)`` with ``B = k.shape[0]`` (the
+    leading dimensions between the batch and the keys, e.g. the heads, are broadcast), or any
+    shape broadcasting with ``k.shape[:-1]``. An integer tensor (a Hugging Face
+    ``attention_mask``, ``1`` = token) is refused: its polarity is the opposite, pass
+    ``attention_mask == 0``.
+
+    A float mask with other values would be a per-key bias $b_j$; linear attention could fold
+    $e^{b_j}$ into the keys' weights, but the additive attention masks met in practice are 0/-inf,
+    and anything else is more likely a wrong mask: refused.
+    """
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a bool torch.Tensor (True = padded) or None, got {type(mask).__name__}")
+    if mask.dtype.is_floating_point:
+        if not torch.compiler.is_compiling():
+            ok = (mask == 0) | (mask == float("-inf"))
+            if not bool(ok.all()):
+                raise ValueError(
+                    f"{name} is a float mask of shape {tuple(mask.shape)} with values other than 0 and -inf: "
+                    "an additive key padding mask holds 0 (kept) and -inf (padded) only; pass a bool mask "
+                    "(True = padded)"
+                )
+        mask = mask == float("-inf")
+    elif mask.dtype != torch.bool:
+        raise TypeError(
+            f"{name} must be a bool tensor (True = padded key, as in torch.nn.MultiheadAttention) or a float "
+            f"0/-inf mask, got dtype {mask.dtype}; for a Hugging Face attention_mask (1 = token) pass "
+            "attention_mask == 0"
+        )
+    given = tuple(mask.shape)
+    nk = len(k_shape) - 1  # dimensions of k.shape[:-1]
+    m = k_shape[-2]
+    want = f"(batch, m) or a shape broadcasting with k.shape[:-1] = {tuple(k_shape[:-1])}, m = {m} keys"
+    if mask.dim() == 0 or mask.shape[-1] != m or mask.dim() > max(nk, 2):
+        raise ValueError(f"{name} has shape {tuple(mask.shape)}; expected {want}")
+    if mask.dim() == 2 and nk > 2:  # (B, m): broadcast over the heads (and any dims before the keys)
+        mask = mask.reshape(mask.shape[0], *([1] * (nk - 2)), m)
+    try:
+        torch.broadcast_shapes(mask.shape, tuple(k_shape[:-1]), *(() if lead is None else (tuple(lead),)))
+    except RuntimeError:
+        extra = "" if lead is None else f", and the batch shape {tuple(lead)} of q, k, v"
+        raise ValueError(f"{name} has shape {given}; expected {want}{extra}") from None
+    return mask
+
+
+def apply_padding(
+    mask: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded keys and values replaced by zeros (``mask`` True = padded, from `padding_mask`).
+
+    Whatever a padded position holds (a huge norm, NaN), its features are then those of a zero
+    key, finite, and no gradient reaches it through the feature map (``masked_fill`` passes
+    none to the filled entries). The forms also give the padded keys weight zero
+    (`key_side`, the chunked and recurrent forms): zeroing is for finiteness, not for exclusion.
+    """
+    if mask is None:
+        return k, v
+    m = mask.unsqueeze(-1)
+    return k.masked_fill(m, 0.0), v.masked_fill(m, 0.0)
 
 
 def check_feature_map(feature_map: object) -> FeatureMap:
@@ -62,6 +152,7 @@ def key_side(
     v: torch.Tensor,
     initial_state: LinearAttentionState | None,
     multiple: int = 1,
+    pad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     r"""Key features with their per-row scales folded into the values.
 
@@ -71,6 +162,11 @@ def key_side(
     the scale multiplies the $m \times (d_v + 1)$ values instead of the $m \times F$ features
     (for maps whose features and scale come separately, such as the trigonometric ones, this
     saves a pass over the features). $G$ is a stabiliser, constant for autograd.
+
+    A padded key (``pad`` True, (..., m), from `padding_mask`) gets $s_j = -\infty$: weight
+    $w_j = 0$ in the numerator and the denominator, and no part in $G$ (a padded key of huge
+    norm would otherwise set $G$ and underflow every real key's weight). Without any valid key
+    $G = 0$ and the state is zero (the output rows are 0, see `normalise`).
 
     Returns
     -------
@@ -84,6 +180,8 @@ def key_side(
         $G$.
     """
     fk, s = feature_map.key_log_features(k)  # s: (..., m)
+    if pad is not None:
+        s = s.masked_fill(pad, float("-inf"))
     with torch.no_grad():
         g = s.amax(dim=-1, keepdim=True)  # (..., 1)
         if initial_state is not None:
@@ -92,24 +190,24 @@ def key_side(
         g = torch.where(g == float("-inf"), torch.zeros_like(g), g)
     w = torch.exp(s - g).to(fk.dtype).unsqueeze(-1)  # (..., m, 1)
     dv = v.shape[-1]
-    pad = -(dv + 1) % multiple
+    pad_cols = -(dv + 1) % multiple
     if torch.is_grad_enabled() and (v.requires_grad or w.requires_grad) or torch.compiler.is_compiling():
         parts = [v * w, w.expand(*torch.broadcast_shapes(v.shape[:-1], w.shape[:-1]), 1)]
-        if pad:
-            parts.append(w.new_zeros(*parts[1].shape[:-1], pad))
+        if pad_cols:
+            parts.append(w.new_zeros(*parts[1].shape[:-1], pad_cols))
         v1 = torch.cat(parts, dim=-1)
     else:
         lead = torch.broadcast_shapes(v.shape[:-1], w.shape[:-1])
-        v1 = v.new_empty(*lead, dv + 1 + pad)
+        v1 = v.new_empty(*lead, dv + 1 + pad_cols)
         torch.mul(v, w, out=v1[..., :dv])
         v1[..., dv:dv + 1] = w
-        if pad:
+        if pad_cols:
             v1[..., dv + 1:] = 0
     kv0 = None
     g = g.unsqueeze(-1)  # (..., 1, 1)
     if initial_state is not None:
         old = initial_state.kv.to(fk.dtype) * torch.exp(initial_state.log_scale - g).to(fk.dtype)
-        kv0 = torch.nn.functional.pad(old, (0, pad))
+        kv0 = torch.nn.functional.pad(old, (0, pad_cols))
     return fk, v1, kv0, g
 
 
@@ -133,13 +231,17 @@ def split(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def normalise(num: torch.Tensor, den: torch.Tensor, positive: bool, eps: float) -> torch.Tensor:
-    """``num / den`` (num (..., n, dv), den (..., n, 1)), guarding vanishing denominators.
+    r"""``num / den`` (num (..., n, dv), den (..., n, 1)), guarding vanishing denominators.
 
     Positive maps: a denominator can only vanish by underflow; it is clamped to the smallest normal
     number. Signed maps (trigonometric): ``den + 2 eps`` where ``|den| <= eps`` (the Performer guard).
+    A denominator exactly 0 with a positive map is a row without any key of positive weight
+    (every key padded, see ``key_padding_mask``): its numerator is 0 too, and it is divided by 1,
+    so that the output is 0 and its gradient $\partial o / \partial\,\text{num}$ is 1 rather than
+    ``1 / tiny`` (which would overflow the backward into NaN).
     """
     if positive:
-        den = den.clamp_min(torch.finfo(den.dtype).tiny)
+        den = torch.where(den == 0, torch.ones_like(den), den.clamp_min(torch.finfo(den.dtype).tiny))
     else:
         den = den + 2 * eps * (den.abs() <= eps).to(den.dtype)
     return num / den

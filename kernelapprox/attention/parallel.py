@@ -6,7 +6,7 @@ import torch
 
 from .._validation import inputs_validated, no_autocast
 from ..maps.base import FeatureMap
-from ._common import key_side, normalise, prepare
+from ._common import apply_padding, key_side, normalise, padding_mask, prepare
 from .state import LinearAttentionState
 
 #: Width multiple of the value GEMMs ($[V, 1]$ padded with zero columns, see `with_ones`).
@@ -23,6 +23,7 @@ def parallel_linear_attention(
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
     eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
     r"""Non-causal linear attention $O = \varphi(Q)\,[\varphi(K)^\top [V, 1]]$, normalised.
 
@@ -41,6 +42,10 @@ def parallel_linear_attention(
     return_state : bool, default False
     eps : float, default 1e-6
         Denominator guard for signed maps, see `kernelapprox.linear_attention`.
+    key_padding_mask : Tensor, optional
+        Bool, ``True`` = padded key, shape (batch, m) or broadcasting with (..., m); see
+        `kernelapprox.linear_attention`. Padded keys have weight 0 in the numerator and the
+        denominator and no part in the key scale.
 
     Returns
     -------
@@ -55,9 +60,11 @@ def parallel_linear_attention(
     >>> parallel_linear_attention(q / 2, k / 2, v, fm).shape
     torch.Size([2, 50, 8])
     """
+    pad = padding_mask(key_padding_mask, k.shape)
     q, k, v, out_dtype, _ = prepare(q, k, v, feature_map, False, initial_state)
+    k, v = apply_padding(pad, k, v)
     with inputs_validated():
-        fk, v1, kv0, g = key_side(feature_map, k, v, initial_state, _GEMM_COLUMNS)
+        fk, v1, kv0, g = key_side(feature_map, k, v, initial_state, _GEMM_COLUMNS, pad)
         # [S | z] = phi(K)^T [V, 1] in one GEMM: numerator and denominator then share their
         # rounding (a constant v is returned exactly; separate reductions disagree by ~n*eps).
         # The GEMMs run at a width padded to a multiple of 8 (zero columns after the ones).

@@ -6,7 +6,7 @@ import torch
 
 from .._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
 from ..maps.base import FeatureMap
-from ._common import check_feature_map, check_state, normalise, split, with_ones
+from ._common import apply_padding, check_feature_map, check_state, normalise, padding_mask, split, with_ones
 from .state import LinearAttentionState
 
 
@@ -62,13 +62,21 @@ class RecurrentLinearAttention:
         self.steps = 0
 
     @no_autocast
-    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor) -> torch.Tensor:
-        """Consume one token and return its output.
+    def step(
+        self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, *,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        r"""Consume one token and return its output.
 
         Parameters
         ----------
         q_t, k_t : Tensor, shape (..., d)
         v_t : Tensor, shape (..., dv)
+        key_padding_mask : Tensor, optional
+            Bool, shape broadcasting with ``k_t.shape[:-1]``, ``True`` where this token is
+            padding: its key and value leave the state unchanged (log-scale $-\infty$, weight 0;
+            the state's scale ignores it), and its query still reads the state (0 while nothing
+            valid has been seen). A float 0/-inf mask is read as in `kernelapprox.linear_attention`.
 
         Returns
         -------
@@ -87,18 +95,42 @@ class RecurrentLinearAttention:
             )
         for name, t in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
             broadcast_batch(name, t.shape[:-1], fm.batch_shape)
+        pad = None
+        if key_padding_mask is not None:
+            kpm = key_padding_mask
+            if isinstance(kpm, torch.Tensor):  # one token: one entry per row of the batch
+                if kpm.dim() > k_t.dim() - 1 or kpm.dim() == 0:
+                    raise ValueError(
+                        f"key_padding_mask has shape {tuple(kpm.shape)}; step expects one entry per token: "
+                        f"a shape broadcasting with k_t.shape[:-1] = {tuple(k_t.shape[:-1])}"
+                    )
+                kpm = kpm.unsqueeze(-1)
+            try:
+                pad = padding_mask(kpm, torch.Size((*k_t.shape[:-1], 1, d)))
+            except ValueError:
+                raise ValueError(
+                    f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; step expects one entry per "
+                    f"token: a shape broadcasting with k_t.shape[:-1] = {tuple(k_t.shape[:-1])}"
+                ) from None
         if self.state is not None:
             check_state(self.state, fm.feature_dim, v_t.shape[-1], "state")
         out_dtype = torch.promote_types(torch.promote_types(q_t.dtype, k_t.dtype), v_t.dtype)
         cdt = compute_dtype(out_dtype, fm.param_dtype)
         q, k, v = q_t.to(cdt).unsqueeze(-2), k_t.to(cdt).unsqueeze(-2), v_t.to(cdt).unsqueeze(-2)
+        k, v = apply_padding(pad, k, v)
         with inputs_validated():
             fk, gk = fm.key_log_features(k, shared=True)  # (..., 1, F), (..., 1)
             fq = fm.query_features(q)
         gk = gk.unsqueeze(-1)  # (..., 1, 1)
-        upd = torch.matmul(fk.mT, with_ones(v))  # (..., F, dv + 1)
+        v1 = with_ones(v)
+        if pad is not None:  # a padded token: weight 0 and no part in the state's scale
+            gk = gk.masked_fill(pad.unsqueeze(-1), float("-inf"))
+            v1 = v1.masked_fill(pad.unsqueeze(-1), 0.0)
+        upd = torch.matmul(fk.mT, v1)  # (..., F, dv + 1)
         if self.state is None:
-            kv, g = upd, gk.detach()
+            g = gk.detach()
+            g = torch.where(g == float("-inf"), torch.zeros_like(g), g)  # nothing valid yet: any scale
+            kv = upd * torch.exp(gk - g).to(cdt) if pad is not None else upd
         else:
             old = self.state
             old_ls = old.log_scale.to(gk.dtype)

@@ -1,17 +1,23 @@
-r"""The chunked causal product with a shared scale per group of chunks, and its memory-lean backward.
+r"""Causal linear attention, chunk-wise, with one key scale shared by each group of chunks.
 
-Inputs are chunked: ``fq, fk`` (L, nc, C, F), ``vw`` (L, nc, C, dv1) (values with a ones column,
-already multiplied by the key weights $e^{s_j - R}$ of their group's reference scale $R$), the
-state entering the first group ``S0`` (L, F, dv1) at that group's scale, and per later group the
-factor $e^{R_{g-1} - R_g}$ that brings the carried state to the group's scale. For every chunk $c$
+Keys enter as $\psi(k_j) = f_j e^{s_j}$ (features and one log-scale per key,
+`FeatureMap.key_log_features`). Chunks of $C$ tokens are taken in groups; group $g$ works at the
+reference $R_g$ = the largest key log-scale *before* the group (the initial state's, or the first
+key's, for the first group): a scale every query of the group has already seen, so a later key
+never shifts an earlier output's scale, and each query's own running maximum is $\ge R_g$. Keys
+are weighted $w_j = e^{s_j - R_g}$, which is safe while no key exceeds its reference by more than
+`_SPREAD` (30) nats (no overflow, and nothing a query depends on can underflow; `clean_mask`
+finds where that holds). The chunk states are then a plain prefix sum. With
+$W_c = [w \circ V_c, w_c]$ and the state entering the group $S_{\text{in}}$ (brought to $R_g$ by
+$e^{R_{g-1} - R_g}$), for every chunk $c$ of the group
 
 $$
 Y_c = S_{\text{in}} + \sum_{c' < c} \varphi(K_{c'})^\top W_{c'}, \qquad
 O_c = \varphi(Q_c)\, Y_c + \operatorname{tril}\big(\varphi(Q_c)\varphi(K_c)^\top\big) W_c ,
 $$
 
-with $W_c$ = ``vw`` of the chunk (chunks of one group at once: the states $Y$ by one cumulative
-sum over chunks, the products by batched GEMMs).
+the states $Y$ by one batched GEMM and one in-place scan over chunks, the products by batched
+GEMMs (`chunked_forward`).
 
 The backward (`ChunkedCausal`) saves the inputs only and recomputes: the states entering each
 group by forward re-accumulation (one $F \times d_v$ state per group), then, group by group in
@@ -21,6 +27,11 @@ $\partial\varphi(K)$ and $\partial W$), the standard linear-attention backward [
 (flash-linear-attention's chunked kernels [Yan24]_ do the same on GPUs). Nothing of size
 $n_c \times F \times d_v$ outlives its group; autograd through the forward would keep every
 intra-chunk score and state (the group stacks are bounded by the size of the features).
+
+Groups have a fixed number of chunks (`group_chunks`: their states never outweigh the features of
+`_GROUP_TOKENS` tokens), capped by the sequence's own chunk count, so that a prefix of a sequence
+is cut into the same groups as the whole sequence and a short sequence pays for its own tokens
+only.
 
 References
 ----------
@@ -35,8 +46,23 @@ References
 
 from __future__ import annotations
 
+import math
+from typing import cast
+
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from .state import LinearAttentionState
+
+# Largest excess (in nats) of a key log-scale over its group's reference scale for which this
+# path runs: key weights stay <= e^30 (no overflow in float32, whose range is e^88), and every
+# query's own running maximum is >= the reference, so nothing it depends on underflows.
+_SPREAD = 30.0
+
+# Tokens whose features a group's stack of chunk states may match: groups have a fixed number of
+# chunks (so a prefix of a sequence is cut into the same groups as the whole sequence).
+_GROUP_TOKENS = 16384
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -254,3 +280,127 @@ class ChunkedCausal(torch.autograd.Function):
         dfq, dfk, dvw, dS0 = chunked_backward(fq, fk, vw, S0, ctx.decay, ctx.bounds, mask,
                                               dout.contiguous(), dS)
         return dfq, dfk, dvw, dS0 if ctx.needs_input_grad[3] else None, None, None, None
+
+
+def group_chunks(Fd: int, dv1: int) -> int:
+    r"""Chunks per group: their states ($F \times d_v+1$ each) never outweigh the features
+    ($F + d_v + 1$ per token) of ``_GROUP_TOKENS`` tokens."""
+    return max(1, (_GROUP_TOKENS * (Fd + dv1)) // (Fd * dv1))
+
+
+def _references(
+    sd: torch.Tensor, span: int, initial_state: LinearAttentionState | None, lead: torch.Size
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per group of ``span`` tokens of ``sd`` (L, n): its largest key log-scale ``gmax`` and the
+    reference ``R`` = the largest before it (initial state and first key for the first group),
+    both (L, groups); and the initial state's scale (L, 1) or ``None``."""
+    L = sd.shape[0]
+    R0, G0 = sd[:, :1], None
+    if initial_state is not None:
+        ls = initial_state.log_scale.detach().to(sd.dtype)
+        G0 = ls.reshape(*ls.shape[:-2], 1).expand(*lead, 1).reshape(L, 1)
+        R0 = torch.maximum(R0, G0)
+    gmax = torch.stack([sd[:, a:a + span].amax(-1) for a in range(0, sd.shape[-1], span)], dim=-1)
+    R = torch.cummax(torch.cat((R0, gmax[:, :-1]), dim=-1), dim=-1).values
+    return gmax, R, G0
+
+
+def clean_mask(
+    fq: torch.Tensor, v1: torch.Tensor, s: torch.Tensor,
+    initial_state: LinearAttentionState | None, C: int, lead: torch.Size,
+) -> torch.Tensor | None:
+    """Tokens this path may take, (L, n) bool: in each sequence (row of ``L``), those
+    before its first token with a non-finite value or key scale, or a key scale more than
+    ``_SPREAD`` above its group's reference; ``None`` when that is every token (one host read).
+
+    Non-finite features need no cut: a query's reach only its own row, and a key's enter the
+    intra-chunk scores of later rows only (masked scores are replaced, not multiplied by 0) and
+    the states of later chunks; a non-finite value would reach earlier rows of its chunk through
+    0 * Inf in the intra-chunk product, and a non-finite key scale the group's weights."""
+    n = s.shape[-1]
+    L = math.prod(lead)
+    sd = s.detach().expand(*lead, n).reshape(L, n)
+    span = group_chunks(fq.shape[-1], v1.shape[-1]) * C
+    gmax, R, _ = _references(sd, span, initial_state, lead)
+    ok = torch.isfinite(R).all() & (gmax - R <= _SPREAD).all() & torch.isfinite(v1.sum())
+    if bool(ok.item()):
+        return None
+    R_tok = R.repeat_interleave(span, dim=-1)[:, :n]
+    bad = ~(sd - R_tok <= _SPREAD)  # NaN and +Inf scales too; -Inf (weight 0) is fine
+    bad = bad | ~torch.isfinite(v1).all(-1).expand(*lead, n).reshape(L, n)
+    return torch.cumsum(bad, dim=-1) == 0
+
+
+def shared_scale_attention(
+    fq: torch.Tensor, fk: torch.Tensor, v1: torch.Tensor, s: torch.Tensor, mask: torch.Tensor,
+    initial_state: LinearAttentionState | None, cdt: torch.dtype, lead: torch.Size,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    r"""The causal product with one key scale per group of chunks (module docstring), on inputs
+    that `clean_mask` accepts.
+
+    Keys are weighted $e^{s_j - R_g}$ (values and the ones column, so the per-query factor
+    cancels in the ratio); training runs `ChunkedCausal` (its backward saves the inputs only),
+    inference `chunked_forward`, whose output may take the memory of the weighted values.
+
+    Parameters
+    ----------
+    fq : Tensor, shape (..., n, F)
+        Query features (any per-query scale: it cancels).
+    fk : Tensor, shape (..., n, F)
+    v1 : Tensor, shape (..., n, P)
+        $[v, 1]$ with zero columns up to ``P``; without autograd, weighted in place when it is
+        contiguous (the caller's own buffer).
+    s : Tensor, shape (..., n)
+        Key log-scales (float64).
+    mask : Tensor, shape (C, C), bool
+        The causal mask of one chunk; ``C`` is the chunk size.
+    initial_state : LinearAttentionState, optional
+        With ``kv`` of shape (..., F, P).
+    cdt : torch.dtype
+        Compute dtype.
+    lead : torch.Size
+        The broadcast batch shape of the inputs.
+
+    Returns
+    -------
+    out : Tensor, shape (*lead, n, P)
+        ``[num | den]``, not normalised.
+    state : LinearAttentionState
+        After the last token, at the running maximum of the key log-scales.
+    """
+    n, Fd, dv1 = fq.shape[-2], fq.shape[-1], v1.shape[-1]
+    C = mask.shape[-1]
+    nc = (n + C - 1) // C
+    pad = nc * C - n
+    if pad:
+        fq, fk, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (fq, fk, v1))
+        s = F.pad(s, (0, pad), value=float("-inf"))
+    L = math.prod(lead)
+    fq = fq.expand(*lead, nc * C, Fd).reshape(L, nc, C, Fd)
+    fk = fk.expand(*lead, nc * C, Fd).reshape(L, nc, C, Fd)
+    v1 = v1.expand(*lead, nc * C, dv1).reshape(L, nc * C, dv1)
+    s = s.expand(*lead, nc * C).reshape(L, nc * C)
+    group = group_chunks(Fd, dv1)
+    bounds = tuple((a, min(nc, a + group)) for a in range(0, nc, group))
+    gmax, R, G0 = _references(s.detach(), group * C, initial_state, lead)
+    R_tok = R.repeat_interleave(group * C, dim=-1)[:, : nc * C]
+    w = torch.exp(s - R_tok).to(cdt)  # key weights <= e^_SPREAD; gradients reach s
+    if (torch.is_grad_enabled() and (v1.requires_grad or w.requires_grad)) or not v1.is_contiguous():
+        # (not contiguous: v1 broadcasts over the batch, one memory location per broadcast row)
+        vw = (v1 * w.unsqueeze(-1)).view(L, nc, C, dv1)
+    else:  # v1 is this call's own [v, 1] (or a masked copy of it), not used after this path
+        vw = v1.mul_(w.unsqueeze(-1)).view(L, nc, C, dv1)
+    if initial_state is None:
+        S0 = fq.new_zeros(L, Fd, dv1)
+    else:
+        kv0 = initial_state.kv.to(cdt).expand(*lead, Fd, dv1).reshape(L, Fd, dv1)
+        S0 = kv0 * torch.exp(cast(torch.Tensor, G0) - R[:, :1]).to(cdt).unsqueeze(-1)  # set with a state
+    decay = (None, *(torch.exp(R[:, g - 1] - R[:, g]).to(cdt).view(L, 1, 1) for g in range(1, len(bounds))))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (fq, fk, vw, S0)):
+        out, S = ChunkedCausal.apply(fq, fk, vw, S0, decay, bounds, mask)
+    else:  # vw is this call's own buffer (see above): the output may take its memory
+        out, S = chunked_forward(fq, fk, vw, S0, decay, bounds, mask, overwrite=True)
+    out = out.reshape(*lead, nc * C, dv1)[..., :n, :]
+    Gf = torch.maximum(R[:, -1:], gmax[:, -1:])  # running maximum after the last key
+    S = S * torch.exp(R[:, -1:] - Gf).to(cdt).unsqueeze(-1)
+    return out, LinearAttentionState(S.reshape(*lead, Fd, dv1), Gf.reshape(*lead, 1, 1))
