@@ -66,12 +66,30 @@ def seed(offset: int) -> int:
     return (BASE_SEED * 7_919_317 + int(offset)) % (2**62)
 
 
+#: Test modules marked ``slow`` as a whole: the study runs, the real-model and compile tests, the
+#: wheel build and the largest Monte Carlo grids. ``-m "not slow"`` is the quick subset (the
+#: README says how long each part takes); CI runs everything.
+SLOW_MODULES = frozenset({
+    "test_studies.py", "test_studies_b.py", "test_studies_capacity_gain.py", "test_studies_cli.py",
+    "test_studies_diagnose.py", "test_studies_dlogd.py", "test_studies_executor.py",
+    "test_studies_league.py", "test_studies_real.py", "test_studies_repro.py", "test_hf.py",
+    "test_compile.py", "test_packaging.py", "test_mse_monte_carlo.py", "test_docs.py",
+})
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "statistical: Monte Carlo / z-test checks whose seeds follow KERNELAPPROX_TEST_SEED "
         "(run them alone with -m statistical)",
     )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test of a module in `SLOW_MODULES` ``slow``."""
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_report_header(config):
