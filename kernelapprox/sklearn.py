@@ -124,7 +124,7 @@ class RandomFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         ``"trig-offset"``, ``"positive"`` (FAVOR+), ``"hyperbolic"``, ``"oprf"`` (FAVOR++),
         ``"sderf"``, ... ``None``: ``"trig-sincos"`` for ``"rbf"`` (``"trig-offset"`` if
         ``n_components`` is odd), ``"positive"`` for ``"softmax"``. At equal ``n_components``
-        the sin/cos form has the lower variance for the RBF kernel [5]_ (its variance minus the
+        the sin/cos form has the lower variance for the RBF kernel [SS15]_ (its variance minus the
         offset form's is $(e^{-4\gamma\|x-y\|^2}/2 - e^{-2\gamma\|x-y\|^2})/F < 0$ for iid rows). Data-dependent estimators (``"oprf"``, ``"sderf"``) choose their
         parameters from the training data in `fit`. For the RBF kernel the trigonometric
         estimators are the natural choice (bounded features); the positive ones are valid but
@@ -180,12 +180,12 @@ class RandomFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
 
     References
     ----------
-    - [1] A. Rahimi, B. Recht. "Random Features for Large-Scale Kernel Machines", NIPS 2007.
-    - [2] F. X. Yu et al. "Orthogonal Random Features", NeurIPS 2016.
-    - [3] H. Avron, V. Sindhwani, J. Yang, M. W. Mahoney. "Quasi-Monte Carlo Feature Maps for
+    - [RR07] A. Rahimi, B. Recht. "Random Features for Large-Scale Kernel Machines", NIPS 2007.
+    - [Yu16] F. X. Yu et al. "Orthogonal Random Features", NeurIPS 2016.
+    - [Avr16] H. Avron, V. Sindhwani, J. Yang, M. W. Mahoney. "Quasi-Monte Carlo Feature Maps for
        Shift-Invariant Kernels", JMLR 17 (2016).
-    - [4] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021.
-    - [5] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015.
+    - [Cho21] K. Choromanski et al. "Rethinking Attention with Performers", ICLR 2021.
+    - [SS15] D. J. Sutherland, J. Schneider. "On the Error of Random Fourier Features", UAI 2015.
 
     Examples
     --------

@@ -51,3 +51,19 @@ def test_docs_python_blocks_run(path: Path):
         exec(compile(code, path.name, "exec"), ns)
     if path.name == "real-attention.md":
         assert ns["cap"].q.shape == (6, 2, 12, 512, 32)
+
+
+def test_every_cited_paper_has_a_reference_entry_and_the_page_is_current():
+    """Docstrings cite ``[Key]_``; the site links each to ``docs/references.md``, generated from the
+    docstrings' reference lists (``python -m docs.scripts.references``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_refs", REPO / "docs" / "scripts" / "references.py")
+    assert spec is not None and spec.loader is not None
+    refs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(refs)
+    defs = refs.collect()
+    missing = refs.cited() - set(defs)
+    assert not missing, f"cited without a reference entry: {sorted(missing)}"
+    assert (REPO / "docs" / "references.md").read_text(encoding="utf-8") == refs.render(defs), (
+        "docs/references.md is stale: run python -m docs.scripts.references")
