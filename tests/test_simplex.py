@@ -66,7 +66,8 @@ from scipy.special import gammaln, hyp0f1
 
 import kernelapprox as ka
 from kernelapprox.samplers import SAMPLERS, SimplexSampler, get_sampler, make_generator, simplex_vectors
-from kernelapprox.theory.moments import _Geometry, _geometry, positive_components, positive_mse
+from kernelapprox.theory._common import _Geometry, _geometry
+from kernelapprox.theory.exponential import positive_components, positive_mse
 from kernelapprox.theory.simplex import (
     chi_variance,
     simplex_components_cv,
@@ -647,7 +648,7 @@ def test_simplex_plus_beats_simplex(d):
 
 def test_generic_theory_dispatch_uses_the_simplex_closed_form():
     """``ka.theory.mse(fm, q, k)`` of a map built with ``sampler="simplex"`` is the SimRF closed form
-    (the row law "simplex" is wired into kernelapprox.theory.moments), for every family; SimRF+ has
+    (the row law "simplex" is wired into the registered theories), for every family; SimRF+ has
     no closed form and says so."""
     from kernelapprox.theory.simplex import simplex_mse
 

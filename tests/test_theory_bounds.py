@@ -248,7 +248,7 @@ def test_required_features_array_and_fixed_norm_unreachable():
     assert C.required_features("positive", 0.1, 0.05, q, k) == int(arr.max())
     # fixed-norm ORF is biased: at |q+k| large and small eps no r reaches the level
     x = np.array([[1.0, 1.0, 0.0, 0.0]])
-    rb = float(ka.theory.moments._components("positive", ka.theory.moments._geometry(x, x), "fixed").rbias[0, 0])
+    rb = float(ka.theory._common._components("positive", ka.theory._common._geometry(x, x), "fixed").rbias[0, 0])
     assert abs(rb) > 0.01
     assert (
         C.required_features("positive", 0.5 * abs(rb), 0.05, x, x, orthogonal="fixed", method="clt")

@@ -111,7 +111,7 @@ class PositiveRF(RandomFeatureMap):
 
 register_estimator(
     PositiveRF, name="positive", label="positive", feature_dim="r",
-    theory="kernelapprox.theory.moments:POSITIVE_THEORY",
+    theory="kernelapprox.theory.exponential:POSITIVE_THEORY",
 )
 
 
@@ -201,5 +201,5 @@ class HyperbolicRF(RandomFeatureMap):
 
 register_estimator(
     HyperbolicRF, name="hyperbolic", label="hyperbolic", feature_dim="2r",
-    theory="kernelapprox.theory.moments:HYPERBOLIC_THEORY",
+    theory="kernelapprox.theory.exponential:HYPERBOLIC_THEORY",
 )

@@ -64,7 +64,7 @@ from scipy.special import ndtr
 
 from kernelapprox.registry import EstimatorTheory, get_estimator
 
-from .moments import (
+from ._common import (
     Components,
     _check_orthogonal,
     _check_r,
@@ -73,8 +73,8 @@ from .moments import (
     _out,
     _prepare,
     _theory_for,
-    feature_map_kind,
 )
+from .moments import feature_map_kind
 
 __all__ = ["METHODS", "failure_probability", "required_features"]
 

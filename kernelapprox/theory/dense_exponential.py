@@ -58,18 +58,18 @@ import torch
 
 from kernelapprox.registry import EstimatorTheory
 
-from .moments import (
+from ._common import (
     Components,
     _check_orthogonal,
     _check_r,
     _core_of,
-    _exp_family,
     _finish,
     _Geometry,
     _geometry,
     _out,
     _prepare,
 )
+from .exponential import positive_components
 
 __all__ = [
     "oprf_optimal_A",
@@ -126,7 +126,7 @@ def oprf_components(geo: _Geometry, orthogonal: str | None, A: Any = None) -> Co
     if orthogonal == "chi":
         # pair covariance Lambda^2 (1F1(d; d/2; t/2) - e^t), independent of A: FAVOR+'s cv is
         # normalised by Lambda^2 e^{2t}; renormalise by Lambda^2 e^{L}
-        pos = _exp_family(geo, "chi", hyperbolic=False)
+        pos = positive_components(geo, "chi")
         cv = np.broadcast_to(pos.cv * np.exp(2.0 * t - L), v1.shape).copy()
     shape = v1.shape
     return Components(

@@ -83,7 +83,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .moments import _check_r, _geometry, _out, _prepare
+from ._common import _check_r, _geometry, _out, _prepare
 
 __all__ = ["HybridTerms", "hybrid_terms", "hybrid_mse"]
 
