@@ -361,4 +361,7 @@ class HybridRF(RandomFeatureMap):
         return f"num_angular={self.num_angular}, " + super().extra_repr()
 
 
-register_estimator(HybridRF, name="hybrid", label="hybrid (angular)", feature_dim=_feature_dim)
+register_estimator(
+    HybridRF, name="hybrid", label="hybrid (angular)", feature_dim=_feature_dim,
+    theory="kernelapprox.theory.hybrid:HYBRID_THEORY",
+)
