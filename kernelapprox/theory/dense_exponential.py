@@ -11,7 +11,7 @@ E X = e^{x^\top y},\qquad
 E X^2 = \Lambda^2 (1-4A)^d (1-8A)^{-d/2} \exp\Big(\frac{2(1-4A)\,t}{1-8A}\Big)
 $$
 
-([LCD22]_; DERIVED, MC-verified in tests/test_dense_exponential.py).
+([LCD22]_; DERIVED, MC-verified in tests/maps/test_dense_exponential.py).
 
 Block-orthogonal rows with χ norms (``sampler="orthogonal"``): for two rows of one block,
 $\|w_i + w_j\|^2 = \|w_i\|^2 + \|w_j\|^2 =: \rho^2 \sim \chi^2_{2d}$ and the direction of

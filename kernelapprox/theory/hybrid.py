@@ -53,7 +53,7 @@ $$
 (The same $C$ holds for positive features $A = \frac\Lambda r\sum e^{w_i^\top z}$: only
 the real part of $\mathbb E e^{w^\top(z + i\Delta)}$ enters.) The covariance vanishes for
 equal norms and is most negative at $\|x\|^2-\|y\|^2 = \pi$. Checked by Monte Carlo at 5 %
-resolution in ``tests/test_hybrid.py``; the MSE without $C$ is rejected there.
+resolution in ``tests/maps/test_hybrid.py``; the MSE without $C$ is rejected there.
 
 Extremes: at $\theta = 0$ the weight is $\hat\lambda \equiv 0$ (every sign product is
 $+1$) and at $\theta=\pi$ it is $\hat\lambda\equiv 1$, so $v = 0$ and the
