@@ -8,8 +8,10 @@ Private to `kernelapprox.theory` (the public names are re-exported by `kernelapp
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 import torch
@@ -23,6 +25,52 @@ _LAW_TO_ORTHOGONAL: dict[str, str | None] = {
     "iid": None, "orthogonal-chi": "chi", "orthogonal-fixed": "fixed", "simplex": "simplex",
 }
 _ALL_LAWS = frozenset(_LAW_TO_ORTHOGONAL)
+#: The deprecated ``orthogonal=`` spelling of the row law -> ``row_law``.
+_ORTHOGONAL_TO_LAW: dict[str | None, str] = {v: k for k, v in _LAW_TO_ORTHOGONAL.items()}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _law_code(row_law: object) -> str | None:
+    """The formulas' short code (``None``, ``"chi"``, ``"fixed"``, ``"simplex"``) of a row law."""
+    if isinstance(row_law, str) and row_law in _LAW_TO_ORTHOGONAL:
+        return _LAW_TO_ORTHOGONAL[row_law]
+    raise ValueError(f"row_law must be one of {sorted(_LAW_TO_ORTHOGONAL)}, got {row_law!r}")
+
+
+def _deprecated_keywords(**renames: str) -> Callable[[_F], _F]:
+    """Accept the former keyword spellings for one release, with a ``DeprecationWarning``:
+    ``orthogonal=`` (``None``/``"chi"``/``"fixed"``/``"simplex"``) becomes ``row_law=``
+    (``"iid"``/``"orthogonal-chi"``/``"orthogonal-fixed"``/``"simplex"``); ``kind=`` and
+    ``fm_or_kind=`` become ``estimator=``."""
+
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            for old, new in renames.items():
+                if old not in kwargs:
+                    continue
+                if new in kwargs:
+                    raise TypeError(f"{fn.__name__}() got both {old}= and {new}= ({old} is the deprecated spelling of {new})")
+                value = kwargs.pop(old)
+                if old == "orthogonal":
+                    if not (value is None or isinstance(value, str)) or value not in _ORTHOGONAL_TO_LAW:
+                        raise ValueError(f"orthogonal must be None, 'chi', 'fixed' or 'simplex', got {value!r}")
+                    value = _ORTHOGONAL_TO_LAW[value]
+                    hint = f"row_law={value!r}"
+                else:
+                    hint = f"{new}="
+                warnings.warn(
+                    f"{fn.__name__}(): {old}= is deprecated and will be removed in the next release; use {hint}",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                kwargs[new] = value
+            return fn(*args, **kwargs)
+
+        return cast(_F, wrapper)
+
+    return decorate
 
 
 # ----------------------------------------------------------------------------------------------

@@ -60,12 +60,13 @@ from kernelapprox.registry import EstimatorTheory
 
 from ._common import (
     Components,
-    _check_orthogonal,
     _check_r,
     _core_of,
+    _deprecated_keywords,
     _finish,
     _Geometry,
     _geometry,
+    _law_code,
     _out,
     _prepare,
 )
@@ -135,7 +136,8 @@ def oprf_components(geo: _Geometry, orthogonal: str | None, A: Any = None) -> Co
     )
 
 
-def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: str | None = None) -> Any:
+@_deprecated_keywords(orthogonal="row_law")
+def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, row_law: str = "iid") -> Any:
     r"""MSE (= variance: OPRF is unbiased) of every entry of an OPRF estimate of $e^{q^\top k}$.
 
     $$
@@ -155,8 +157,9 @@ def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: st
         ``r``.
     A : float or array, optional
         Broadcasts against ``(..., n, m)``; default: each pair's optimum $A^*(t)$.
-    orthogonal : {None, "chi"}
-        iid rows, or block-orthogonal rows with χ norms.
+    row_law : {"iid", "orthogonal-chi"}, default "iid"
+        iid rows, or block-orthogonal rows with χ norms (the former ``orthogonal={None, "chi"}``
+        is deprecated).
 
     Returns
     -------
@@ -173,7 +176,7 @@ def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: st
     True
     """
     r = _check_r(num_features)
-    orthogonal = _check_orthogonal(orthogonal)
+    orthogonal = _law_code(row_law)
     qa, ka, dev = _prepare(q, k)
     c = oprf_components(_geometry(qa, ka), orthogonal, A)
     return _out(_finish(_core_of(c, r, orthogonal, qa.shape[-1]), "mse"), dev)

@@ -28,9 +28,11 @@ from ._common import (
     _bias_of,
     _check_r,
     _core,
+    _deprecated_keywords,
     _finish,
     _Geometry,
     _geometry,
+    _law_code,
     _log_hyp0f1_pos,
     _mse_of,
     _out,
@@ -118,7 +120,8 @@ HYPERBOLIC_THEORY = EstimatorTheory(
 )
 
 
-def positive_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
+@_deprecated_keywords(orthogonal="row_law")
+def positive_mse(q: Any, k: Any, num_features: int, *, row_law: str = "iid") -> Any:
     r"""MSE of ``PositiveRF`` (FAVOR+): ``r`` projections, ``r`` feature coordinates.
 
     $$
@@ -129,9 +132,9 @@ def positive_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = 
 
     * iid: Performer Lemma 2, eq. (8): $\frac1r e^{\|x+y\|^2}\mathrm{SM}^2(1-e^{-\|x+y\|^2})$
       [SOURCE]. Relative MSE $(e^t-1)/r$.
-    * ``"chi"``: exact χ-norm ORF [DERIVED, MC ✓]; the pair term is $\le 0$ (ORF always
+    * ``"orthogonal-chi"``: exact χ-norm ORF [DERIVED, MC ✓]; the pair term is $\le 0$ (ORF always
       helps), consistent with Performer Theorem 2 (`performer_theorem2_bound`).
-    * ``"fixed"``: estimates SMREG (`smreg_kernel`); bias
+    * ``"orthogonal-fixed"``: estimates SMREG (`smreg_kernel`); bias
       $\Lambda\,{}_0F_1(;\tfrac d2;\tfrac{dt}4) - \mathrm{SM}$, variance
       $\frac{\Lambda^2}{r}[F(dt) - F(\tfrac{dt}4)^2] + \frac{P}{r^2}\Lambda^2[F(\tfrac{dt}2) -
       F(\tfrac{dt}4)^2]$ [DERIVED, MC ✓].
@@ -144,7 +147,9 @@ def positive_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = 
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
     num_features : int
-    orthogonal : {None, "chi", "fixed", "simplex"}, default None
+    row_law : {"iid", "orthogonal-chi", "orthogonal-fixed", "simplex"}, default "iid"
+        The law of the projection rows (`kernelapprox.samplers.Sampler.row_law`); the former
+        ``orthogonal={None, "chi", "fixed", "simplex"}`` is deprecated.
 
     Returns
     -------
@@ -161,10 +166,11 @@ def positive_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = 
     >>> float(positive_mse(x, y, 4)[0, 0])  # exact at x = -y
     0.0
     """
-    return _mse_of("positive", q, k, num_features, orthogonal)
+    return _mse_of("positive", q, k, num_features, _law_code(row_law))
 
 
-def hyperbolic_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
+@_deprecated_keywords(orthogonal="row_law")
+def hyperbolic_mse(q: Any, k: Any, num_features: int, *, row_law: str = "iid") -> Any:
     r"""MSE of ``HyperbolicRF``: ``r`` projections, ``2r`` feature coordinates.
 
     $$
@@ -173,10 +179,10 @@ def hyperbolic_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None 
     $$
 
     * iid: Performer Lemma 2: $\tfrac12(1-e^{-t})$ times the positive MSE [SOURCE].
-    * ``"chi"``: $\cosh a\cosh b = \tfrac12[\cosh(a+b)+\cosh(a-b)]$ and
+    * ``"orthogonal-chi"``: $\cosh a\cosh b = \tfrac12[\cosh(a+b)+\cosh(a-b)]$ and
       $w_i - w_j \stackrel d= w_i + w_j$ for an orthogonal pair, so the pair moment is the
       positive one, $\Lambda^2{}_1F_1(d;\tfrac d2;\tfrac t2)$ [DERIVED, MC ✓].
-    * ``"fixed"``: mean SMREG, $m_2 = \Lambda^2\,\tfrac{1+F(dt)}2$, pair moment
+    * ``"orthogonal-fixed"``: mean SMREG, $m_2 = \Lambda^2\,\tfrac{1+F(dt)}2$, pair moment
       $\Lambda^2F(\tfrac{dt}2)$ [DERIVED, MC ✓].
 
     Parameters
@@ -184,7 +190,9 @@ def hyperbolic_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None 
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
     num_features : int
-    orthogonal : {None, "chi", "fixed", "simplex"}, default None
+    row_law : {"iid", "orthogonal-chi", "orthogonal-fixed", "simplex"}, default "iid"
+        The law of the projection rows (`kernelapprox.samplers.Sampler.row_law`); the former
+        ``orthogonal={None, "chi", "fixed", "simplex"}`` is deprecated.
 
     Returns
     -------
@@ -201,11 +209,12 @@ def hyperbolic_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None 
     >>> bool(hyperbolic_mse(x, y, 4)[0, 0] < positive_mse(x, y, 8)[0, 0])
     True
     """
-    return _mse_of("hyperbolic", q, k, num_features, orthogonal)
+    return _mse_of("hyperbolic", q, k, num_features, _law_code(row_law))
 
 
-def positive_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
-    r"""Bias of ``PositiveRF``; independent of ``r``: zero unless ``orthogonal="fixed"``.
+@_deprecated_keywords(orthogonal="row_law")
+def positive_bias(q: Any, k: Any, *, row_law: str = "iid") -> Any:
+    r"""Bias of ``PositiveRF``; independent of ``r``: zero unless ``row_law="orthogonal-fixed"``.
 
     Fixed-norm ORF estimates SMREG: bias $\Lambda\,{}_0F_1(;\tfrac d2;\tfrac{dt}4) -
     e^{x^\top y} \le 0$ (Performer Theorem 1: SMREG ≤ SM for $d\ge2$) [DERIVED, MC ✓].
@@ -214,7 +223,9 @@ def positive_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
     ----------
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
-    orthogonal : {None, "chi", "fixed", "simplex"}, default None
+    row_law : {"iid", "orthogonal-chi", "orthogonal-fixed", "simplex"}, default "iid"
+        The law of the projection rows (`kernelapprox.samplers.Sampler.row_law`); the former
+        ``orthogonal={None, "chi", "fixed", "simplex"}`` is deprecated.
 
     Returns
     -------
@@ -224,20 +235,23 @@ def positive_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
     --------
     >>> import numpy as np
     >>> x = np.array([[0.5, 0.5, 0.0, 0.0]])
-    >>> bool(positive_bias(x, x, orthogonal="fixed")[0, 0] < 0)
+    >>> bool(positive_bias(x, x, row_law="orthogonal-fixed")[0, 0] < 0)
     True
     """
-    return _bias_of("positive", q, k, orthogonal)
+    return _bias_of("positive", q, k, _law_code(row_law))
 
 
-def hyperbolic_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
+@_deprecated_keywords(orthogonal="row_law")
+def hyperbolic_bias(q: Any, k: Any, *, row_law: str = "iid") -> Any:
     r"""Bias of ``HyperbolicRF``: the same as `positive_bias` ($\cosh$ is even).
 
     Parameters
     ----------
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
-    orthogonal : {None, "chi", "fixed", "simplex"}, default None
+    row_law : {"iid", "orthogonal-chi", "orthogonal-fixed", "simplex"}, default "iid"
+        The law of the projection rows (`kernelapprox.samplers.Sampler.row_law`); the former
+        ``orthogonal={None, "chi", "fixed", "simplex"}`` is deprecated.
 
     Returns
     -------
@@ -247,10 +261,10 @@ def hyperbolic_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
     --------
     >>> import numpy as np
     >>> x = np.array([[0.5, 0.5, 0.0, 0.0]])
-    >>> bool(hyperbolic_bias(x, x, orthogonal="fixed")[0, 0] == positive_bias(x, x, orthogonal="fixed")[0, 0])
+    >>> bool(hyperbolic_bias(x, x, row_law="orthogonal-fixed")[0, 0] == positive_bias(x, x, row_law="orthogonal-fixed")[0, 0])
     True
     """
-    return _bias_of("hyperbolic", q, k, orthogonal)
+    return _bias_of("hyperbolic", q, k, _law_code(row_law))
 
 
 def smreg_kernel(q: Any, k: Any) -> Any:
@@ -299,7 +313,7 @@ def performer_theorem2_bound(q: Any, k: Any, num_features: int) -> Any:
     $$
 
     stated for $m \le d$ [SOURCE: arXiv:2009.14794, Theorem 2, eq. (10)]. Compare with the
-    exact value ``positive_mse(q, k, m, orthogonal="chi")``.
+    exact value ``positive_mse(q, k, m, row_law="orthogonal-chi")``.
 
     Parameters
     ----------
@@ -321,7 +335,7 @@ def performer_theorem2_bound(q: Any, k: Any, num_features: int) -> Any:
     --------
     >>> import numpy as np
     >>> x = np.array([[0.3, 0.2, -0.1, 0.2]]); y = np.array([[0.1, 0.4, 0.2, -0.2]])
-    >>> bool(positive_mse(x, y, 4, orthogonal="chi")[0, 0] <= performer_theorem2_bound(x, y, 4)[0, 0])
+    >>> bool(positive_mse(x, y, 4, row_law="orthogonal-chi")[0, 0] <= performer_theorem2_bound(x, y, 4)[0, 0])
     True
     """
     r = _check_r(num_features)

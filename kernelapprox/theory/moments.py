@@ -101,12 +101,13 @@ from kernelapprox.registry import Estimator, estimator_of
 from ._common import (
     _LAW_TO_ORTHOGONAL,
     Components,
-    _check_orthogonal,
     _check_r,
     _core,
+    _deprecated_keywords,
     _finish,
     _fm_geometry,
     _geometry,
+    _law_code,
     _out,
     _prepare,
     _theory_for,
@@ -140,13 +141,14 @@ class Moments(NamedTuple):
     mse: Any
 
 
+@_deprecated_keywords(kind="estimator", orthogonal="row_law")
 def estimator_moments(
-    kind: str | Estimator,
+    estimator: str | Estimator,
     q: Any,
     k: Any,
     num_features: int,
     *,
-    orthogonal: str | None = None,
+    row_law: str = "iid",
     **params: Any,
 ) -> Moments:
     r"""Bias, variance and MSE of every entry of a random-feature estimate of $e^{q^\top k}$.
@@ -156,7 +158,7 @@ def estimator_moments(
 
     Parameters
     ----------
-    kind : str or Estimator
+    estimator : str or Estimator
         A registered estimator with closed-form moments, by name (``"trig-sincos"``,
         ``"trig-offset"``, ``"positive"``, ``"hyperbolic"``, or any estimator registered with an
         `kernelapprox.EstimatorTheory`).
@@ -164,10 +166,12 @@ def estimator_moments(
     k : array or Tensor, shape (..., m, d)
     num_features : int
         ``r``, the number of random projections.
-    orthogonal : {None, "chi", "fixed", "simplex"}, default None
-        ``None``: iid Gaussian rows; ``"chi"``: block-orthogonal rows with χ norms;
-        ``"fixed"``: block-orthogonal rows of norm $\sqrt d$; ``"simplex"``: simplex blocks
-        (SimRF, `kernelapprox.theory.simplex`).
+    row_law : {"iid", "orthogonal-chi", "orthogonal-fixed", "simplex"}, default "iid"
+        ``"iid"``: iid Gaussian rows; ``"orthogonal-chi"``: block-orthogonal rows with χ norms;
+        ``"orthogonal-fixed"``: block-orthogonal rows of norm $\sqrt d$; ``"simplex"``: simplex
+        blocks (SimRF, `kernelapprox.theory.simplex`); the values of
+        `kernelapprox.samplers.Sampler.row_law`. The former ``orthogonal={None, "chi", "fixed",
+        "simplex"}`` (and ``kind=`` for ``estimator``) are deprecated.
     **params
         Parameters of a parametric estimator's closed form (e.g. ``A=`` for ``"oprf"``).
 
@@ -181,14 +185,14 @@ def estimator_moments(
     >>> import numpy as np
     >>> x = np.array([[0.3, -0.2, 0.1, 0.4]]); y = np.array([[0.1, 0.2, -0.3, 0.2]])
     >>> from kernelapprox.theory import positive_mse
-    >>> m = estimator_moments("positive", x, y, 8, orthogonal="chi")
+    >>> m = estimator_moments("positive", x, y, 8, row_law="orthogonal-chi")
     >>> bool(m.bias[0, 0] == 0.0 and m.mse[0, 0] < positive_mse(x, y, 8)[0, 0])
     True
     """
     r = _check_r(num_features)
-    orthogonal = _check_orthogonal(orthogonal)
+    orthogonal = _law_code(row_law)
     qa, ka, dev = _prepare(q, k)
-    core = _core(kind, _geometry(qa, ka), r, orthogonal, **params)
+    core = _core(estimator, _geometry(qa, ka), r, orthogonal, **params)
     return Moments(*(_out(_finish(core, w), dev) for w in ("bias", "variance", "mse")))
 
 

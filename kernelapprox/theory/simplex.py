@@ -80,7 +80,17 @@ from typing import Any
 import numpy as np
 from scipy.special import gammaln, hyp1f1, roots_legendre
 
-from ._common import _check_r, _components, _Geometry, _geometry, _out, _pair_excess, _prepare, orf_pair_count
+from ._common import (
+    _check_r,
+    _components,
+    _deprecated_keywords,
+    _Geometry,
+    _geometry,
+    _out,
+    _pair_excess,
+    _prepare,
+    orf_pair_count,
+)
 
 __all__ = [
     "KINDS",
@@ -255,12 +265,12 @@ def simplex_trig_pair_excess(d: int, s: Any, sign: int = 1) -> np.ndarray:
     return _excess(d, -s, sign)
 
 
-def _check_kind(kind: object) -> str:
-    if not isinstance(kind, str):
-        raise TypeError(f"kind must be a str in {KINDS}, got {type(kind).__name__}")
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return kind
+def _check_estimator(estimator: object) -> str:
+    if not isinstance(estimator, str):
+        raise TypeError(f"estimator must be a str in {KINDS}, got {type(estimator).__name__}")
+    if estimator not in KINDS:
+        raise ValueError(f"estimator must be one of {KINDS}, got {estimator!r}")
+    return estimator
 
 
 def _exp_cv(d: int, t: np.ndarray, both: bool) -> np.ndarray:
@@ -290,7 +300,8 @@ def _exp_cv(d: int, t: np.ndarray, both: bool) -> np.ndarray:
     return out
 
 
-def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
+@_deprecated_keywords(kind="estimator")
+def simplex_components_cv(estimator: str, geo: _Geometry) -> np.ndarray:
     r"""Same-block pair covariance ``cv`` of a SimRF estimator, in the normalisation of
     `kernelapprox.theory.moments.Components`.
 
@@ -309,7 +320,7 @@ def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
 
     Parameters
     ----------
-    kind : {"positive", "hyperbolic", "trig-sincos", "trig-offset"}
+    estimator : {"positive", "hyperbolic", "trig-sincos", "trig-offset"}
     geo : moments._Geometry
         Pairwise geometry (reads ``geo.d``, ``geo.t`` = $\|x+y\|^2$, ``geo.s`` =
         $\|x-y\|^2$; arrays of shape (..., n, m)).
@@ -331,7 +342,7 @@ def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
     >>> cv.shape, bool(cv[0, 0] < 0)
     ((1, 1), True)
     """
-    kind = _check_kind(kind)
+    kind = _check_estimator(estimator)
     d = _check_dim(geo.d)
     if kind in ("positive", "hyperbolic"):
         return _exp_cv(d, geo.t, both=kind == "hyperbolic")
@@ -339,7 +350,8 @@ def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
     return 0.5 * (_excess(d, -s, 1) + _excess(d, -s, -1))
 
 
-def simplex_mse(kind: str, q: Any, k: Any, num_features: int) -> Any:
+@_deprecated_keywords(kind="estimator")
+def simplex_mse(estimator: str, q: Any, k: Any, num_features: int) -> Any:
     r"""MSE (= variance: SimRF is unbiased) of every entry of a SimRF kernel estimate.
 
     $$
@@ -352,7 +364,7 @@ def simplex_mse(kind: str, q: Any, k: Any, num_features: int) -> Any:
 
     Parameters
     ----------
-    kind : {"positive", "hyperbolic", "trig-sincos", "trig-offset"}
+    estimator : {"positive", "hyperbolic", "trig-sincos", "trig-offset"}
     q : array or Tensor, shape (..., n, d), ``d >= 2``
     k : array or Tensor, shape (..., m, d)
     num_features : int
@@ -376,7 +388,7 @@ def simplex_mse(kind: str, q: Any, k: Any, num_features: int) -> Any:
     >>> bool(simplex_mse("positive", x, y, 4)[0, 0] < 0.5 * simplex_mse("positive", x, y, 1)[0, 0] / 4)
     True
     """
-    kind = _check_kind(kind)
+    kind = _check_estimator(estimator)
     r = _check_r(num_features)
     qa, ka, dev = _prepare(q, k)
     geo = _geometry(qa, ka)
@@ -424,7 +436,7 @@ def simplex_positive_mse(q: Any, k: Any, num_features: int) -> Any:
     >>> from kernelapprox.theory import positive_mse
     >>> x = np.array([[0.2, 0.1, 0.0, -0.1]]); y = np.array([[0.1, -0.1, 0.2, 0.1]])
     >>> sim = simplex_positive_mse(x, y, 4)[0, 0]
-    >>> bool(sim < positive_mse(x, y, 4, orthogonal="chi")[0, 0] < positive_mse(x, y, 4)[0, 0])
+    >>> bool(sim < positive_mse(x, y, 4, row_law="orthogonal-chi")[0, 0] < positive_mse(x, y, 4)[0, 0])
     True
     """
     return simplex_mse("positive", q, k, num_features)

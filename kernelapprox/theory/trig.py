@@ -29,9 +29,11 @@ from ._common import (
     _ALL_LAWS,
     Components,
     _bias_of,
+    _deprecated_keywords,
     _Geometry,
     _geometry,
     _hyp0f1_neg,
+    _law_code,
     _mse_of,
     _out,
     _pair_excess,
@@ -119,7 +121,8 @@ TRIG_OFFSET_THEORY = EstimatorTheory(
 )
 
 
-def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
+@_deprecated_keywords(orthogonal="row_law")
+def trig_sincos_mse(q: Any, k: Any, num_features: int, *, row_law: str = "iid") -> Any:
     r"""MSE of ``TrigRF(variant="sincos")``: ``r`` projections, ``2r`` feature coordinates.
 
     $$
@@ -129,8 +132,8 @@ def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
 
     with $s = \|x-y\|^2$ and $P$ = `orf_pair_count` (0 for iid rows).
 
-    * iid (``orthogonal=None``): Performer Lemma 2, eq. (8) [SOURCE]; Yu et al. Lemma 1.
-    * ``"chi"``: exact χ-norm ORF closed form, several blocks and a partial last block [DERIVED,
+    * iid (``row_law="iid"``): Performer Lemma 2, eq. (8) [SOURCE]; Yu et al. Lemma 1.
+    * ``"orthogonal-chi"``: exact χ-norm ORF closed form, several blocks and a partial last block [DERIVED,
       MC ✓]. For large $s$ the ORF term has no fixed sign: by Kummer's transformation
       ${}_1F_1(d;\tfrac d2;-\tfrac s2) = e^{-s/2}\,\frac{(d/2)!}{(d/2)_{d/2}}
       L^{(d/2-1)}_{d/2}(\tfrac s2)$ for even $d$ (sign $(-1)^{d/2}$ beyond the largest root
@@ -140,7 +143,7 @@ def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
       $s = 20, 60, 200$ the bracket is $-3.0\cdot10^{-5}, -2.4\cdot10^{-11}, -5.3\cdot10^{-40}$
       for $d = 6$ and $+3.4\cdot10^{-5}, -1.2\cdot10^{-7}, -1.7\cdot10^{-10}$ for $d = 5$, so
       far from $x=y$ ORF and iid rows have the same MSE to within these terms.
-    * ``"fixed"``: rows of norm $\sqrt d$; biased (mean
+    * ``"orthogonal-fixed"``: rows of norm $\sqrt d$; biased (mean
       $C\,{}_0F_1(;\tfrac d2;-\tfrac{ds}4)$, `fixed_norm_trig_kernel`); MSE =
       bias² + $\frac{C^2}{r}\big[\tfrac{1+F(-ds)}2-F(-\tfrac{ds}4)^2\big]
       +\frac{P}{r^2}C^2\big[F(-\tfrac{ds}2)-F(-\tfrac{ds}4)^2\big]$, $F={}_0F_1(;\tfrac d2;\cdot)$
@@ -152,7 +155,9 @@ def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
     k : array or Tensor, shape (..., m, d)
     num_features : int
         ``r``, the number of projections $w_1..w_r$.
-    orthogonal : {None, "chi", "fixed", "simplex"}, default None
+    row_law : {"iid", "orthogonal-chi", "orthogonal-fixed", "simplex"}, default "iid"
+        The law of the projection rows (`kernelapprox.samplers.Sampler.row_law`); the former
+        ``orthogonal={None, "chi", "fixed", "simplex"}`` is deprecated.
 
     Returns
     -------
@@ -168,10 +173,11 @@ def trig_sincos_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
     >>> x = np.zeros((1, 3)); float(trig_sincos_mse(x, x, 16)[0, 0])  # exact at x = y
     0.0
     """
-    return _mse_of("trig-sincos", q, k, num_features, orthogonal)
+    return _mse_of("trig-sincos", q, k, num_features, _law_code(row_law))
 
 
-def trig_offset_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None = None) -> Any:
+@_deprecated_keywords(orthogonal="row_law")
+def trig_offset_mse(q: Any, k: Any, num_features: int, *, row_law: str = "iid") -> Any:
     r"""MSE of ``TrigRF(variant="offset")``: ``r`` projections, ``r`` feature coordinates.
 
     $$
@@ -182,17 +188,19 @@ def trig_offset_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
     * iid: the Sutherland–Schneider variance of the $\breve z$ features transported to SM
       (``docs/theory.md`` §1) [DERIVED, MC ✓]. It exceeds the sin/cos MSE at equal ``r`` by
       $\frac{C^2}{2r}$ — never zero, even at ``x = y``.
-    * ``"chi"``: the phases $b_i$ are independent, so
+    * ``"orthogonal-chi"``: the phases $b_i$ are independent, so
       $E X_iX_j = C^2 E\cos(w_i^\top\Delta)\cos(w_j^\top\Delta)$: the same pair term as
       sin/cos [DERIVED, MC ✓].
-    * ``"fixed"``: as for sin/cos with $m_2 = C^2[1+\tfrac12 F(-ds)]$ [DERIVED, MC ✓].
+    * ``"orthogonal-fixed"``: as for sin/cos with $m_2 = C^2[1+\tfrac12 F(-ds)]$ [DERIVED, MC ✓].
 
     Parameters
     ----------
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
     num_features : int
-    orthogonal : {None, "chi", "fixed", "simplex"}, default None
+    row_law : {"iid", "orthogonal-chi", "orthogonal-fixed", "simplex"}, default "iid"
+        The law of the projection rows (`kernelapprox.samplers.Sampler.row_law`); the former
+        ``orthogonal={None, "chi", "fixed", "simplex"}`` is deprecated.
 
     Returns
     -------
@@ -208,10 +216,11 @@ def trig_offset_mse(q: Any, k: Any, num_features: int, *, orthogonal: str | None
     >>> x = np.zeros((1, 3)); round(float(trig_offset_mse(x, x, 10)[0, 0]), 12)  # 1/(2r) at x = y = 0
     0.05
     """
-    return _mse_of("trig-offset", q, k, num_features, orthogonal)
+    return _mse_of("trig-offset", q, k, num_features, _law_code(row_law))
 
 
-def trig_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
+@_deprecated_keywords(orthogonal="row_law")
+def trig_bias(q: Any, k: Any, *, row_law: str = "iid") -> Any:
     r"""Bias $E\hat K - e^{q^\top k}$ of ``TrigRF`` (both variants); independent of ``r``.
 
     Zero for iid and χ-norm ORF rows; for fixed-norm ORF
@@ -222,7 +231,9 @@ def trig_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
     ----------
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
-    orthogonal : {None, "chi", "fixed", "simplex"}, default None
+    row_law : {"iid", "orthogonal-chi", "orthogonal-fixed", "simplex"}, default "iid"
+        The law of the projection rows (`kernelapprox.samplers.Sampler.row_law`); the former
+        ``orthogonal={None, "chi", "fixed", "simplex"}`` is deprecated.
 
     Returns
     -------
@@ -235,7 +246,7 @@ def trig_bias(q: Any, k: Any, *, orthogonal: str | None = None) -> Any:
     >>> float(trig_bias(x, y)[0, 0])
     0.0
     """
-    return _bias_of("trig-sincos", q, k, orthogonal)
+    return _bias_of("trig-sincos", q, k, _law_code(row_law))
 
 
 def fixed_norm_trig_kernel(q: Any, k: Any) -> Any:
