@@ -12,7 +12,7 @@ measurement is:
 * **drivers** `kernel_error` and `attention_error` that evaluate ``S`` independent
   projections of a feature map through its ``batch_shape`` (one batched matmul per chunk of draws,
   memory bounded by ``max_bytes``; never a Python loop over single draws; fused float64 power
-  sums; within 2x of the bare batched-matmul floor, ``studies/bench_mc.py``), and
+  sums; close to the bare batched-matmul floor, ``studies/bench_mc.py``), and
   `batched_draws`, the generator they are built on.
 
 All statistics are computed in float64 by default.
@@ -821,8 +821,8 @@ def kernel_error(
     matmul per chunk, memory about ``max_bytes``. Per chunk the error $e$ is formed once, in place;
     $e^2$ feeds both the power sums (taken as products with a vector of ones, one read each) and
     the per-draw metrics; scratch tensors are reused across chunks; no Python loop over draws.
-    This keeps the driver within 2x of the same work written as bare batched matmuls
-    (``python -m studies.bench_mc``: 1.0-1.5x at S = 1e4, d = 16, r = 64, a 64 x 64 kernel). The
+    This keeps the driver close to the same work written as bare batched matmuls
+    (``python -m studies.bench_mc``; see docs/performance.md). The
     statistics do not depend on ``dtype`` beyond the rounding of the features: they are float64.
 
     Parameters
