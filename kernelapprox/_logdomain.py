@@ -17,10 +17,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 #: $\log_2 e$: the exponential maps evaluate $e^u = 2^{u \log_2 e}$ with their exponents in base 2,
-#: because ``torch.exp2`` is 2.5x faster than ``torch.exp`` on CPU (float32, AVX-512, 2 threads:
-#: 0.15 against 0.43 ns per element; float64 0.43 against 0.82; ``studies.bench_core`` prints
-#: both) while as accurate (<= 1 ulp). The factor is folded into the GEMM (its ``alpha``, or the
-#: r x d weight), so it costs no pass over the (n, r) features.
+#: because ``torch.exp2`` is faster than ``torch.exp`` on CPU while as accurate (<= 1 ulp; see
+#: docs/performance.md). The factor is folded into the GEMM (its ``alpha``, or the r x d weight),
+#: so it costs no pass over the (n, r) features.
 LOG2E = 1.4426950408889634
 
 
@@ -106,7 +105,7 @@ def _affine_rows(
     d, r = xc.shape[-1], W.shape[-2]
     x2 = xc.reshape(-1, d)
     # beta applied to the (n,) vector here, not by addmm: an addmm with beta != 1 costs an extra
-    # pass over its (n, r) output (measured 1.05-1.12x the bare GEMM, against 0.92-0.96 with beta 1)
+    # pass over its (n, r) output (see docs/performance.md)
     c2 = (c if beta == 1.0 else c * beta).to(xc.dtype).reshape(-1, 1)
     if out is not None and not _grad(x2, c2, W) and not torch.compiler.is_compiling():
         return torch.addmm(c2, x2, W.mT, alpha=alpha, out=out)

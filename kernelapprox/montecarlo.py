@@ -12,7 +12,7 @@ measurement is:
 * **drivers** `kernel_error` and `attention_error` that evaluate ``S`` independent
   projections of a feature map through its ``batch_shape`` (one batched matmul per chunk of draws,
   memory bounded by ``max_bytes``; never a Python loop over single draws; fused float64 power
-  sums; within 2x of the bare batched-matmul floor, ``studies/bench_mc.py``), and
+  sums; close to the bare batched-matmul floor, ``studies/bench_mc.py``), and
   `batched_draws`, the generator they are built on.
 
 All statistics are computed in float64 by default.
@@ -752,6 +752,25 @@ def _summary_frame(per_draw: dict[str, np.ndarray], probs, confidence):
     return pd.DataFrame(rows).set_index("metric")
 
 
+class _Results(dict):
+    """The result dict of `kernel_error` / `attention_error`: ``res["summary"]``, the per-metric
+    ``pandas.DataFrame``, is built on first access, so that pandas is imported only by the callers
+    that read it."""
+
+    def __init__(self, *args: Any, summary: tuple[dict, Any, float], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._summary_args = summary
+
+    def __missing__(self, key: str) -> Any:
+        if key != "summary":
+            raise KeyError(key)
+        value = self["summary"] = _summary_frame(*self._summary_args)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key == "summary" else super().get(key, default)
+
+
 def _entry_frame(stats_: dict[str, np.ndarray], exact: np.ndarray, last: tuple[str, str]):
     import pandas as pd
 
@@ -802,8 +821,8 @@ def kernel_error(
     matmul per chunk, memory about ``max_bytes``. Per chunk the error $e$ is formed once, in place;
     $e^2$ feeds both the power sums (taken as products with a vector of ones, one read each) and
     the per-draw metrics; scratch tensors are reused across chunks; no Python loop over draws.
-    This keeps the driver within 2x of the same work written as bare batched matmuls
-    (``python -m studies.bench_mc``: 1.0-1.5x at S = 1e4, d = 16, r = 64, a 64 x 64 kernel). The
+    This keeps the driver close to the same work written as bare batched matmuls
+    (``python -m studies.bench_mc``; see docs/performance.md). The
     statistics do not depend on ``dtype`` beyond the rounding of the features: they are float64.
 
     Parameters
@@ -837,7 +856,8 @@ def kernel_error(
         ``draws`` (int), ``exact`` (``(..., n, m)`` ndarray), ``mean``, ``mean_ci``
         (``(2, ..., n, m)``: low, high), ``bias``, ``bias_se``, ``bias_ci``, ``variance``,
         ``variance_se``, ``variance_ci``, ``mse``, ``mse_se``, ``mse_ci``, ``relative_mse``
-        (``mse / exact**2``), and ``summary``: a ``pandas.DataFrame`` indexed by metric
+        (``mse / exact**2``), and ``summary`` (built on first access, the one entry that needs
+        pandas): a ``pandas.DataFrame`` indexed by metric
         (``relative_frobenius``, ``relative_rms``, ``max_abs_error``, ``max_relative_error``) with
         columns ``draws``, ``nonfinite`` (draws with an inf/nan metric, left out of the statistics),
         ``mean``, ``mean_se``, ``mean_low``, ``mean_high`` and ``q<p>``, ``q<p>_low``,
@@ -916,13 +936,8 @@ def kernel_error(
     if as_frame:
         return _entry_frame(out, exact_np, ("i", "j"))
     flat = {key: np.concatenate(val) for key, val in per_draw.items()}
-    out.update(
-        draws=draws,
-        exact=exact_np,
-        per_draw=flat,
-        summary=_summary_frame(flat, probs, confidence),
-    )
-    return out
+    out.update(draws=draws, exact=exact_np, per_draw=flat)
+    return _Results(out, summary=(flat, probs, confidence))
 
 
 def attention_error(
@@ -1059,10 +1074,5 @@ def attention_error(
     if as_frame:
         return _entry_frame(out, exact_np, ("i", "c"))
     flat = {key: np.concatenate(val) for key, val in per_draw.items()}
-    out.update(
-        draws=draws,
-        exact=exact_np,
-        per_draw=flat,
-        summary=_summary_frame(flat, probs, confidence),
-    )
-    return out
+    out.update(draws=draws, exact=exact_np, per_draw=flat)
+    return _Results(out, summary=(flat, probs, confidence))

@@ -101,7 +101,7 @@ _E = "kernelapprox/maps/exponential.py"
 _T = "kernelapprox/maps/trig.py"
 _D = "kernelapprox/maps/deterministic.py"
 _S = "kernelapprox/samplers.py"
-_M = "kernelapprox/theory/moments.py"
+_M = "kernelapprox/theory/exponential.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # 1. a 1% scale error in the kernel estimate of each registered estimator (forward,

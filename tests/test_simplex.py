@@ -66,7 +66,8 @@ from scipy.special import gammaln, hyp0f1
 
 import kernelapprox as ka
 from kernelapprox.samplers import SAMPLERS, SimplexSampler, get_sampler, make_generator, simplex_vectors
-from kernelapprox.theory.moments import _Geometry, _geometry, positive_components, positive_mse
+from kernelapprox.theory._common import _Geometry, _geometry
+from kernelapprox.theory.exponential import positive_components, positive_mse
 from kernelapprox.theory.simplex import (
     chi_variance,
     simplex_components_cv,
@@ -197,9 +198,9 @@ def test_validation():
     with pytest.raises(ValueError, match="s = \\|x - y\\|\\^2 must be >= 0, got -1.0"):
         simplex_trig_pair_excess(3, -1.0)
     geo = _geometry(np.ones((1, 3)), np.ones((2, 3)))
-    with pytest.raises(ValueError, match="kind must be one of.*got 'elu'"):
+    with pytest.raises(ValueError, match="estimator must be one of.*got 'elu'"):
         simplex_components_cv("elu", geo)
-    with pytest.raises(TypeError, match="kind must be a str.*got int"):
+    with pytest.raises(TypeError, match="estimator must be a str.*got int"):
         simplex_components_cv(3, geo)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="d must be >= 2.*got 1"):
         simplex_positive_mse(np.ones((1, 1)), np.ones((1, 1)), 4)
@@ -341,7 +342,7 @@ def test_positive_ordering_from_closed_forms():
             for t in ts:
                 x, y = _pair_at(d, float(t))
                 sim = simplex_positive_mse(x, y, r)[0, 0]
-                orf = positive_mse(x, y, r, orthogonal="chi")[0, 0]
+                orf = positive_mse(x, y, r, row_law="orthogonal-chi")[0, 0]
                 iid = positive_mse(x, y, r)[0, 0]
                 assert 0 < sim <= orf <= iid, (d, r, t, sim, orf, iid)
                 if t <= 10:  # beyond, the pair terms (~e^-t relative) are below float64 resolution
@@ -371,7 +372,7 @@ def test_small_t_limit_is_chi_variance_over_d(d, claimed):
     for t in (1e-8, 1e-6, 1e-4, 1e-2):
         x, y = _pair_at(d, t)
         sim = simplex_positive_mse(x, y, d)[0, 0]
-        orf = positive_mse(x, y, d, orthogonal="chi")[0, 0]
+        orf = positive_mse(x, y, d, row_law="orthogonal-chi")[0, 0]
         iid = positive_mse(x, y, d)[0, 0]
         ratios.append(sim / orf)
         if t <= 1e-6:
@@ -392,7 +393,7 @@ def test_small_t_hyperbolic_and_trig_simrf_is_worse(d):
     for kind, flip in (("hyperbolic", 1.0), ("trig-sincos", -1.0), ("trig-offset", -1.0)):
         x, y = _pair_at(d, 1e-6)
         sim = simplex_mse(kind, x, flip * y, d)[0, 0]
-        orf = ka.theory.estimator_moments(kind, x, flip * y, d, orthogonal="chi").mse[0, 0]
+        orf = ka.theory.estimator_moments(kind, x, flip * y, d, row_law="orthogonal-chi").mse[0, 0]
         if kind == "trig-offset":  # the phase term C^2/(2r) dominates: both tend to it
             assert sim / orf == pytest.approx(1.0, abs=1e-5)
         else:
@@ -562,7 +563,7 @@ def test_simplex_mse_matches_monte_carlo(name, d, r):
     e = _errors(name, "simplex", d, r, q, k, S, stream + 1)
     th = torch.as_tensor(np.diagonal(simplex_mse(name, q.numpy(), k.numpy(), r)).copy())
     orf = torch.as_tensor(
-        np.diagonal(ka.theory.estimator_moments(name, q.numpy(), k.numpy(), r, orthogonal="chi").mse).copy()
+        np.diagonal(ka.theory.estimator_moments(name, q.numpy(), k.numpy(), r, row_law="orthogonal-chi").mse).copy()
     )
     Y = e * e
     z, se = zscores(Y, th)
@@ -604,7 +605,7 @@ def test_positive_ordering_by_monte_carlo():
         Y[smp] = e * e
     th = {
         "simplex": simplex_positive_mse(q.numpy(), k.numpy(), r).diagonal(),
-        "orthogonal": positive_mse(q.numpy(), k.numpy(), r, orthogonal="chi").diagonal(),
+        "orthogonal": positive_mse(q.numpy(), k.numpy(), r, row_law="orthogonal-chi").diagonal(),
         "gaussian": positive_mse(q.numpy(), k.numpy(), r).diagonal(),
     }
     th = {key: torch.as_tensor(val.copy()) for key, val in th.items()}
@@ -647,7 +648,7 @@ def test_simplex_plus_beats_simplex(d):
 
 def test_generic_theory_dispatch_uses_the_simplex_closed_form():
     """``ka.theory.mse(fm, q, k)`` of a map built with ``sampler="simplex"`` is the SimRF closed form
-    (the row law "simplex" is wired into kernelapprox.theory.moments), for every family; SimRF+ has
+    (the row law "simplex" is wired into the registered theories), for every family; SimRF+ has
     no closed form and says so."""
     from kernelapprox.theory.simplex import simplex_mse
 

@@ -18,7 +18,7 @@ import torch
 from scipy.special import eval_genlaguerre, factorial, gamma, poch
 
 import kernelapprox as ka
-from kernelapprox.theory import moments
+from kernelapprox.theory import _common as moments
 from studies import orthogonal_gain as og
 from studies import state_capacity as sc
 from studies._framework import Context

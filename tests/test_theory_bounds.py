@@ -35,6 +35,9 @@ from kernelapprox.samplers import OrthogonalSampler
 from kernelapprox.theory import concentration as C
 from kernelapprox.theory import uniform as U
 
+#: The row law of ``OrthogonalSampler(norms=...)`` (``None``: iid rows).
+ROW_LAW = {None: "iid", "chi": "orthogonal-chi", "fixed": "orthogonal-fixed", "simplex": "simplex"}
+
 F64 = torch.float64
 S_DRAWS = 2000
 
@@ -99,12 +102,12 @@ def test_pointwise_bounds_hold_at_returned_r(kind, orth, methods):
         if method == "hoeffding" and orth is not None:
             grid = grid[1:]  # block Hoeffding needs ~4000 ORF projections at eps=0.1: too slow here
         for eps, delta in grid:
-            r = C.required_features(kind, eps, delta, X, Y, method=method, orthogonal=orth)
+            r = C.required_features(kind, eps, delta, X, Y, method=method, row_law=ROW_LAW[orth])
             # the bound at r is <= delta and at r - 1 it is not (bisection invariant)
-            p_r = C.failure_probability(kind, eps, X, Y, r, method=method, orthogonal=orth)[0, 0]
+            p_r = C.failure_probability(kind, eps, X, Y, r, method=method, row_law=ROW_LAW[orth])[0, 0]
             assert p_r <= delta
             if r > 1:
-                p_rm1 = C.failure_probability(kind, eps, X, Y, r - 1, method=method, orthogonal=orth)[0, 0]
+                p_rm1 = C.failure_probability(kind, eps, X, Y, r - 1, method=method, row_law=ROW_LAW[orth])[0, 0]
                 assert p_rm1 > delta
             p = _failure_rate(kind, orth, X, Y, r, eps, seed(stream))
             stream += 1
@@ -122,7 +125,7 @@ def test_pointwise_bounds_hold_at_returned_r(kind, orth, methods):
             else:
                 assert p <= delta
     if kind == "positive":  # the two-sided CLT check did run
-        assert "clt" in methods and C.required_features(kind, 0.2, 0.2, X, Y, method="clt", orthogonal=orth) >= 20
+        assert "clt" in methods and C.required_features(kind, 0.2, 0.2, X, Y, method="clt", row_law=ROW_LAW[orth]) >= 20
 
 
 def _map(kind, orth, d, r):
@@ -178,7 +181,7 @@ def test_pointwise_bound_formulas(kind, orth):
         mse = float(ka.theory.mse(fm, x, y)[0, 0])
         var = float(ka.theory.variance(fm, x, y)[0, 0])
         assert mse > 0 and math.isclose(mse, var, rel_tol=1e-12)  # unbiased rows
-        cheb = C.failure_probability(kind, eps, X, Y, r, method="chebyshev", orthogonal=orth)[0, 0]
+        cheb = C.failure_probability(kind, eps, X, Y, r, method="chebyshev", row_law=ROW_LAW[orth])[0, 0]
         assert 0 < cheb < 1
         assert math.isclose(cheb, mse / (eps * K) ** 2, rel_tol=1e-10), (kind, orth, r)
         if "bounded_terms" not in ka.get_estimator(kind).closed_forms(fm.sampler):
@@ -192,8 +195,8 @@ def test_pointwise_bound_formulas(kind, orth):
             sq, mx = b * d * d + rp * rp, min(r, d)
         hoef = 2 * math.exp(-(r * r) * eps**2 / (2 * a * a * sq))
         bern = 2 * math.exp(-(r * r) * eps**2 / 2 / (r * r * var / K**2 + mx * (a + 1) * r * eps / 3))
-        got_h = C.failure_probability(kind, eps, X, Y, r, method="hoeffding", orthogonal=orth)[0, 0]
-        got_b = C.failure_probability(kind, eps, X, Y, r, method="bernstein", orthogonal=orth)[0, 0]
+        got_h = C.failure_probability(kind, eps, X, Y, r, method="hoeffding", row_law=ROW_LAW[orth])[0, 0]
+        got_b = C.failure_probability(kind, eps, X, Y, r, method="bernstein", row_law=ROW_LAW[orth])[0, 0]
         assert 0 < min(hoef, bern) and max(hoef, bern) < 1
         assert math.isclose(got_h, hoef, rel_tol=1e-10), (kind, orth, r, got_h, hoef)
         assert math.isclose(got_b, bern, rel_tol=1e-10), (kind, orth, r, got_b, bern)
@@ -219,7 +222,7 @@ def test_closed_forms_iid():
 def test_orf_needs_fewer_features_and_chebyshev_is_conservative_vs_clt():
     for kind in ("positive", "trig-sincos"):
         iid = C.required_features(kind, 0.1, 0.05, X, Y)
-        orf = C.required_features(kind, 0.1, 0.05, X, Y, orthogonal="chi")
+        orf = C.required_features(kind, 0.1, 0.05, X, Y, row_law="orthogonal-chi")
         assert orf <= iid
         assert C.required_features(kind, 0.1, 0.05, X, Y, method="clt") < iid
 
@@ -228,11 +231,11 @@ def test_required_features_monotone_pointwise():
     for kind, orth, methods in CASES:
         for method in methods:
             rs_eps = [
-                C.required_features(kind, e, 0.05, X, Y, method=method, orthogonal=orth)
+                C.required_features(kind, e, 0.05, X, Y, method=method, row_law=ROW_LAW[orth])
                 for e in (0.05, 0.1, 0.2, 0.4)
             ]
             rs_del = [
-                C.required_features(kind, 0.1, dl, X, Y, method=method, orthogonal=orth)
+                C.required_features(kind, 0.1, dl, X, Y, method=method, row_law=ROW_LAW[orth])
                 for dl in (0.01, 0.05, 0.2, 0.5)
             ]
             assert rs_eps == sorted(rs_eps, reverse=True), (kind, method, rs_eps)
@@ -248,14 +251,14 @@ def test_required_features_array_and_fixed_norm_unreachable():
     assert C.required_features("positive", 0.1, 0.05, q, k) == int(arr.max())
     # fixed-norm ORF is biased: at |q+k| large and small eps no r reaches the level
     x = np.array([[1.0, 1.0, 0.0, 0.0]])
-    rb = float(ka.theory.moments._components("positive", ka.theory.moments._geometry(x, x), "fixed").rbias[0, 0])
+    rb = float(ka.theory._common._components("positive", ka.theory._common._geometry(x, x), "fixed").rbias[0, 0])
     assert abs(rb) > 0.01
     assert (
-        C.required_features("positive", 0.5 * abs(rb), 0.05, x, x, orthogonal="fixed", method="clt")
+        C.required_features("positive", 0.5 * abs(rb), 0.05, x, x, row_law="orthogonal-fixed", method="clt")
         == math.inf
     )
     assert math.isfinite(
-        C.required_features("positive", 3 * abs(rb), 0.05, x, x, orthogonal="fixed", method="clt")
+        C.required_features("positive", 3 * abs(rb), 0.05, x, x, row_law="orthogonal-fixed", method="clt")
     )
 
 
@@ -275,10 +278,10 @@ def test_concentration_validation():
         C.required_features(ka.TrigRF(4, 8, sampler="structured", seed=0), 0.1, 0.1, X, Y)
     with pytest.raises(ValueError, match="deterministic"):
         C.required_features(ka.EluFeatures(4), 0.1, 0.1, X, Y)
-    # a map's sampler is read: same answer as the kind with orthogonal="chi"
+    # a map's sampler is read: same answer as the kind with row_law="orthogonal-chi"
     fmo = ka.TrigRF(4, 8, sampler="orthogonal", seed=0)
     assert C.required_features(fmo, 0.1, 0.1, X, Y) == C.required_features(
-        "trig-sincos", 0.1, 0.1, X, Y, orthogonal="chi"
+        "trig-sincos", 0.1, 0.1, X, Y, row_law="orthogonal-chi"
     )
 
 

@@ -17,8 +17,12 @@ import pytest
 import torch
 
 import kernelapprox as ka
+from kernelapprox import theory as M
 from kernelapprox.samplers import OrthogonalSampler
-from kernelapprox.theory import moments as M
+from kernelapprox.theory import _common as C
+
+#: The row law of ``OrthogonalSampler(norms=...)`` (``None``: iid rows).
+ROW_LAW = {None: "iid", "chi": "orthogonal-chi", "fixed": "orthogonal-fixed", "simplex": "simplex"}
 
 F64 = torch.float64
 
@@ -32,7 +36,7 @@ F64 = torch.float64
 def test_pair_excess_matches_mpmath(d):
     """1F1(d; d/2; z) - e^{2z}: series/scipy vs 40-digit mpmath (Kummer form for z < 0)."""
     zs = np.array([-400.0, -30.0, -3.0, -0.9, -0.05, -1e-4, 1e-4, 0.05, 0.9, 3.0, 20.0, 35.0])
-    got = M._pair_excess(d, zs)
+    got = C._pair_excess(d, zs)
     with mpmath.workdps(40):
         for z, g in zip(zs, got, strict=True):
             zz = mpmath.mpf(z)
@@ -52,13 +56,13 @@ def test_pair_excess_matches_mpmath(d):
 def test_hyp0f1_helpers_match_mpmath(d):
     b = d / 2
     xs = -np.array([1e-3, 0.5, 3.0, 50.0, 300.0, 3000.0, 4e4])
-    got = M._hyp0f1_neg(b, xs)
+    got = C._hyp0f1_neg(b, xs)
     with mpmath.workdps(40):
         for x, g in zip(xs, got, strict=True):
             ref = float(mpmath.hyp0f1(b, x, maxprec=20000, zeroprec=2000))
             assert abs(g - ref) <= 1e-9 * abs(ref) + 1e-14, (d, x, g, ref)
         xp = np.array([1e-3, 1.0, 100.0, 1e4, 1e6])
-        lg = M._log_hyp0f1_pos(b, xp)
+        lg = C._log_hyp0f1_pos(b, xp)
         for x, g in zip(xp, lg, strict=True):
             ref = float(mpmath.log(mpmath.hyp0f1(b, x)))
             assert abs(g - ref) <= 1e-11 * max(1.0, abs(ref)), (d, x, g, ref)
@@ -123,16 +127,16 @@ def test_single_block_orf_equals_estimators_sheet_formula():
     t = ((q[:, None] + k[None]) ** 2).sum(-1)
     s = ((q[:, None] - k[None]) ** 2).sum(-1)
     pos = lam2 / m * (np.exp(2 * t) - np.exp(t)) + (m - 1) / m * lam2 * (hyp1f1(d, d / 2, t / 2) - np.exp(t))
-    np.testing.assert_allclose(M.positive_mse(q, k, m, orthogonal="chi"), pos, rtol=1e-9)
+    np.testing.assert_allclose(M.positive_mse(q, k, m, row_law="orthogonal-chi"), pos, rtol=1e-9)
     c2 = 1 / lam2
     trig = c2 / (2 * m) * (1 - np.exp(-s)) ** 2 + (m - 1) / m * c2 * (hyp1f1(d, d / 2, -s / 2) - np.exp(-s))
-    np.testing.assert_allclose(M.trig_sincos_mse(q, k, m, orthogonal="chi"), trig, rtol=1e-9)
+    np.testing.assert_allclose(M.trig_sincos_mse(q, k, m, row_law="orthogonal-chi"), trig, rtol=1e-9)
 
 
 def test_performer_theorem2_bound_holds_and_orf_helps():
     q, k = _rand_pairs(d=8, scale=0.4)
     for m in (2, 5, 8):
-        exact = M.positive_mse(q, k, m, orthogonal="chi")
+        exact = M.positive_mse(q, k, m, row_law="orthogonal-chi")
         bound = M.performer_theorem2_bound(q, k, m)
         iid = M.positive_mse(q, k, m)
         assert np.all(exact <= bound * (1 + 1e-12))
@@ -151,11 +155,11 @@ def test_smreg_series_and_bias_sign():
     for j in range(60):
         series += (t / 2) ** j / math.factorial(j) * d**j / np.prod([d + 2.0 * i for i in range(j)])
     np.testing.assert_allclose(M.smreg_kernel(q, k), lam * series, rtol=1e-12)
-    assert np.all(M.positive_bias(q, k, orthogonal="fixed") <= 0)
+    assert np.all(M.positive_bias(q, k, row_law="orthogonal-fixed") <= 0)
     np.testing.assert_allclose(
-        M.positive_bias(q, k, orthogonal="fixed"), lam * series - np.exp(q @ k.T), rtol=1e-10
+        M.positive_bias(q, k, row_law="orthogonal-fixed"), lam * series - np.exp(q @ k.T), rtol=1e-10
     )
-    assert np.all(M.positive_bias(q, k, orthogonal="chi") == 0)
+    assert np.all(M.positive_bias(q, k, row_law="orthogonal-chi") == 0)
 
 
 def test_large_arguments_finite_or_true_overflow():
@@ -164,7 +168,7 @@ def test_large_arguments_finite_or_true_overflow():
     x = np.zeros((1, d))
     x[0, 0] = 10.0
     for orth in (None, "chi", "fixed"):
-        v = M.positive_mse(x, x, 8, orthogonal=orth)[0, 0]
+        v = M.positive_mse(x, x, 8, row_law=ROW_LAW[orth])[0, 0]
         assert np.isfinite(v) and v > 0
     v = M.positive_mse(x, x, 8)[0, 0]
     assert math.isclose(math.log(v), 600 + math.log(-math.expm1(-400) / 8), rel_tol=1e-12)
@@ -174,8 +178,8 @@ def test_large_arguments_finite_or_true_overflow():
     # positive at q = -k with huge norms: exact, 0 error; trig at q = k with huge norms: 0
     y = np.zeros((1, d))
     y[0, 1] = 30.0
-    assert M.positive_mse(y, -y, 8, orthogonal="chi")[0, 0] == 0.0
-    assert M.trig_sincos_mse(y, y, 8, orthogonal="chi")[0, 0] == 0.0
+    assert M.positive_mse(y, -y, 8, row_law="orthogonal-chi")[0, 0] == 0.0
+    assert M.trig_sincos_mse(y, y, 8, row_law="orthogonal-chi")[0, 0] == 0.0
     # relative MSE of trig at moderate distance with huge norms: finite and norm-independent
     a = np.zeros((1, d))
     a[0, 0] = 15.0
@@ -198,9 +202,9 @@ def test_large_arguments_finite_or_true_overflow():
 def test_shapes_broadcasting_and_torch_roundtrip():
     q = torch.randn(generator=torch.Generator().manual_seed(310), size=(2, 1, 5, 3), dtype=F64) / 2
     k = torch.randn(generator=torch.Generator().manual_seed(311), size=(4, 7, 3), dtype=torch.float32) / 2
-    out = M.positive_mse(q, k, 8, orthogonal="chi")
+    out = M.positive_mse(q, k, 8, row_law="orthogonal-chi")
     assert isinstance(out, torch.Tensor) and out.dtype == F64 and out.shape == (2, 4, 5, 7)
-    ref = M.positive_mse(q[1, 0].numpy(), k[2].double().numpy(), 8, orthogonal="chi")
+    ref = M.positive_mse(q[1, 0].numpy(), k[2].double().numpy(), 8, row_law="orthogonal-chi")
     np.testing.assert_allclose(out[1, 2].numpy(), ref, rtol=1e-12)
     assert isinstance(M.trig_offset_mse(q.numpy(), k.double().numpy(), 3), np.ndarray)
 
@@ -215,7 +219,7 @@ def test_dispatch_reads_feature_map():
         (ka.HyperbolicRF(4, 9, sampler="orthogonal", seed=0), "hyperbolic", "chi"),
     ]
     for fm, kind, orth in cases:
-        mom = M.estimator_moments(kind, q, k, fm.num_features, orthogonal=orth)
+        mom = M.estimator_moments(kind, q, k, fm.num_features, row_law=ROW_LAW[orth])
         torch.testing.assert_close(M.mse(fm, q, k), mom.mse)
         torch.testing.assert_close(M.variance(fm, q, k), mom.variance)
         torch.testing.assert_close(M.bias(fm, q, k), mom.bias)
@@ -230,7 +234,9 @@ def test_dispatch_reads_feature_map():
         M.mse(fm, q, k)
     with pytest.raises(TypeError):
         M.mse(object(), q, k)
-    with pytest.raises(ValueError, match="orthogonal"):
+    with pytest.raises(ValueError, match=r"row_law must be one of .*'orthogonal-chi'.*got 'chi'"):
+        M.positive_mse(q, k, 4, row_law="chi")
+    with pytest.raises(ValueError, match="orthogonal must be None, 'chi', 'fixed' or 'simplex', got 'haar'"):
         M.positive_mse(q, k, 4, orthogonal="haar")
     with pytest.raises(ValueError, match="num_features"):
         M.positive_mse(q, k, 0)
@@ -251,3 +257,25 @@ def test_deterministic_error_bias_only(cls):
     assert torch.all(M.variance(fm, q, k) == 0)
     torch.testing.assert_close(M.mse(fm, q, k), err**2)
     torch.testing.assert_close(M.relative_mse(fm, q, k), (err / torch.exp(q @ k.T)) ** 2)
+
+
+@pytest.mark.parametrize("old,new", list(ROW_LAW.items()))
+def test_orthogonal_keyword_is_a_deprecated_spelling_of_row_law(old, new):
+    """``orthogonal={None, "chi", "fixed", "simplex"}`` still works for one release: it warns
+    (DeprecationWarning naming the new spelling) and gives exactly the ``row_law=`` result; both
+    spellings at once are an error. The former ``kind=`` / ``fm_or_kind=`` keywords likewise."""
+    q = np.array([[0.3, -0.2, 0.1, 0.4]])
+    k = np.array([[0.1, 0.2, -0.3, 0.2]])
+    want = M.positive_mse(q, k, 6, row_law=new)
+    with pytest.warns(DeprecationWarning, match=f"orthogonal= is deprecated.*row_law={new!r}"):
+        got = M.positive_mse(q, k, 6, orthogonal=old)
+    np.testing.assert_array_equal(got, want)
+    with pytest.warns(DeprecationWarning, match="kind= is deprecated"), pytest.warns(DeprecationWarning, match="orthogonal="):
+        mom = M.estimator_moments(kind="trig-sincos", q=q, k=k, num_features=6, orthogonal=old)
+    np.testing.assert_array_equal(mom.mse, M.trig_sincos_mse(q, k, 6, row_law=new))
+    with pytest.raises(TypeError, match="both orthogonal= and row_law="):
+        M.positive_mse(q, k, 6, orthogonal=old, row_law=new)
+    if old != "simplex":
+        with pytest.warns(DeprecationWarning, match="fm_or_kind= is deprecated"), pytest.warns(DeprecationWarning, match="orthogonal="):
+            p_old = M.failure_probability(fm_or_kind="positive", eps=0.1, q=q, k=k, num_features=64, orthogonal=old)
+        np.testing.assert_array_equal(p_old, M.failure_probability("positive", 0.1, q, k, 64, row_law=new))

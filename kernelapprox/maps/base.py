@@ -1,4 +1,7 @@
-r"""Feature maps $\varphi:\mathbb R^d \to \mathbb R^F$ with $\varphi(q)^\top\varphi(k) \approx \exp(q^\top k)$.
+r"""The contract of every feature map $\varphi:\mathbb R^d \to \mathbb R^F$ with
+$\varphi(q)^\top\varphi(k) \approx \exp(q^\top k)$ (`FeatureMap`), and the base of the random maps,
+which own a drawn projection (`RandomFeatureMap`). The estimators themselves live one family per
+module in `kernelapprox.maps`; the built-in ones of [Cho21]_ and [Kat20]_:
 
 Random maps hold a projection $W$ of shape ``(*batch_shape, r, d)`` whose rows are the
 ``r = num_features`` random projections $w_1..w_r$ (the Performer convention, used everywhere
@@ -294,9 +297,8 @@ class FeatureMap(nn.Module):
 
         ``buf`` is a dead contiguous tensor (the key features of the same call, which the
         non-causal attention no longer needs once $\varphi(K)^\top V$ is formed). Writing into
-        it spares a fresh allocation of the same size, whose first touch costs ~0.25 ms per MB
-        on CPU (page faults): ~35 ms for (4, 8, 4096, 256) float32 features, ~15 % of a
-        non-causal call. Maps that cannot ignore ``buf`` (the default)."""
+        it spares a fresh allocation of the same size, whose first touch costs page faults on
+        CPU (see docs/performance.md). Maps that cannot ignore ``buf`` (the default)."""
         return self.query_features(x)
 
     @no_autocast

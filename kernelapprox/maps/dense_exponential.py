@@ -247,7 +247,7 @@ class _DenseExponentialRF(RandomFeatureMap):
     def _log_features(self, x: torch.Tensor, shared: bool, key: bool) -> tuple[torch.Tensor, torch.Tensor]:
         xc, _ = self._prepare("x", x)
         W, a, c = self._weights(xc, key)
-        u = self._affine2(xc, W, a)  # base-2 exponents (features.LOG2E: exp2 is faster)
+        u = self._affine2(xc, W, a)  # base-2 exponents (_logdomain.LOG2E: exp2 is faster)
         with torch.no_grad():
             m = u.amax(dim=-1)
         if c.shape != m.shape:

@@ -219,8 +219,8 @@ class HedgehogFeatures(FeatureMap):
     def _phi(self, xc: torch.Tensor) -> torch.Tensor:
         if self.variant == "lolcats" and self._no_grad(xc):
             # [softmax(z), softmax(-z)] in one buffer, in place (no concatenation of two
-            # softmaxes); z in base-2 units (LOG2E folded into W and b), so exp2 (2.5x faster
-            # than exp on CPU) gives the same exp(z - max z)
+            # softmaxes); z in base-2 units (LOG2E folded into W and b), so exp2 (faster
+            # than exp on CPU, docs/performance.md) gives the same exp(z - max z)
             z = self._project(xc, LOG2E)
             lo, hi = torch.aminmax(z, dim=-1, keepdim=True)
             f = z.shape[-1]

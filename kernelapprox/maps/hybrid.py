@@ -108,7 +108,7 @@ class HybridRF(RandomFeatureMap):
     the weight $\hat\lambda$ goes to the *hyperbolic* part: then $\hat K$ is exact at
     both extremes (equal norms), with variance 0. The reversed assignment (trigonometric part
     weighted by $\hat\lambda$, as in the official HRF notebook) is exact nowhere and has a
-    far larger MSE near both extremes (measured in ``tests/test_hybrid.py``).
+    far larger MSE near both extremes (measured in ``tests/maps/test_hybrid.py``).
 
     Features. The kernel $1 - \hat\lambda = c(x)^\top c(y)$ with
     $c(x) = \tfrac1{\sqrt2}[1, \operatorname{sgn}(Gx)/\sqrt n]$ is positive semi-definite, but
@@ -372,4 +372,7 @@ class HybridRF(RandomFeatureMap):
         return f"num_angular={self.num_angular}, " + super().extra_repr()
 
 
-register_estimator(HybridRF, name="hybrid", label="hybrid (angular)", feature_dim=_feature_dim)
+register_estimator(
+    HybridRF, name="hybrid", label="hybrid (angular)", feature_dim=_feature_dim,
+    theory="kernelapprox.theory.hybrid:HYBRID_THEORY",
+)

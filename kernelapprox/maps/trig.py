@@ -150,9 +150,9 @@ class TrigRF(RandomFeatureMap):
 
 register_estimator(
     TrigRF, name="trig-sincos", label="trig sin/cos", params={"variant": "sincos"}, feature_dim="2r",
-    theory="kernelapprox.theory.moments:TRIG_SINCOS_THEORY",
+    theory="kernelapprox.theory.trig:TRIG_SINCOS_THEORY",
 )
 register_estimator(
     TrigRF, name="trig-offset", label="trig cos+offset", params={"variant": "offset"}, feature_dim="r",
-    theory="kernelapprox.theory.moments:TRIG_OFFSET_THEORY",
+    theory="kernelapprox.theory.trig:TRIG_OFFSET_THEORY",
 )

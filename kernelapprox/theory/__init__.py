@@ -1,10 +1,12 @@
 r"""Theory of the random-feature estimators: pointwise moments, concentration, uniform bounds.
 
-* `.moments` — closed-form bias, variance and MSE of every entry of ``fm.kernel(q, k)``
-  (iid, χ-norm and fixed-norm orthogonal rows); `bias`, `variance`, `mse`,
-  `relative_mse` dispatch on a feature map through its registered identity
-  (`kernelapprox.estimator_of`) and the closed forms it declares
+* `.moments` — the generic machinery of closed-form bias, variance and MSE of every entry of
+  ``fm.kernel(q, k)``: `bias`, `variance`, `mse`, `relative_mse` dispatch on a feature map
+  through its registered identity (`kernelapprox.estimator_of`) and the closed forms it declares
   (`kernelapprox.EstimatorTheory`: ``POSITIVE_THEORY``, ``TRIG_SINCOS_THEORY``, ...).
+* One module per estimator family, beside its map in `kernelapprox.maps`: `.exponential`
+  (positive, hyperbolic), `.trig`, `.dense_exponential` (FAVOR++, FAVOR#), `.hybrid`, and
+  `.simplex` (simplex rows, for every family).
 * `.concentration` — Chebyshev / CLT / Hoeffding / Bernstein bounds on
   $P(|\hat K - K| \ge \varepsilon K)$ and `required_features` inverting them.
 * `.uniform` — uniform convergence over the ball $B(R)$ (Rahimi–Recht,
@@ -21,31 +23,35 @@ from __future__ import annotations
 from .attention import attention_variance, kernel_covariance, normaliser_relative_variance
 from .concentration import failure_probability, required_features
 from .dense_exponential import oprf_mse, oprf_optimal_A
-from .moments import (
+from .exponential import (
     HYPERBOLIC_THEORY,
     POSITIVE_THEORY,
-    TRIG_OFFSET_THEORY,
-    TRIG_SINCOS_THEORY,
+    hyperbolic_bias,
+    hyperbolic_mse,
+    performer_theorem2_bound,
+    positive_bias,
+    positive_mse,
+    smreg_kernel,
+)
+from .moments import (
     Components,
     Moments,
     bias,
     deterministic_error,
     estimator_moments,
     feature_map_kind,
-    fixed_norm_trig_kernel,
-    hyperbolic_bias,
-    hyperbolic_mse,
     mse,
     orf_pair_count,
-    performer_theorem2_bound,
-    positive_bias,
-    positive_mse,
     relative_mse,
-    smreg_kernel,
+    variance,
+)
+from .trig import (
+    TRIG_OFFSET_THEORY,
+    TRIG_SINCOS_THEORY,
+    fixed_norm_trig_kernel,
     trig_bias,
     trig_offset_mse,
     trig_sincos_mse,
-    variance,
 )
 from .uniform import (
     UNIFORM_BOUNDS,

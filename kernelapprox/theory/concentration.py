@@ -64,17 +64,18 @@ from scipy.special import ndtr
 
 from kernelapprox.registry import EstimatorTheory, get_estimator
 
-from .moments import (
+from ._common import (
     Components,
-    _check_orthogonal,
     _check_r,
     _components,
+    _deprecated_keywords,
     _fm_geometry,
+    _law_code,
     _out,
     _prepare,
     _theory_for,
-    feature_map_kind,
 )
+from .moments import feature_map_kind
 
 __all__ = ["METHODS", "failure_probability", "required_features"]
 
@@ -100,26 +101,26 @@ def _check_delta(delta: object) -> float:
     return float(delta)
 
 
-def _resolve(fm_or_kind: Any, orthogonal: str | None) -> tuple[str, EstimatorTheory, str | None, int | None, int | None]:
-    """(name, theory, orthogonal, num_features or None, dim or None) from a feature map or an
-    estimator name."""
-    if isinstance(fm_or_kind, str):
-        est = get_estimator(fm_or_kind)
+def _resolve(estimator: Any, row_law: str | None) -> tuple[str, EstimatorTheory, str | None, int | None, int | None]:
+    """(name, theory, orthogonal code, num_features or None, dim or None) from a feature map or an
+    estimator name (``row_law`` ``None``: iid for a name, the map's own for a map)."""
+    if isinstance(estimator, str):
+        est = get_estimator(estimator)
         if not est.is_random:
             raise ValueError(
                 f"{est.name!r} is deterministic: its error does not shrink with r "
                 "(see ka.theory.deterministic_error)"
             )
-        return est.name, _theory_for(est), _check_orthogonal(orthogonal), None, None
-    name, orth = feature_map_kind(fm_or_kind)
-    if not fm_or_kind.is_random:
+        return est.name, _theory_for(est), _law_code("iid" if row_law is None else row_law), None, None
+    name, orth = feature_map_kind(estimator)
+    if not estimator.is_random:
         raise ValueError(
-            f"{type(fm_or_kind).__name__} is deterministic: its error does not shrink with r "
+            f"{type(estimator).__name__} is deterministic: its error does not shrink with r "
             "(see ka.theory.deterministic_error)"
         )
-    if orthogonal is not None and orthogonal != orth:
-        raise ValueError(f"orthogonal={orthogonal!r} contradicts the feature map's sampler ({orth!r})")
-    return name, _theory_for(name), orth, int(fm_or_kind.num_features), int(fm_or_kind.dim)
+    if row_law is not None and _law_code(row_law) != orth:
+        raise ValueError(f"row_law={row_law!r} contradicts the feature map's sampler ({estimator.sampler.row_law!r})")
+    return name, _theory_for(name), orth, int(estimator.num_features), int(estimator.dim)
 
 
 def _pairs_and_sq(r: np.ndarray, d: int, orthogonal: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -187,15 +188,16 @@ def _check_method(method: object) -> str:
     return method
 
 
+@_deprecated_keywords(fm_or_kind="estimator", orthogonal="row_law")
 def failure_probability(
-    fm_or_kind: Any,
+    estimator: Any,
     eps: float,
     q: Any,
     k: Any,
     num_features: int | None = None,
     *,
     method: str = "chebyshev",
-    orthogonal: str | None = None,
+    row_law: str | None = None,
 ) -> Any:
     r"""Bound (or CLT approximation) on $P(|\hat K_{ij} - K_{ij}| \ge \varepsilon K_{ij})$ per entry.
 
@@ -203,7 +205,7 @@ def failure_probability(
 
     Parameters
     ----------
-    fm_or_kind : FeatureMap or str
+    estimator : FeatureMap or str
         A random feature map (its ``num_features``, ``dim``, sampler and variant are used) or a
         registered estimator name with closed-form moments (``"trig-sincos"``, ``"trig-offset"``,
         ``"positive"``, ``"hyperbolic"``, ...).
@@ -212,10 +214,12 @@ def failure_probability(
     q : array or Tensor, shape (..., n, d)
     k : array or Tensor, shape (..., m, d)
     num_features : int, optional
-        ``r``; required with a kind, defaults to ``fm.num_features`` with a map.
+        ``r``; required with a name, defaults to ``fm.num_features`` with a map.
     method : {"chebyshev", "clt", "hoeffding", "bernstein"}, default "chebyshev"
-    orthogonal : {None, "chi", "fixed"}, default None
-        Row distribution when ``fm_or_kind`` is a kind.
+    row_law : {"iid", "orthogonal-chi", "orthogonal-fixed", "simplex"}, optional
+        Row law when ``estimator`` is a name (default ``"iid"``); with a map, its sampler's (a
+        different value is an error). The former ``orthogonal={None, "chi", "fixed"}`` and
+        ``fm_or_kind=`` are deprecated.
 
     Returns
     -------
@@ -231,25 +235,26 @@ def failure_probability(
     """
     eps = _check_eps(eps)
     method = _check_method(method)
-    name, theory, orth, r_fm, _ = _resolve(fm_or_kind, orthogonal)
+    name, theory, orth, r_fm, _ = _resolve(estimator, row_law)
     r = r_fm if num_features is None else _check_r(num_features)
     if r is None:
-        raise ValueError("num_features is required when fm_or_kind is an estimator name")
+        raise ValueError("num_features is required when estimator is a name")
     qa, ka, dev = _prepare(q, k)
-    geo, params = _fm_geometry(fm_or_kind, name, qa, ka)
+    geo, params = _fm_geometry(estimator, name, qa, ka)
     comp = _components(name, geo, orth, **params)
     return _out(_bound(method, name, theory, comp, geo.d, orth, np.asarray(r), eps), dev)
 
 
+@_deprecated_keywords(fm_or_kind="estimator", orthogonal="row_law")
 def required_features(
-    fm_or_kind: Any,
+    estimator: Any,
     eps: float,
     delta: float,
     q: Any = None,
     k: Any = None,
     *,
     method: str = "chebyshev",
-    orthogonal: str | None = None,
+    row_law: str | None = None,
     reduce: str | None = "max",
 ) -> Any:
     r"""Smallest number of projections ``r`` with $P(|\hat K - K| \ge \varepsilon K) \le \delta$.
@@ -271,7 +276,7 @@ def required_features(
 
     Parameters
     ----------
-    fm_or_kind : FeatureMap or str
+    estimator : FeatureMap or str
         A random feature map (its ``num_features`` is ignored) or a registered estimator name
         (``"trig-sincos"``, ``"trig-offset"``, ``"positive"``, ``"hyperbolic"``, ...).
     eps : float
@@ -282,8 +287,10 @@ def required_features(
     k : array or Tensor, shape (..., m, d)
         The query/key pairs (required: the variance depends on them).
     method : {"chebyshev", "clt", "hoeffding", "bernstein"}, default "chebyshev"
-    orthogonal : {None, "chi", "fixed"}, default None
-        Row distribution when ``fm_or_kind`` is a kind.
+    row_law : {"iid", "orthogonal-chi", "orthogonal-fixed", "simplex"}, optional
+        Row law when ``estimator`` is a name (default ``"iid"``); with a map, its sampler's (a
+        different value is an error). The former ``orthogonal={None, "chi", "fixed"}`` and
+        ``fm_or_kind=`` are deprecated.
     reduce : {"max", None}, default "max"
         ``"max"``: one ``int``, enough for every entry; ``None``: a float64 array of shape
         ``(..., n, m)`` with one value per entry.
@@ -317,9 +324,9 @@ def required_features(
         raise ValueError(f"reduce must be 'max' or None, got {reduce!r}")
     if q is None or k is None:
         raise ValueError("q and k are required: the pointwise error depends on the (q, k) pair")
-    name, theory, orth, _, _ = _resolve(fm_or_kind, orthogonal)
+    name, theory, orth, _, _ = _resolve(estimator, row_law)
     qa, ka, dev = _prepare(q, k)
-    geo, params = _fm_geometry(fm_or_kind, name, qa, ka)
+    geo, params = _fm_geometry(estimator, name, qa, ka)
     comp = _components(name, geo, orth, **params)
     shape = comp.v1.shape
 

@@ -11,7 +11,7 @@ E X = e^{x^\top y},\qquad
 E X^2 = \Lambda^2 (1-4A)^d (1-8A)^{-d/2} \exp\Big(\frac{2(1-4A)\,t}{1-8A}\Big)
 $$
 
-([LCD22]_; DERIVED, MC-verified in tests/test_dense_exponential.py).
+([LCD22]_; DERIVED, MC-verified in tests/maps/test_dense_exponential.py).
 
 Block-orthogonal rows with χ norms (``sampler="orthogonal"``): for two rows of one block,
 $\|w_i + w_j\|^2 = \|w_i\|^2 + \|w_j\|^2 =: \rho^2 \sim \chi^2_{2d}$ and the direction of
@@ -58,18 +58,19 @@ import torch
 
 from kernelapprox.registry import EstimatorTheory
 
-from .moments import (
+from ._common import (
     Components,
-    _check_orthogonal,
     _check_r,
     _core_of,
-    _exp_family,
+    _deprecated_keywords,
     _finish,
     _Geometry,
     _geometry,
+    _law_code,
     _out,
     _prepare,
 )
+from .exponential import positive_components
 
 __all__ = [
     "oprf_optimal_A",
@@ -126,7 +127,7 @@ def oprf_components(geo: _Geometry, orthogonal: str | None, A: Any = None) -> Co
     if orthogonal == "chi":
         # pair covariance Lambda^2 (1F1(d; d/2; t/2) - e^t), independent of A: FAVOR+'s cv is
         # normalised by Lambda^2 e^{2t}; renormalise by Lambda^2 e^{L}
-        pos = _exp_family(geo, "chi", hyperbolic=False)
+        pos = positive_components(geo, "chi")
         cv = np.broadcast_to(pos.cv * np.exp(2.0 * t - L), v1.shape).copy()
     shape = v1.shape
     return Components(
@@ -135,7 +136,8 @@ def oprf_components(geo: _Geometry, orthogonal: str | None, A: Any = None) -> Co
     )
 
 
-def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: str | None = None) -> Any:
+@_deprecated_keywords(orthogonal="row_law")
+def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, row_law: str = "iid") -> Any:
     r"""MSE (= variance: OPRF is unbiased) of every entry of an OPRF estimate of $e^{q^\top k}$.
 
     $$
@@ -155,8 +157,9 @@ def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: st
         ``r``.
     A : float or array, optional
         Broadcasts against ``(..., n, m)``; default: each pair's optimum $A^*(t)$.
-    orthogonal : {None, "chi"}
-        iid rows, or block-orthogonal rows with χ norms.
+    row_law : {"iid", "orthogonal-chi"}, default "iid"
+        iid rows, or block-orthogonal rows with χ norms (the former ``orthogonal={None, "chi"}``
+        is deprecated).
 
     Returns
     -------
@@ -173,7 +176,7 @@ def oprf_mse(q: Any, k: Any, num_features: int, *, A: Any = None, orthogonal: st
     True
     """
     r = _check_r(num_features)
-    orthogonal = _check_orthogonal(orthogonal)
+    orthogonal = _law_code(row_law)
     qa, ka, dev = _prepare(q, k)
     c = oprf_components(_geometry(qa, ka), orthogonal, A)
     return _out(_finish(_core_of(c, r, orthogonal, qa.shape[-1]), "mse"), dev)

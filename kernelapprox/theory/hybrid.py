@@ -53,7 +53,7 @@ $$
 (The same $C$ holds for positive features $A = \frac\Lambda r\sum e^{w_i^\top z}$: only
 the real part of $\mathbb E e^{w^\top(z + i\Delta)}$ enters.) The covariance vanishes for
 equal norms and is most negative at $\|x\|^2-\|y\|^2 = \pi$. Checked by Monte Carlo at 5 %
-resolution in ``tests/test_hybrid.py``; the MSE without $C$ is rejected there.
+resolution in ``tests/maps/test_hybrid.py``; the MSE without $C$ is rejected there.
 
 Extremes: at $\theta = 0$ the weight is $\hat\lambda \equiv 0$ (every sign product is
 $+1$) and at $\theta=\pi$ it is $\hat\lambda\equiv 1$, so $v = 0$ and the
@@ -83,9 +83,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .moments import _check_r, _geometry, _out, _prepare
+from kernelapprox.registry import EstimatorTheory
 
-__all__ = ["HybridTerms", "hybrid_terms", "hybrid_mse"]
+from ._common import Components, _check_r, _Geometry, _geometry, _out, _prepare
+
+__all__ = ["HYBRID_THEORY", "HybridTerms", "hybrid_components", "hybrid_terms", "hybrid_mse"]
 
 
 class HybridTerms(NamedTuple):
@@ -161,10 +163,25 @@ def hybrid_terms(q: Any, k: Any, num_features: int, *, num_angular: int) -> Hybr
     return _terms(qa, ka, _check_r(num_features), _check_n(num_angular))[0]
 
 
-def _terms(qa: np.ndarray, ka: np.ndarray, r: int, n: int) -> tuple[HybridTerms, Any]:
+def _terms(qa: np.ndarray, ka: np.ndarray, r: int, n: int) -> tuple[HybridTerms, _Geometry]:
     geo = _geometry(qa, ka)
-    shape = geo.xy.shape
-    lam, zero = _angle_over_pi(qa, ka, shape)
+    return _terms_of(geo, _angle_over_pi(qa, ka, geo.xy.shape), r, n), geo
+
+
+def _angle_from_geometry(geo: _Geometry) -> tuple[np.ndarray, np.ndarray]:
+    r"""``theta / pi`` from the pair geometry alone (no coordinates): with $a = \|x\|$,
+    $b = \|y\|$, $s - (a-b)^2 = ab\|\hat x-\hat y\|^2$ and $t - (a-b)^2 = ab\|\hat x+\hat y\|^2$, so
+    $\theta = 2\operatorname{atan2}(\sqrt{s-(a-b)^2}, \sqrt{t-(a-b)^2})$ (absolute error
+    $\lesssim\sqrt{\epsilon}$ near $\theta = 0, \pi$ for unequal norms; `_angle_over_pi` is exact)."""
+    a, b = np.sqrt(geo.nx), np.sqrt(geo.ny)
+    gap = (a - b) ** 2
+    lam = 2.0 * np.arctan2(np.sqrt(np.maximum(geo.s - gap, 0.0)), np.sqrt(np.maximum(geo.t - gap, 0.0))) / np.pi
+    zero = (a == 0) | (b == 0)
+    return np.where(zero, 0.5, lam), zero
+
+
+def _terms_of(geo: _Geometry, angle: tuple[np.ndarray, np.ndarray], r: int, n: int) -> HybridTerms:
+    lam, zero = angle
     v = np.where(zero, 0.0, lam * (1.0 - lam) / n)
     with np.errstate(over="ignore"):
         # V_A / SM^2 = (1 - e^{-t})^2 e^{t} / (2r);  V_B / SM^2 = (1 - e^{-s})^2 e^{s} / (2r)
@@ -172,7 +189,27 @@ def _terms(qa: np.ndarray, ka: np.ndarray, r: int, n: int) -> tuple[HybridTerms,
         var_b = np.expm1(-geo.s) ** 2 * np.exp(geo.s) / (2.0 * r)
     # cos(a) - 1 = -2 sin^2(a / 2), without cancellation for small a
     cov = 0.0 - 2.0 * np.sin(0.5 * (geo.nx - geo.ny)) ** 2 / r  # 0.0 - : no negative zero
-    return HybridTerms(lam, v, var_a, var_b, cov, geo.xy), geo
+    return HybridTerms(lam, v, var_a, var_b, cov, geo.xy)
+
+
+def _log_mse(t: HybridTerms, geo: _Geometry, r: int) -> np.ndarray:
+    """log MSE of every pair (``-inf`` where the MSE is 0, ``inf`` where it overflows)."""
+    alpha = t.lam**2 + t.v
+    beta = (1.0 - t.lam) ** 2 + t.v
+    gamma = 2.0 * (t.lam * (1.0 - t.lam) - t.v)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        # relative MSE = alpha V_A + beta V_B + gamma C, in the log domain: log(alpha V_A) etc.
+        # (V_A, V_B overflow for t, s above ~709 while the MSE need not), rescaled by the larger
+        # term; gamma C <= 0 is bounded by 2 gamma / r.
+        log_2r = np.log(2.0 * r)
+        la = np.log(alpha) + 2.0 * np.log(-np.expm1(-geo.t)) + geo.t - log_2r
+        lb = np.log(beta) + 2.0 * np.log(-np.expm1(-geo.s)) + geo.s - log_2r
+        top = np.maximum(la, lb)
+        ok = np.isfinite(top)
+        top0 = np.where(ok, top, 0.0)
+        rel = np.exp(la - top0) + np.exp(lb - top0) + gamma * t.cov * np.exp(-top0)
+        log_mse = np.log(np.maximum(rel, 0.0)) + top0 + 2.0 * t.xy
+    return np.where(ok, log_mse, np.where(top > 0, np.inf, -np.inf))
 
 
 def hybrid_mse(q: Any, k: Any, num_features: int, *, num_angular: int) -> Any:
@@ -216,20 +253,57 @@ def hybrid_mse(q: Any, k: Any, num_features: int, *, num_angular: int) -> Any:
     n = _check_n(num_angular)
     qa, ka, dev = _prepare(q, k)
     t, geo = _terms(qa, ka, r, n)
-    alpha = t.lam**2 + t.v
-    beta = (1.0 - t.lam) ** 2 + t.v
-    gamma = 2.0 * (t.lam * (1.0 - t.lam) - t.v)
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        # relative MSE = alpha V_A + beta V_B + gamma C, in the log domain: log(alpha V_A) etc.
-        # (V_A, V_B overflow for t, s above ~709 while the MSE need not), rescaled by the larger
-        # term; gamma C <= 0 is bounded by 2 gamma / r.
-        log_2r = np.log(2.0 * r)
-        la = np.log(alpha) + 2.0 * np.log(-np.expm1(-geo.t)) + geo.t - log_2r
-        lb = np.log(beta) + 2.0 * np.log(-np.expm1(-geo.s)) + geo.s - log_2r
-        top = np.maximum(la, lb)
-        ok = np.isfinite(top)
-        top0 = np.where(ok, top, 0.0)
-        rel = np.exp(la - top0) + np.exp(lb - top0) + gamma * t.cov * np.exp(-top0)
-        log_mse = np.log(np.maximum(rel, 0.0)) + top0 + 2.0 * t.xy
-        out = np.where(ok, np.exp(log_mse), np.where(top > 0, np.inf, 0.0))
-    return _out(out, dev)
+    with np.errstate(over="ignore"):
+        return _out(np.exp(_log_mse(t, geo, r)), dev)
+
+
+def hybrid_components(
+    geo: _Geometry, orthogonal: str | None, *, num_angular: int, angle: Any = None
+) -> Components:
+    r"""`kernelapprox.theory.moments.Components` of ``HybridRF`` (iid rows): the estimator is
+    unbiased and every term of `hybrid_mse` is $\propto 1/r$, so ``scale`` is the log MSE of
+    one projection, ``v1 = 1`` and ``cv = 0``.
+
+    Parameters
+    ----------
+    geo : pair geometry of ``(q, k)``
+    orthogonal : None
+        Only iid rows are covered (``HYBRID_THEORY.row_laws``).
+    num_angular : int
+        ``n``, the number of angular vectors.
+    angle : tuple of arrays, optional
+        ``(theta / pi, zero-input mask)`` from the coordinates (the ``prepare`` hook passes it);
+        recomputed from ``geo`` when absent.
+
+    Returns
+    -------
+    Components
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from kernelapprox.theory._common import _geometry
+    >>> x = np.array([[0.5, 0.2]]); y = np.array([[-0.1, 0.4]])
+    >>> c = hybrid_components(_geometry(x, y), None, num_angular=4)
+    >>> bool(np.isclose(np.exp(c.scale[0, 0]) / 8, hybrid_mse(x, y, 8, num_angular=4)[0, 0]))
+    True
+    """
+    if orthogonal is not None:
+        raise NotImplementedError(f"the hybrid closed form covers iid rows only, got orthogonal={orthogonal!r}")
+    n = _check_n(num_angular)
+    t = _terms_of(geo, _angle_from_geometry(geo) if angle is None else angle, 1, n)
+    scale = _log_mse(t, geo, 1)
+    zeros = np.zeros_like(scale)
+    return Components(scale, np.ones_like(scale), zeros, zeros.copy(), geo.xy, geo.s, geo.t)
+
+
+def _hybrid_prepare(fm: Any, qa: np.ndarray, ka: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+    shape = np.broadcast_shapes(qa.shape[:-2], ka.shape[:-2]) + (qa.shape[-2], ka.shape[-2])
+    return qa, ka, {"num_angular": int(fm.num_angular), "angle": _angle_over_pi(qa, ka, shape)}
+
+
+#: The closed forms of ``HybridRF`` (registered with its class in `kernelapprox.maps.hybrid`):
+#: moments for iid rows and angular vectors.
+HYBRID_THEORY = EstimatorTheory(
+    components=hybrid_components, row_laws=frozenset({"iid"}), prepare=_hybrid_prepare
+)

@@ -52,7 +52,7 @@ weight $\sin^{d-1}\phi$ taken in the log domain and normalised to sum to 1
 integrand is entire in $\phi$. The excess is summed as
 $E_v[{}_1F_1(d;\tfrac d2;\tfrac x2 g) - e^{xg}] + e^{x}E_v[\operatorname{expm1}(\sigma c x v)]$
 ($g = 1+\sigma c v$), each part free of cancellation (the first through the ORF series of
-`kernelapprox.theory.moments._pair_excess`), where $x|c| \le 5$; beyond, where
+`kernelapprox.theory._common._pair_excess`), where $x|c| \le 5$; beyond, where
 $e^{xg}$ would dwarf the result, as $E_v{}_1F_1 - e^x$ directly (the two then differ
 by a factor $\gtrsim e^{\pm x|c|v}$). Checked against a brute-force two-dimensional
 quadrature over the $\chi_d$ densities and against ``mpmath`` (``tests/test_simplex.py``):
@@ -75,13 +75,22 @@ References
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from scipy.special import gammaln, hyp1f1, roots_legendre
 
-if TYPE_CHECKING:  # moments imports this module lazily; no import cycle at run time
-    from .moments import _Geometry
+from ._common import (
+    _check_r,
+    _components,
+    _deprecated_keywords,
+    _Geometry,
+    _geometry,
+    _out,
+    _pair_excess,
+    _prepare,
+    orf_pair_count,
+)
 
 __all__ = [
     "KINDS",
@@ -144,13 +153,11 @@ def _excess(d: int, x: np.ndarray, sign: int) -> np.ndarray:
 
     Where $x|c| \le 5$ or $x \le 0$: $E_v[{}_1F_1(d;\tfrac d2;\tfrac x2 g) - e^{xg}]
     + E_v[e^{xg} - e^x]$, both parts free of cancellation (the first is the ORF excess series of
-    ``moments._pair_excess``, $O(x^2)$; the second is $e^x\operatorname{expm1}(\sigma c x v)$,
+    `kernelapprox.theory.moments`, $O(x^2)$; the second is $e^x\operatorname{expm1}(\sigma c x v)$,
     $O(x)$). For $x|c| > 5$ the terms $e^{xg}$ would dwarf the result (up to
     $e^{x|c|}$ times), while $E_v{}_1F_1$ and $e^x$ differ by a factor
     $\gtrsim e^{\pm x|c| v}$ there: the difference is taken directly.
     """
-    from .moments import _pair_excess
-
     v, om = _angle_rule(d)
     c = -1.0 / (d - 1)
     x = np.asarray(x, dtype=np.float64)
@@ -258,12 +265,12 @@ def simplex_trig_pair_excess(d: int, s: Any, sign: int = 1) -> np.ndarray:
     return _excess(d, -s, sign)
 
 
-def _check_kind(kind: object) -> str:
-    if not isinstance(kind, str):
-        raise TypeError(f"kind must be a str in {KINDS}, got {type(kind).__name__}")
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return kind
+def _check_estimator(estimator: object) -> str:
+    if not isinstance(estimator, str):
+        raise TypeError(f"estimator must be a str in {KINDS}, got {type(estimator).__name__}")
+    if estimator not in KINDS:
+        raise ValueError(f"estimator must be one of {KINDS}, got {estimator!r}")
+    return estimator
 
 
 def _exp_cv(d: int, t: np.ndarray, both: bool) -> np.ndarray:
@@ -293,7 +300,8 @@ def _exp_cv(d: int, t: np.ndarray, both: bool) -> np.ndarray:
     return out
 
 
-def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
+@_deprecated_keywords(kind="estimator")
+def simplex_components_cv(estimator: str, geo: _Geometry) -> np.ndarray:
     r"""Same-block pair covariance ``cv`` of a SimRF estimator, in the normalisation of
     `kernelapprox.theory.moments.Components`.
 
@@ -312,7 +320,7 @@ def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
 
     Parameters
     ----------
-    kind : {"positive", "hyperbolic", "trig-sincos", "trig-offset"}
+    estimator : {"positive", "hyperbolic", "trig-sincos", "trig-offset"}
     geo : moments._Geometry
         Pairwise geometry (reads ``geo.d``, ``geo.t`` = $\|x+y\|^2$, ``geo.s`` =
         $\|x-y\|^2$; arrays of shape (..., n, m)).
@@ -328,13 +336,13 @@ def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
     Examples
     --------
     >>> import numpy as np
-    >>> from kernelapprox.theory.moments import _geometry
+    >>> from kernelapprox.theory._common import _geometry
     >>> x = np.array([[0.3, 0.1, -0.2]]); y = np.array([[0.2, -0.4, 0.1]])
     >>> cv = simplex_components_cv("positive", _geometry(x, y))
     >>> cv.shape, bool(cv[0, 0] < 0)
     ((1, 1), True)
     """
-    kind = _check_kind(kind)
+    kind = _check_estimator(estimator)
     d = _check_dim(geo.d)
     if kind in ("positive", "hyperbolic"):
         return _exp_cv(d, geo.t, both=kind == "hyperbolic")
@@ -342,7 +350,8 @@ def simplex_components_cv(kind: str, geo: _Geometry) -> np.ndarray:
     return 0.5 * (_excess(d, -s, 1) + _excess(d, -s, -1))
 
 
-def simplex_mse(kind: str, q: Any, k: Any, num_features: int) -> Any:
+@_deprecated_keywords(kind="estimator")
+def simplex_mse(estimator: str, q: Any, k: Any, num_features: int) -> Any:
     r"""MSE (= variance: SimRF is unbiased) of every entry of a SimRF kernel estimate.
 
     $$
@@ -355,7 +364,7 @@ def simplex_mse(kind: str, q: Any, k: Any, num_features: int) -> Any:
 
     Parameters
     ----------
-    kind : {"positive", "hyperbolic", "trig-sincos", "trig-offset"}
+    estimator : {"positive", "hyperbolic", "trig-sincos", "trig-offset"}
     q : array or Tensor, shape (..., n, d), ``d >= 2``
     k : array or Tensor, shape (..., m, d)
     num_features : int
@@ -379,24 +388,17 @@ def simplex_mse(kind: str, q: Any, k: Any, num_features: int) -> Any:
     >>> bool(simplex_mse("positive", x, y, 4)[0, 0] < 0.5 * simplex_mse("positive", x, y, 1)[0, 0] / 4)
     True
     """
-    from . import moments as m
-
-    kind = _check_kind(kind)
-    r = m._check_r(num_features)
-    qa, ka, dev = m._prepare(q, k)
-    geo = m._geometry(qa, ka)
+    kind = _check_estimator(estimator)
+    r = _check_r(num_features)
+    qa, ka, dev = _prepare(q, k)
+    geo = _geometry(qa, ka)
     _check_dim(geo.d)
-    comp = {
-        "positive": m.positive_components,
-        "hyperbolic": m.hyperbolic_components,
-        "trig-sincos": m.trig_sincos_components,
-        "trig-offset": m.trig_offset_components,
-    }[kind](geo, None)
-    P = m.orf_pair_count(r, geo.d)
+    comp = _components(kind, geo, None)  # the iid per-projection terms, from the registered theory
+    P = orf_pair_count(r, geo.d)
     bracket = comp.v1 / r + (P / (r * r)) * simplex_components_cv(kind, geo)
     with np.errstate(divide="ignore", over="ignore"):
         out = np.exp(comp.scale + np.log(np.maximum(bracket, 0.0)))
-    return m._out(out, dev)
+    return _out(out, dev)
 
 
 def simplex_positive_mse(q: Any, k: Any, num_features: int) -> Any:
@@ -434,7 +436,7 @@ def simplex_positive_mse(q: Any, k: Any, num_features: int) -> Any:
     >>> from kernelapprox.theory import positive_mse
     >>> x = np.array([[0.2, 0.1, 0.0, -0.1]]); y = np.array([[0.1, -0.1, 0.2, 0.1]])
     >>> sim = simplex_positive_mse(x, y, 4)[0, 0]
-    >>> bool(sim < positive_mse(x, y, 4, orthogonal="chi")[0, 0] < positive_mse(x, y, 4)[0, 0])
+    >>> bool(sim < positive_mse(x, y, 4, row_law="orthogonal-chi")[0, 0] < positive_mse(x, y, 4)[0, 0])
     True
     """
     return simplex_mse("positive", q, k, num_features)

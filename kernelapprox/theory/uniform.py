@@ -67,6 +67,8 @@ from typing import Any
 
 import numpy as np
 
+from ._common import _deprecated_keywords
+
 __all__ = [
     "CONSTANT_STATUS",
     "UNIFORM_BOUNDS",
@@ -344,8 +346,9 @@ _FUNCS = {
 }
 
 
+@_deprecated_keywords(kind="estimator")
 def required_features_uniform(
-    kind: Any,
+    estimator: Any,
     eps: float,
     delta: float,
     dim: int,
@@ -363,7 +366,7 @@ def required_features_uniform(
 
     Parameters
     ----------
-    kind : str or FeatureMap
+    estimator : str or FeatureMap
         An estimator with uniform bounds (``"trig-sincos"``, ``"trig-offset"``) or such a
         feature map (``TrigRF``). Positive/hyperbolic features have no uniform bound here
         (Performer Theorem 4 is about trig features with ORF): ``ValueError``.
@@ -387,7 +390,7 @@ def required_features_uniform(
     >>> required_features_uniform("trig-sincos", 0.5, 0.05, 2, 0.5) == rahimi_recht_features(0.5, 0.05, 2, 0.5)
     True
     """
-    variant = _variant(kind)
+    variant = _variant(estimator)
     if bound not in UNIFORM_BOUNDS:
         raise ValueError(f"bound must be one of {UNIFORM_BOUNDS}, got {bound!r}")
     if bound == "sutherland-schneider":
@@ -407,7 +410,7 @@ def _variant(kind: Any) -> str:
     elif isinstance(kind, FeatureMap):
         est = estimator_of(kind)
     else:
-        raise TypeError(f"kind must be an estimator name or a feature map, got {type(kind).__name__}")
+        raise TypeError(f"estimator must be an estimator name or a feature map, got {type(kind).__name__}")
     th = est.theory
     variant = None if th is None else th.uniform_variant
     if variant is None:

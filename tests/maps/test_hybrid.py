@@ -105,13 +105,14 @@ def test_registered_identity():
     est = ka.get_estimator("hybrid")
     assert est.cls is HybridRF and est.label == "hybrid (angular)" and est.feature_dim_rule == "custom"
     assert est.is_random and not est.positive and HybridRF.symmetric is False
-    assert est.theory is None and est.closed_forms("gaussian") == frozenset()
+    assert est.closed_forms("gaussian") == frozenset({"moments"})  # iid rows only: hybrid_mse
+    assert est.closed_forms("orthogonal") == est.closed_forms("qmc") == frozenset()
     for r, d in ((1, 3), (4, 16), (8, 5), (256, 64)):
         assert est.feature_dim(r, d) == 4 * r * (min(r, 8) + 1) == est.build(d, r, seed=0).feature_dim
     fm = est.build(4, 8, seed=0)
     assert ka.estimator_of(fm) is est and fm.num_angular == default_num_angular(8, 4) == 8
-    with pytest.raises(NotImplementedError, match="no closed-form moments"):
-        ka.theory.mse(fm, torch.zeros(1, 4), torch.zeros(1, 4))
+    x = torch.zeros(1, 4, dtype=F64)
+    assert float(ka.theory.mse(fm, x, x)[0, 0]) == 0.0  # theta = pi/2 with a zero input: lam = 1/2, x = y
 
 
 @pytest.mark.parametrize("n", [1, 3, 20])
@@ -417,3 +418,25 @@ def test_validation_messages():
         fm.kernel(torch.randn(3, 4), torch.randn(3, 5))
     with pytest.raises(TypeError, match=r"compute_dtype"):
         fm.kernel(torch.randn(3, 4), torch.randn(3, 4), compute_dtype=torch.int32)
+
+
+def test_theory_dispatch_uses_the_hybrid_closed_form():
+    """``ka.theory.mse / variance / bias`` of a HybridRF are `hybrid_mse` (the estimator is unbiased,
+    so variance = MSE and bias = 0) with the map's own ``num_angular``; both are float64
+    evaluations of one formula, so they agree to rounding (1e-12). ``estimator_moments`` by name
+    (the angle from the pair geometry) agrees to 1e-9. The check can fail: the MSE at another
+    ``num_angular`` differs by far more than the tolerance. Orthogonal rows have no closed form."""
+    fm = hyb(6, 16, num_angular=3, seed=0)
+    q, k = randn(2, 5, 6, seed=1, scale=0.4), randn(2, 7, 6, seed=2, scale=0.4)
+    want = hybrid_mse(q, k, 16, num_angular=3)
+    torch.testing.assert_close(ka.theory.mse(fm, q, k), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ka.theory.variance(fm, q, k), want, rtol=1e-12, atol=0)
+    assert torch.equal(ka.theory.bias(fm, q, k), torch.zeros_like(want))
+    torch.testing.assert_close(ka.theory.relative_mse(fm, q, k), want / torch.exp(2 * q @ k.mT), rtol=1e-12, atol=0)
+    by_name = ka.theory.estimator_moments("hybrid", q, k, 16, num_angular=3)
+    torch.testing.assert_close(by_name.mse, want, rtol=1e-9, atol=0)
+    other = hybrid_mse(q, k, 16, num_angular=1)
+    assert float(((other - want).abs() / want).min()) > 1e-3
+    assert "moments" in ka.get_estimator("hybrid").closed_forms("gaussian")
+    with pytest.raises(NotImplementedError, match="Monte Carlo"):
+        ka.theory.mse(hyb(6, 16, sampler="orthogonal", seed=0), q, k)
