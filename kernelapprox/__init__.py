@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from . import hf, maps, nn, samplers  # noqa: F401  (maps: registration; hf imports transformers lazily; kernelapprox.sklearn needs the [sklearn] extra and is imported explicitly)
 from .attention import (
+    HybridAttentionState,
     LinearAttentionState,
+    RecurrentHybridAttention,
     RecurrentLinearAttention,
     chunk_linear_attention,
+    hybrid_attention,
     linear_attention,
     naive_linear_attention,
     naive_recurrent_linear_attention,
@@ -101,14 +104,20 @@ __all__ = [
     "naive_recurrent_linear_attention",
     "RecurrentLinearAttention",
     "LinearAttentionState",
+    "hybrid_attention",
+    "RecurrentHybridAttention",
+    "HybridAttentionState",
     "theory",
     "montecarlo",
+    "plotting",
+    "testing",
 ]
 
 
 def __getattr__(name: str):
-    # theory and montecarlo import scipy-heavy code: load on first use.
-    if name in ("theory", "montecarlo"):
+    # theory and montecarlo import scipy-heavy code, plotting matplotlib (on use), testing the
+    # check battery: load on first use.
+    if name in ("theory", "montecarlo", "plotting", "testing"):
         import importlib
 
         mod = importlib.import_module(f".{name}", __name__)

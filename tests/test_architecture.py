@@ -223,7 +223,6 @@ def test_no_import_cycle(mods):
     assert not found, "import cycles in kernelapprox/:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
-@pytest.mark.xfail(strict=True, reason="attention check policy moves in a parallel change")
 def test_attention_imports_no_statistics(mods):
     """The attention primitive computes attention: no module of ``kernelapprox.attention``
     imports ``kernelapprox.diagnose`` or ``kernelapprox.theory`` (deferred imports included)."""
@@ -285,13 +284,7 @@ def _loaded_after_import(module: str) -> bool:
     [
         "pandas",
         "scipy.stats",
-        pytest.param(
-            "torch._dynamo",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="nn.py's class decorator torch.compiler.disable (which imports torch._dynamo) moves in a parallel change",
-            ),
-        ),
+        "torch._dynamo",
     ],
 )
 def test_import_loads_no_heavy_module(module):

@@ -209,7 +209,7 @@ def test_orthogonal_gain_trig_below_one_and_matches_theory(out_dir: Path) -> Non
     folder = _quick("orthogonal-gain", out_dir)
     df = pd.read_csv(folder / "results.csv")
     ratio = df[df["metric"] == "mse_ratio"]
-    # heavy tails (audit D3): positive features at ‖q+k‖ = 2 are flagged unconverged (closed-form
+    # heavy tails: positive features at ‖q+k‖ = 2 are flagged unconverged (closed-form
     # relative SE of the mean squared error >> 0.1) and the summary says so instead of
     # headlining them
     pos2 = ratio[(ratio["family"] == "positive") & (ratio["sweep"] == "sum")

@@ -95,7 +95,7 @@ def test_a_failing_cell_in_a_worker_is_named(tmp_path: Path) -> None:
 def test_a_killed_run_resumes_where_it_stopped(sequential: bytes, tmp_path: Path, monkeypatch) -> None:
     """A run killed in cell 3 (os._exit in a subprocess) keeps cells 0-2; the rerun computes 3 and 4
     only and writes the reference bytes. Both runs compute in their own process, with the code
-    hash pinned: an edit of the files between the two runs (another session) must not change the
+    hash pinned: an edit of the files between the two runs (by another process) must not change the
     cache keys of this test."""
     log = tmp_path / "computed.txt"
     code = (f"import sys; sys.path[:0] = [{str(REPO / 'tests')!r}, {str(REPO)!r}]\n"

@@ -18,6 +18,15 @@ from .._validation import no_autocast
 from ..maps.base import FeatureMap
 from ._common import padding_mask, run_input_checks
 from .chunk import chunk_linear_attention
+from .hybrid import (
+    HybridAttentionState,
+    chunk_hybrid_attention,
+    exact_set_mask,
+    hybrid_attention,
+    parallel_hybrid_attention,
+)
+from .hybrid_naive import naive_hybrid_attention
+from .hybrid_recurrent import RecurrentHybridAttention
 from .naive import naive_linear_attention, naive_recurrent_linear_attention
 from .parallel import parallel_linear_attention
 from .recurrent import RecurrentLinearAttention
@@ -31,6 +40,13 @@ __all__ = [
     "naive_recurrent_linear_attention",
     "RecurrentLinearAttention",
     "LinearAttentionState",
+    "hybrid_attention",
+    "parallel_hybrid_attention",
+    "chunk_hybrid_attention",
+    "naive_hybrid_attention",
+    "RecurrentHybridAttention",
+    "HybridAttentionState",
+    "exact_set_mask",
 ]
 
 

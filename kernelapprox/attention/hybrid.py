@@ -228,7 +228,7 @@ class HybridAttentionState:
         )
 
 
-def _exp_diff(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def exp_diff(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``exp(a - b)`` with ``a = -inf`` read as weight 0 (also when ``b = -inf``); NaN propagates.
 
     The difference is replaced before the exponential (not the result after it), so that the
@@ -335,7 +335,7 @@ def parallel_hybrid_attention(
     s_rem = sk.masked_fill(is_sink, _NEG_INF)
     with torch.no_grad():
         G = _finite_or_zero(s_rem.amax(dim=-1, keepdim=True))  # (..., 1)
-    wk = _exp_diff(s_rem, G, cdt)  # (..., n): 0 for sinks
+    wk = exp_diff(s_rem, G, cdt)  # (..., n): 0 for sinks
     # key weights folded into the key features once: they serve the global sum and the window
     inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fk, wk)))
     # without autograd, features this call owns are scaled in place (a fresh (n, F) buffer costs
@@ -397,7 +397,7 @@ def parallel_hybrid_attention(
     # a window that covers every key leaves no remainder: the feature part (global sum minus the
     # window, zero up to rounding) is skipped, so that the result is softmax attention to rounding
     full = h >= n - 1
-    a = _exp_diff(base, m, cdt)  # (..., n): weight of the feature part
+    a = exp_diff(base, m, cdt)  # (..., n): weight of the feature part
     fqa = fq.mul_(a.unsqueeze(-1)) if fresh else fq * a.unsqueeze(-1)
     out = torch.zeros_like(fqa[..., :dv + 1]) if full else torch.matmul(fqa, T)
     if h >= 0:
@@ -514,8 +514,8 @@ def _causal_core(
     G_end = M[..., -1]  # (..., nc): scale of the state after each chunk
     G_start = torch.cat(((G0 if G0 is not None else M.new_full((*lead, 1), _NEG_INF)).expand(*lead, 1),
                          G_end[..., :-1]), dim=-1)
-    kv_c = torch.matmul(fkc.mT, v1c * _exp_diff(s_lag, G_end.unsqueeze(-1), cdt).unsqueeze(-1))
-    decay = _exp_diff(G_start, G_end, cdt)  # (..., nc)
+    kv_c = torch.matmul(fkc.mT, v1c * exp_diff(s_lag, G_end.unsqueeze(-1), cdt).unsqueeze(-1))
+    decay = exp_diff(G_start, G_end, cdt)  # (..., nc)
     S = fq.new_zeros(*lead, Fd, dv1) if kv0 is None else kv0.expand(*lead, Fd, dv1)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (S, kv_c, decay)):
         states = []
@@ -535,9 +535,9 @@ def _causal_core(
     # weights e^{s_j - M_i} of the intra-chunk keys, masked before the product too: a later key's
     # weight may overflow (M_i does not include it), and 0 * inf would turn gradients into NaN
     sj = s_lag.unsqueeze(-2).masked_fill(~tril, _NEG_INF)  # masked before the exponential
-    E = _exp_diff(sj, M.unsqueeze(-1), cdt)  # (..., nc, C_i, C_j)
+    E = exp_diff(sj, M.unsqueeze(-1), cdt)  # (..., nc, C_i, C_j)
     A = (torch.matmul(fqc, fkc.mT) * E).masked_fill(~tril, 0.0)
-    lin = torch.matmul(fqc, S_in) * _exp_diff(G_start.unsqueeze(-1), M, cdt).unsqueeze(-1)
+    lin = torch.matmul(fqc, S_in) * exp_diff(G_start.unsqueeze(-1), M, cdt).unsqueeze(-1)
     lin = (lin + torch.matmul(A, v1c)).reshape(*lead, nc * C, dv1)[..., :n, :]
     M = M.reshape(*lead, nc * C)[..., :n]
     base = sq + M  # log scale of the feature part
@@ -584,7 +584,7 @@ def _causal_core(
     m = shifts[0]
     for s_ in shifts[1:]:
         m = torch.maximum(m, s_)
-    out = lin * _exp_diff(base, m, cdt).unsqueeze(-1)
+    out = lin * exp_diff(base, m, cdt).unsqueeze(-1)
     if wl >= 1:
         mc = F.pad(m, (0, pad)).reshape(*lead, nc, C, 1).to(cdt)
         ex = torch.exp(logits - mc)
@@ -619,7 +619,7 @@ def _causal_core(
     return res, state
 
 
-def _check_state(state: object, fm: FeatureMap, w: int, d: int, dv: int) -> HybridAttentionState:
+def check_hybrid_state(state: object, fm: FeatureMap, w: int, d: int, dv: int) -> HybridAttentionState:
     if not isinstance(state, HybridAttentionState):
         raise TypeError(f"initial_state must be a HybridAttentionState, got {type(state).__name__}")
     if state.window != w:
@@ -707,7 +707,7 @@ def chunk_hybrid_attention(
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be a bool, got {return_state!r}")
     if initial_state is not None:
-        _check_state(initial_state, feature_map, w, q.shape[-1], v.shape[-1])
+        check_hybrid_state(initial_state, feature_map, w, q.shape[-1], v.shape[-1])
     sink_idx = resolve_sinks(sinks, None, causal=True)  # absolute; later ones apply to later segments
     return _causal_core(q, k, v, feature_map, w, C, sink_idx, eps, out_dtype, cdt, initial_state, return_state)
 

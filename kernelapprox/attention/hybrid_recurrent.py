@@ -15,7 +15,7 @@ import torch
 from .._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
 from ..maps.base import FeatureMap
 from ._common import check_feature_map, normalise, with_ones
-from .hybrid import HybridAttentionState, _check_state, _exp_diff, check_window, resolve_sinks
+from .hybrid import HybridAttentionState, check_hybrid_state, exp_diff, check_window, resolve_sinks
 
 __all__ = ["RecurrentHybridAttention"]
 
@@ -103,7 +103,7 @@ class RecurrentHybridAttention:
         old = st.log_scale
         g = torch.maximum(old, gk).detach()
         cdt = fk.dtype
-        kv = st.kv * _exp_diff(old, g, cdt) + torch.matmul(fk.mT, with_ones(v)) * _exp_diff(gk, g, cdt)
+        kv = st.kv * exp_diff(old, g, cdt) + torch.matmul(fk.mT, with_ones(v)) * exp_diff(gk, g, cdt)
         return kv, g
 
     @no_autocast
@@ -140,7 +140,7 @@ class RecurrentHybridAttention:
         if st is None:
             st = self._empty(lead, d, dv, cdt, q.device)
         else:
-            _check_state(st, fm, w, d, dv)
+            check_hybrid_state(st, fm, w, d, dv)
         t = st.position
         kv, g = st.kv.to(cdt), st.log_scale
         keys, vals = st.keys.to(cdt), st.values.to(cdt)
@@ -194,7 +194,7 @@ class RecurrentHybridAttention:
         for s_ in shifts[1:]:
             m = torch.maximum(m, s_)
         base = sq.double().unsqueeze(-1) + g
-        out = torch.matmul(fq, kv) * _exp_diff(base, m, cdt)
+        out = torch.matmul(fq, kv) * exp_diff(base, m, cdt)
         if parts_k:
             out = out + torch.matmul(torch.exp(logits - m.to(cdt)), ev)
         out = normalise(out[..., :dv], out[..., dv:], fm.positive, self.eps)

@@ -33,6 +33,15 @@ from .exponential import (
     positive_mse,
     smreg_kernel,
 )
+from .hybrid_attention import (
+    exact_mass,
+    hybrid_attention_variance,
+    hybrid_error_identity,
+    hybrid_normaliser_mse,
+    hybrid_normaliser_variance,
+    hybrid_numerator_mse,
+    hybrid_numerator_variance,
+)
 from .moments import (
     Components,
     Moments,
@@ -100,4 +109,11 @@ __all__ = [
     "attention_variance",
     "kernel_covariance",
     "normaliser_relative_variance",
+    "exact_mass",
+    "hybrid_normaliser_variance",
+    "hybrid_numerator_variance",
+    "hybrid_normaliser_mse",
+    "hybrid_numerator_mse",
+    "hybrid_attention_variance",
+    "hybrid_error_identity",
 ]

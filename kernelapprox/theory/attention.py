@@ -94,7 +94,7 @@ _BLOCK_BYTES = 64 * 2**20
 _PairTerms = tuple[tuple[float, float, float, float], ...]
 
 
-def _pair_terms(fm: object) -> _PairTerms | None:
+def pair_terms(fm: object) -> _PairTerms | None:
     """The estimator's attention pair terms (``EstimatorTheory.attention_pair_terms``, see the
     module docstring), ``None`` for a deterministic map; ``NotImplementedError`` where the
     delta-method closed form is not available."""
@@ -123,7 +123,7 @@ def _pair_terms(fm: object) -> _PairTerms | None:
     return th.attention_pair_terms
 
 
-def _check_inputs(fm: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+def check_attention_inputs(fm: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
     check_floating("q", q)
     check_floating("k", k)
     dim = getattr(fm, "dim", None)
@@ -202,8 +202,8 @@ def kernel_covariance(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> torch
     >>> ka.theory.attention.kernel_covariance(fm, q, k).shape
     torch.Size([3, 5, 5])
     """
-    _check_inputs(fm, q, k, None)
-    terms = _pair_terms(fm)
+    check_attention_inputs(fm, q, k, None)
+    terms = pair_terms(fm)
     q = q.to(torch.float64)
     k = k.to(torch.float64)
     qk = q @ k.mT  # (..., n, m)
@@ -299,7 +299,7 @@ def attention_variance(
     >>> ka.theory.attention_variance(fm, q, k, v).shape
     torch.Size([32, 16])
     """
-    _check_inputs(fm, q, k, v)
+    check_attention_inputs(fm, q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     return _delta_quadratic(fm, q, k, v, causal)
@@ -362,7 +362,7 @@ def normaliser_relative_variance(
     >>> ka.theory.attention.normaliser_relative_variance(fm, q / 4, k / 4).shape
     torch.Size([32])
     """
-    _check_inputs(fm, q, k, None)
+    check_attention_inputs(fm, q, k, None)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     return _delta_quadratic(fm, q, k, None, causal)[..., 0]
@@ -376,7 +376,7 @@ def _delta_quadratic(
     causal: bool,
 ) -> torch.Tensor:
     """The delta-method variance (v given, (..., n, dv)) or Var(D_i)/D_i^2 (v None, (..., n, 1))."""
-    terms = _pair_terms(fm)
+    terms = pair_terms(fm)
     n, m = q.shape[-2], k.shape[-2]
     if causal and n != m:
         raise ValueError(f"causal=True needs as many queries as keys, got n={n} and m={m}")

@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernelapprox.attention.hybrid import exact_set_mask
-from kernelapprox.theory.attention import _check_inputs, _pair_terms
+from kernelapprox.theory.attention import check_attention_inputs, pair_terms
 
 if TYPE_CHECKING:  # pragma: no cover
     from kernelapprox.maps.base import FeatureMap
@@ -129,7 +129,7 @@ def exact_mass(
     >>> exact_mass(q, k, window=1)  # uniform attention, one key of four exact
     tensor([0.2500, 0.2500, 0.2500, 0.2500], dtype=torch.float64)
     """
-    _check_inputs(None, q, k, None)
+    check_attention_inputs(None, q, k, None)
     n, m = q.shape[-2], k.shape[-2]
     att, S = _masks(n, m, window, sinks, causal, q.device)
     logits = (q.double() @ k.double().mT).masked_fill(~att, -math.inf)
@@ -145,7 +145,7 @@ def _remainder_quadratic(
 
     ``a`` (..., m, c) the weights (``None``: ones); ``centre``: use $a_j - o_i$ with $o_i$ the exact
     softmax output of ``a`` (the delta method)."""
-    terms = _pair_terms(fm)
+    terms = pair_terms(fm)
     n, m = q.shape[-2], k.shape[-2]
     att, S = _masks(n, m, window, sinks, causal, q.device)
     R = att & ~S
@@ -247,7 +247,7 @@ def hybrid_normaliser_variance(
     >>> bool((part < full).all())
     True
     """
-    _check_inputs(fm, q, k, None)
+    check_attention_inputs(fm, q, k, None)
     rel = _remainder_quadratic(fm, q, k, None, window, sinks, causal, False)[..., 0]
     return rel if relative else rel * torch.exp(2.0 * _log_normaliser(q, k, causal))
 
@@ -281,7 +281,7 @@ def hybrid_numerator_variance(
     >>> hybrid_numerator_variance(fm, q, k, v, window=4).shape
     torch.Size([16, 8])
     """
-    _check_inputs(fm, q, k, v)
+    check_attention_inputs(fm, q, k, v)
     rel = _remainder_quadratic(fm, q, k, v, window, sinks, causal, False)
     return rel if relative else rel * torch.exp(2.0 * _log_normaliser(q, k, causal)).unsqueeze(-1)
 
@@ -292,7 +292,7 @@ def _remainder_bias(fm, q, k, a, window, sinks, causal) -> torch.Tensor:
     att, S = _masks(n, m, window, sinks, causal, q.device)
     R = att & ~S
     if fm.is_random:
-        _pair_terms(fm)  # raises where there is no closed form
+        pair_terms(fm)  # raises where there is no closed form
         shape = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], a.shape[:-2]) + (n, a.shape[-1])
         return torch.zeros(shape, dtype=torch.float64, device=q.device)
     err = (fm.kernel(q.double(), k.double()) - torch.exp(q.double() @ k.double().mT)).masked_fill(~R, 0.0)
@@ -326,7 +326,7 @@ def hybrid_normaliser_mse(
     >>> bool((hybrid_normaliser_mse(ka.TaylorFeatures(4), q, k, window=16) == 0).all())  # all exact
     True
     """
-    _check_inputs(fm, q, k, None)
+    check_attention_inputs(fm, q, k, None)
     ones = torch.ones(k.shape[-2], 1, dtype=torch.float64, device=q.device)
     bias = _remainder_bias(fm, q, k, ones, window, sinks, causal)[..., 0]
     var = hybrid_normaliser_variance(fm, q, k, window=window, sinks=sinks, causal=causal)
@@ -358,7 +358,7 @@ def hybrid_numerator_mse(
     >>> hybrid_numerator_mse(ka.EluFeatures(4), q, k, v, window=3).shape
     torch.Size([16, 4])
     """
-    _check_inputs(fm, q, k, v)
+    check_attention_inputs(fm, q, k, v)
     bias = _remainder_bias(fm, q, k, v, window, sinks, causal)
     return hybrid_numerator_variance(fm, q, k, v, window=window, sinks=sinks, causal=causal) + bias**2
 
@@ -400,7 +400,7 @@ def hybrid_attention_variance(
     >>> var.shape
     torch.Size([32, 16])
     """
-    _check_inputs(fm, q, k, v)
+    check_attention_inputs(fm, q, k, v)
     return _remainder_quadratic(fm, q, k, v, window, sinks, causal, True)
 
 
