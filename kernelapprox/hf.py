@@ -822,9 +822,10 @@ def linearize(
             from .diagnose import warn_if_hopeless
 
             checked.add(layer)
-            if fit:
-                fm.fit(qs, ks)  # judged as fitted (the attention below fits it again on its keys)
-            warn_if_hopeless(fm, qs, ks)
+            if fm.is_random:  # only random maps have the closed form the check evaluates
+                if fit:
+                    fm.fit(qs, ks)  # judged as fitted (the attention below fits it again on its keys)
+                warn_if_hopeless(fm, qs, ks)
         valid = _valid_keys(_allowed(attention_mask, b, n, m, causal, query.device), causal)
         if valid is None:
             if causal and n < m:  # decoding with a KV cache
