@@ -848,8 +848,9 @@ def linearize(
             from .diagnose import warn_if_hopeless
 
             checked.add(layer)
-            # judged as fitted (the attention below fits it again on its valid keys)
-            warn_if_hopeless(_fit_map(fm, qs, ks) if fit else fm, qs, ks)
+            if fm.is_random:  # only random maps have the closed form the check evaluates
+                # judged as fitted (the attention below fits it again on its valid keys)
+                warn_if_hopeless(_fit_map(fm, qs, ks) if fit else fm, qs, ks)
         valid = _valid_keys(_allowed(attention_mask, b, n, m, causal, query.device), causal)
         if valid is None:
             fm_ = _fit_map(fm, qs, ks) if fit else fm

@@ -1,4 +1,4 @@
-"""Core performance benchmark (issue 2): ratios measured within one process.
+"""Core performance benchmark: ratios measured within one process.
 
 Run: ``python -m studies.bench_core [--device cpu|cuda] [--dtype float32|bfloat16] [--quick]
 [--threads N] [--only league] [--json FILE]``
@@ -25,10 +25,15 @@ Prints these groups of ratios for B=4, H=8, n=4096, d=64, r=256:
    (``PositiveRF``, r = F = 256, same iid sampler): ``features`` = fit(q, k) (data-dependent maps
    only: FAVOR++, FAVOR#, Nystrom fit per batch) + phi(q) + psi(k) (``fm(q)``,
    ``fm.key_features(k)``), and ``attention`` = non-causal ``linear_attention(..., fit=True)``;
-   each divided by FAVOR+'s time. The issue's target is <= 1.5x for each new map. Learned maps
+   each divided by FAVOR+'s time. The target is <= 1.5x for each new map. Learned maps
    are timed untrained (training is a one-off cost).
-6. the cost of ``linear_attention``'s closed-form check (``check=True``) relative to the call
-   without it (target < 2 %).
+6. the cost of ``linear_attention``'s opt-in closed-form check (``check=True``) relative to the
+   call without it, and a default call on a small input, (1, 1, 64, 16) with r = 32, relative to
+   the bare computation (`parallel_linear_attention`, the path without the entry point's wrapper;
+   target < 2 %);
+7. short causal calls: B = 32, H = 4, d_h = 16, r = 64 at n = 16, 48, 128, 512, forward and
+   forward + backward, against the naive quadratic form (`naive_linear_attention`) and
+   ``torch.nn.functional.scaled_dot_product_attention`` (``--only short``).
 
 Times are medians over repeats after warm-up (``torch.cuda.synchronize`` on GPU). Peak memory
 is ``torch.cuda.max_memory_allocated`` on GPU; on CPU the peak resident-set growth of a fresh
@@ -86,7 +91,7 @@ def _inputs(B, H, n, d, device, dtype, seed=0):
     return (q * s).to(device, dtype), (k * s).to(device, dtype), v.to(device, dtype)
 
 
-FEATURE_TARGETS = {"positive": 1.2, "hyperbolic": 1.6, "trig-sincos": 1.6}  # issue 12, time / GEMM
+FEATURE_TARGETS = {"positive": 1.2, "hyperbolic": 1.6, "trig-sincos": 1.6}  # time / GEMM
 
 
 COMPILED_MAPS = ("positive-gaussian", "hyperbolic-gaussian", "trig-sincos-gaussian", "trig-offset-gaussian")
@@ -422,7 +427,7 @@ def bench_recurrent(device: torch.device, dtype, repeats: int, t_long: int = 100
 
 
 LEAGUE_F = 256
-LEAGUE_TARGET = 1.5  # the issue's bound on each new map's time relative to FAVOR+
+LEAGUE_TARGET = 1.5  # the bound on each new map's time relative to FAVOR+
 
 
 def _league_r(est: ka.Estimator, F: int, d: int) -> int:
@@ -484,7 +489,7 @@ def bench_league(B, H, n, d, device, dtype, repeats, F: int = LEAGUE_F) -> dict[
 
 
 def bench_check(B, H, n, d, r, device, dtype, repeats) -> dict[str, float]:
-    """Group 6: cost of ``linear_attention``'s closed-form check (``check=True``, the default)
+    """Group 6: cost of ``linear_attention``'s closed-form check (``check=True``, opt-in)
     relative to the call without it, non-causal and causal, FAVOR+ with orthogonal rows. Inputs at
     sigma = 0.25 so that nothing warns (the cost of the check, not of printing a warning)."""
     q, k, v = _inputs(B, H, n, d, device, dtype)
@@ -509,6 +514,75 @@ def bench_check(B, H, n, d, r, device, dtype, repeats) -> dict[str, float]:
     out["check/alone_ms"] = 1e3 * t_check
     out["check/alone_vs_parallel"] = t_check / min(out["check/parallel_ms_without"] / 1e3, 1e9)
     out["check/alone_vs_causal"] = t_check / (out["check/causal_ms_without"] / 1e3)
+    out.update(bench_small_call(device, dtype, max(repeats, 7)))
+    return out
+
+
+def bench_small_call(device: torch.device, dtype, repeats: int, rounds: int = 5,
+                     calls: int = 200) -> dict[str, float]:
+    """A default ``ka.linear_attention`` call on (1, 1, 64, 16), r = 32, FAVOR+, against the bare
+    computation (``parallel_linear_attention``, the same path without the entry point's wrapper):
+    interleaved rounds of ``calls`` calls each, the least time per call of each."""
+    from kernelapprox.attention import parallel_linear_attention
+
+    q, k, v = _inputs(1, 1, 64, 16, device, dtype)
+    fm = ka.PositiveRF(16, 32, seed=0).to(device)
+
+    def many(fn):
+        def run():
+            for _ in range(calls):
+                fn()
+        return run
+
+    fns = {"default": many(lambda: ka.linear_attention(q, k, v, fm)),
+           "bare": many(lambda: parallel_linear_attention(q, k, v, fm))}
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], timeit(fn, device, repeats, warmup=1) / calls)
+    return {"small_call/default_us": 1e6 * best["default"], "small_call/bare_us": 1e6 * best["bare"],
+            "small_call/default_vs_bare": best["default"] / best["bare"] - 1.0}
+
+
+SHORT_NS = (16, 48, 128, 512)
+
+
+def bench_short_causal(device: torch.device, dtype, repeats: int, ns=SHORT_NS,
+                       B: int = 32, H: int = 4, dh: int = 16, r: int = 64) -> dict[str, float]:
+    """Group 7: causal calls on short sequences, forward and forward + backward (of the sum of the
+    output, with respect to q, k and v), in milliseconds: ``linear_attention(causal=True)``, the
+    naive quadratic form and SDPA (``is_causal=True``, exact softmax attention). Interleaved rounds,
+    the least time of each."""
+    fm = ka.PositiveRF(dh, r, sampler="orthogonal", seed=0).to(device)
+    out: dict[str, float] = {}
+    for n in ns:
+        q, k, v = _inputs(B, H, n, dh, device, dtype)
+        fns = {
+            "linear": lambda q, k, v: ka.linear_attention(q, k, v, fm, causal=True),
+            "naive": lambda q, k, v: ka.naive_linear_attention(q, k, v, fm, causal=True),
+            "sdpa": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+        }
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+        def train(fn, leaves=leaves):
+            def run():
+                with torch.enable_grad():
+                    fn(*leaves).sum().backward()
+                for t in leaves:
+                    t.grad = None
+            return run
+
+        best: dict[str, float] = {}
+        for _ in range(3):
+            for name, fn in fns.items():
+                for mode, call in (("fwd", lambda fn=fn, q=q, k=k, v=v: fn(q, k, v)), ("fwdbwd", train(fn))):
+                    key = f"short/{name}_{mode}_ms_n{n}"
+                    best[key] = min(best.get(key, float("inf")), 1e3 * timeit(call, device, repeats, warmup=1))
+        out.update(best)
+        for mode in ("fwd", "fwdbwd"):
+            lin = best[f"short/linear_{mode}_ms_n{n}"]
+            out[f"short/linear/naive_{mode}_n{n}"] = lin / best[f"short/naive_{mode}_ms_n{n}"]
+            out[f"short/linear/sdpa_{mode}_n{n}"] = lin / best[f"short/sdpa_{mode}_ms_n{n}"]
     return out
 
 
@@ -539,7 +613,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's own)")
     p.add_argument("--only", default="", help="run only the groups whose name starts with this "
-                   "(monte carlo | feature maps | attention | memory | memory in training | recurrent | league)")
+                   "(monte carlo | feature maps | attention | memory | memory in training | recurrent | league | "
+                   "check | short)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype)
@@ -565,8 +640,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ("recurrent", lambda: bench_recurrent(device, dtype, reps, 1000 if a.quick else 100_000)),
         (f"league (equal feature_dim F = {LEAGUE_F}, time / FAVOR+, fit included)",
          lambda: bench_league(B, H, n, d, device, dtype, reps)),
-        ("check (the KernelApproxWarning prediction in linear_attention)",
+        ("check (the KernelApproxWarning prediction, opt-in; and a small default call / bare)",
          lambda: bench_check(B, H, n, d, r, device, dtype, reps)),
+        ("short causal (B=32, H=4, d_h=16, r=64; ms and ratios)",
+         lambda: bench_short_causal(device, dtype, reps)),
     ):
         if a.only and not name.startswith(a.only):
             continue

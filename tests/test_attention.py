@@ -674,3 +674,39 @@ def test_causal_mixed_paths_equal_naive(monkeypatch):
     for a, b, what in zip(torch.autograd.grad((out * w).sum(), (q, k, v)),
                           torch.autograd.grad((ref * w).sum(), (q, k, v)), "qkv", strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=f"d/d{what}")
+
+
+@pytest.mark.parametrize("path", ["shared", "runmax"])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_short_causal_call_allocates_for_its_own_size(path, grad):
+    """A short causal call (n = 16 < chunk_size = 64, B x H = 8, r = 64, d_v = 16) allocates no
+    tensor larger than 4 n (F + d_v + 1) elements per batch-head (features, [v, 1] and the chunk
+    states of its own tokens; forward and, in training, backward). Every tensor an operator returns
+    is counted (``TorchDispatchMode``). Groups and spans sized for 16 384 tokens instead of the
+    sequence allocate (L, 60 032) references: 12x over."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n, dv, r, L = 16, 16, 64, 8
+    fm = ka.PositiveRF(D, r, sampler="orthogonal", seed=0, dtype=F64)
+    q, k = (randn(2, 4, n, D, seed=s, scale=0.5) for s in (1, 2))
+    v = randn(2, 4, n, dv, seed=3)
+    bound = 4 * n * (fm.feature_dim + dv + 1)
+    sizes: list[tuple[int, str]] = []
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    sizes.append((t.numel(), str(func)))
+            return out
+
+    inputs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    with Largest():
+        out = ka.chunk_linear_attention(*inputs, fm, _path=path)
+        if grad:
+            out.sum().backward()
+    assert len(sizes) > 10
+    worst = max(sizes)
+    assert worst[0] <= bound * L, (worst, bound * L)
+    torch.testing.assert_close(out.detach(), ka.naive_linear_attention(q, k, v, fm, causal=True), **TOL)

@@ -438,3 +438,16 @@ def test_bad_arguments_raise_naming_them():
                                                                            torch.zeros(1, 2, 1, 1)))
     with pytest.raises(TypeError, match="return_state must be a bool"):
         layer(torch.randn(1, 3, 32), return_state="yes")
+
+
+def test_import_does_not_load_dynamo():
+    """``import kernelapprox`` (nn included) loads no ``torch._dynamo`` (about 1.4 s of imports): the
+    layers build their compile-time helper on first use. Checked in a fresh interpreter."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import sys, kernelapprox, kernelapprox.nn; print('torch._dynamo' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.stdout.strip() == "False", res.stdout + res.stderr

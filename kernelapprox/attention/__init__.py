@@ -32,6 +32,10 @@ from .parallel import parallel_linear_attention
 from .recurrent import RecurrentLinearAttention
 from .state import LinearAttentionState
 
+# The forms without their own autocast guard: linear_attention already runs inside one.
+_chunk = chunk_linear_attention.__wrapped__  # type: ignore[attr-defined]
+_parallel = parallel_linear_attention.__wrapped__  # type: ignore[attr-defined]
+
 __all__ = [
     "linear_attention",
     "parallel_linear_attention",
@@ -234,11 +238,11 @@ def linear_attention(
     if check:
         run_input_checks(feature_map, q, k)
     if causal:
-        return chunk_linear_attention(
+        return _chunk(
             q, k, v, feature_map, chunk_size=chunk_size, initial_state=initial_state,
             return_state=return_state, eps=eps, key_padding_mask=pad,
         )
-    return parallel_linear_attention(
+    return _parallel(
         q, k, v, feature_map, initial_state=initial_state, return_state=return_state, eps=eps,
         key_padding_mask=pad,
     )

@@ -162,7 +162,9 @@ def chunk_linear_attention(
         initial_state = LinearAttentionState(
             F.pad(initial_state.kv, (0, v1.shape[-1] - dv - 1)), initial_state.log_scale)
     lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v1.shape[:-2], s.shape[:-1])
-    C = chunk_size
+    # A sequence shorter than a chunk is one chunk of its own length (no padding to chunk_size);
+    # under torch.compile the length may be symbolic, and the chunk size stays as given.
+    C = chunk_size if compiling else min(chunk_size, fq.shape[-2])
     mask = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()
     path = _path
     if path == "auto":

@@ -22,7 +22,8 @@ $$
 causal linear attention [Kat20]_ [Yan24]_ with the carried state rescaled to the running
 maximum, as in `RecurrentLinearAttention`. It takes any map (signed maps included: their
 denominators can nearly cancel, and this path keeps one order of operations in eager and compiled
-code) and any device, and is the path of ``torch.compile``.
+code) and any device, and is the path of ``torch.compile``, where the loop over chunks unrolls
+into one graph that compiles forward and backward.
 
 Chunks are processed in groups whose stacked states ($F \times (d_v + 1)$ per chunk) never
 outweigh the sequence's features. In training (eager) each group is a run of at most
@@ -57,34 +58,11 @@ def _exp_diff(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return torch.where(a == float("-inf"), torch.zeros_like(out), out).to(dtype)
 
 
-def _scan_states(
-    state: torch.Tensor, decay: torch.Tensor, kv: torch.Tensor, dim: int, length: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""The scan over chunks as one operator, for ``torch.compile`` (one traced step whatever the
-    number of chunks): ``state = state * decay[c] + kv[c]`` for the chunks ``c`` along ``dim`` of
-    ``decay`` (..., nc) and ``kv`` (..., nc, F, dv1). Returns the final state and the states
-    before each chunk (..., nc, F, dv1): the eager loop's values, in the same order of operations.
-
-    ``length`` is any tensor whose last dimension is the sequence length ``n``. The step reads
-    its size (a no-op test) so that the compiler passes the symbol of ``n`` into the step's graph.
-    ``torch._higher_order_ops.scan`` is a prototype, imported on first use.
-    """
-    from torch._higher_order_ops.scan import scan
-
-    def step(st: torch.Tensor, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        dc, kc = x
-        if length.shape[-1] < 0:  # never true; see above
-            raise AssertionError
-        return st * dc[..., None, None] + kc, st.clone()
-
-    return scan(step, state, (decay, kv), dim=dim)
-
-
 def _run(
     a: int, b: int, state: torch.Tensor,
     fq: torch.Tensor, fk: torch.Tensor, v1: torch.Tensor, v1_finite: torch.Tensor, v_poison: torch.Tensor | None,
     w_state: torch.Tensor, E: torch.Tensor, w_inter: torch.Tensor, decay: torch.Tensor, mask: torch.Tensor,
-    s_in: torch.Tensor, *, grad: bool, compiling: bool,
+    *, grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunks ``a:b``: their outputs ``[num | den]`` (..., b - a, C, dv1) and the state after
     chunk ``b - 1`` (..., F, dv1).
@@ -93,21 +71,20 @@ def _run(
     the chunked ones of `running_max_attention`, over all chunks (..., nc, ...): features
     ``fq, fk``, ``[v, 1]`` raw (``v1``, for the states) and with non-finite entries zeroed
     (``v1_finite``, for the intra-chunk product), the rows to poison (``v_poison``) or ``None``,
-    the weights ``w_state``, ``E``, ``w_inter``, the per-chunk ``decay`` and the causal ``mask``;
-    ``s_in`` carries the sequence length (`_scan_states`). A function of its arguments only, so
-    that training can run it under `torch.utils.checkpoint.checkpoint`. ``grad``: autograd records
-    (the score product is then not done in place); ``compiling``: the scan is one operator.
+    the weights ``w_state``, ``E``, ``w_inter``, the per-chunk ``decay`` and the causal ``mask``.
+    A function of its arguments only, so that training can run it under
+    `torch.utils.checkpoint.checkpoint`. ``grad``: autograd records (the score product is then not
+    done in place).
+
+    The scan over chunks is a plain Python loop: ``torch.compile`` unrolls it into one graph (for
+    a given number of chunks), and its backward is ordinary autograd.
     """
     kv_c = torch.matmul(fk[..., a:b, :, :].mT, v1[..., a:b, :, :] * w_state[..., a:b, :, :])
-    if compiling:
-        # the same recurrence, as one operator over a (possibly symbolic) number of chunks
-        state, excl = _scan_states(state, decay, kv_c, decay.dim() - 1, s_in)
-    else:
-        states = []
-        for c in range(a, b):  # sequential scan over chunks: O(F dv) per chunk
-            states.append(state)
-            state = state * decay[..., c, None, None] + kv_c[..., c - a, :, :]
-        excl = torch.stack(states, dim=-3)  # (..., g, F, dv1) at scales G_excl
+    states = []
+    for c in range(a, b):  # sequential scan over chunks: O(F dv) per chunk
+        states.append(state)
+        state = state * decay[..., c, None, None] + kv_c[..., c - a, :, :]
+    excl = torch.stack(states, dim=-3)  # (..., g, F, dv1) at scales G_excl
     fq_g = fq[..., a:b, :, :]
     A = torch.matmul(fq_g, fk[..., a:b, :, :].mT)
     if grad:
@@ -157,11 +134,10 @@ def running_max_attention(
     C = mask.shape[-1]
     compiling = torch.compiler.is_compiling()
     # Under torch.compile the sequence length may be symbolic (dynamic=True): integer arithmetic
-    # only, padding applied unconditionally (a zero pad is a no-op), and the scan over chunks is a
-    # scan operator instead of a Python loop, so one graph serves every length.
+    # only and padding applied unconditionally (a zero pad is a no-op); the loop over chunks then
+    # fixes the number of chunks of a graph (one graph per chunk count).
     nc = (n + C - 1) // C  # ceil(n / C)
     pad = nc * C - n
-    s_in = s  # (..., n): its shape carries the (possibly symbolic) length, see _scan_states
     if compiling or pad:
         fq = F.pad(fq, (0, 0, 0, pad))
         fk = F.pad(fk, (0, 0, 0, pad))
@@ -214,10 +190,10 @@ def running_max_attention(
     w_inter = _exp_diff(G_excl.unsqueeze(-1), M, cdt).unsqueeze(-1)  # (..., nc, C, 1)
     decay = _exp_diff(G_excl, G_incl, cdt)  # (..., nc): rescales the carried state
 
-    parts = (fq, fk, v1, v1_finite, v_poison, w_state, E, w_inter, decay, mask, s_in)
+    parts = (fq, fk, v1, v1_finite, v_poison, w_state, E, w_inter, decay, mask)
     if compiling:
-        # all chunks in one group: a number of groups would depend on the (symbolic) length
-        out, state = _run(0, nc, state, *parts, grad=grad, compiling=True)
+        # all chunks in one group, autograd through every chunk (the compiler plans the memory)
+        out, state = _run(0, nc, state, *parts, grad=grad)
     else:
         group = max(1, (nc * C * (Fd + dv1)) // (Fd * dv1))
         checkpointed = grad and recompute
@@ -231,11 +207,11 @@ def running_max_attention(
                 # the graph keeps the arguments only (the tensors above and the state entering the
                 # group); the backward reruns the group for what it saves, one group at a time
                 o, state = checkpoint(
-                    _run, a, min(nc, a + group), state, *parts, grad=True, compiling=False,
+                    _run, a, min(nc, a + group), state, *parts, grad=True,
                     use_reentrant=False, preserve_rng_state=False,  # no randomness inside
                 )
             else:
-                o, state = _run(a, min(nc, a + group), state, *parts, grad=grad, compiling=False)
+                o, state = _run(a, min(nc, a + group), state, *parts, grad=grad)
             outs.append(o)
         out = torch.cat(outs, dim=-3)
     out = out.reshape(*lead, nc * C, dv1)[..., :n, :]

@@ -288,6 +288,14 @@ def group_chunks(Fd: int, dv1: int) -> int:
     return max(1, (_GROUP_TOKENS * (Fd + dv1)) // (Fd * dv1))
 
 
+def _per_token(R: torch.Tensor, span: int, n: int) -> torch.Tensor:
+    """Group references (L, groups) repeated over the ``span`` tokens of each group, (L, n); with
+    one group, the (L, 1) column itself (it broadcasts: no per-token copy)."""
+    if R.shape[-1] == 1:
+        return R
+    return R.repeat_interleave(span, dim=-1)[:, :n]
+
+
 def _references(
     sd: torch.Tensor, span: int, initial_state: LinearAttentionState | None, lead: torch.Size
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -320,12 +328,12 @@ def clean_mask(
     n = s.shape[-1]
     L = math.prod(lead)
     sd = s.detach().expand(*lead, n).reshape(L, n)
-    span = group_chunks(fq.shape[-1], v1.shape[-1]) * C
+    span = min(group_chunks(fq.shape[-1], v1.shape[-1]), -(-n // C)) * C
     gmax, R, _ = _references(sd, span, initial_state, lead)
     ok = torch.isfinite(R).all() & (gmax - R <= _SPREAD).all() & torch.isfinite(v1.sum())
     if bool(ok.item()):
         return None
-    R_tok = R.repeat_interleave(span, dim=-1)[:, :n]
+    R_tok = _per_token(R, span, n)
     bad = ~(sd - R_tok <= _SPREAD)  # NaN and +Inf scales too; -Inf (weight 0) is fine
     bad = bad | ~torch.isfinite(v1).all(-1).expand(*lead, n).reshape(L, n)
     return torch.cumsum(bad, dim=-1) == 0
@@ -380,10 +388,10 @@ def shared_scale_attention(
     fk = fk.expand(*lead, nc * C, Fd).reshape(L, nc, C, Fd)
     v1 = v1.expand(*lead, nc * C, dv1).reshape(L, nc * C, dv1)
     s = s.expand(*lead, nc * C).reshape(L, nc * C)
-    group = group_chunks(Fd, dv1)
+    group = min(group_chunks(Fd, dv1), nc)  # a short sequence: one group of its own chunks
     bounds = tuple((a, min(nc, a + group)) for a in range(0, nc, group))
     gmax, R, G0 = _references(s.detach(), group * C, initial_state, lead)
-    R_tok = R.repeat_interleave(group * C, dim=-1)[:, : nc * C]
+    R_tok = _per_token(R, group * C, nc * C)
     w = torch.exp(s - R_tok).to(cdt)  # key weights <= e^_SPREAD; gradients reach s
     if (torch.is_grad_enabled() and (v1.requires_grad or w.requires_grad)) or not v1.is_contiguous():
         # (not contiguous: v1 broadcasts over the batch, one memory location per broadcast row)

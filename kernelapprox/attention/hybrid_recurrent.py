@@ -15,7 +15,7 @@ import torch
 from .._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
 from ..maps.base import FeatureMap
 from ._common import check_feature_map, normalise, with_ones
-from .hybrid import HybridAttentionState, check_hybrid_state, exp_diff, check_window, resolve_sinks
+from .hybrid import HybridAttentionState, check_hybrid_state, check_window, exp_diff, resolve_sinks
 
 __all__ = ["RecurrentHybridAttention"]
 
