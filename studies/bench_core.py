@@ -1,4 +1,4 @@
-"""Core performance benchmark (issue 2): ratios measured within one process.
+"""Core performance benchmark: ratios measured within one process.
 
 Run: ``python -m studies.bench_core [--device cpu|cuda] [--dtype float32|bfloat16] [--quick]
 [--threads N] [--only league] [--json FILE]``
@@ -25,7 +25,7 @@ Prints these groups of ratios for B=4, H=8, n=4096, d=64, r=256:
    (``PositiveRF``, r = F = 256, same iid sampler): ``features`` = fit(q, k) (data-dependent maps
    only: FAVOR++, FAVOR#, Nystrom fit per batch) + phi(q) + psi(k) (``fm(q)``,
    ``fm.key_features(k)``), and ``attention`` = non-causal ``linear_attention(..., fit=True)``;
-   each divided by FAVOR+'s time. The issue's target is <= 1.5x for each new map. Learned maps
+   each divided by FAVOR+'s time. The target is <= 1.5x for each new map. Learned maps
    are timed untrained (training is a one-off cost).
 6. the cost of ``linear_attention``'s closed-form check (``check=True``) relative to the call
    without it (target < 2 %).
