@@ -81,6 +81,18 @@ class Diagnosis:
     feasible : bool
         Whether some random estimator reaches ``target`` with at most ``max_features`` projections.
     target : float
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k = (0.1 * torch.randn(2, 64, 16, generator=g)).unbind(0)
+    >>> dx = ka.diagnose(q, k, ka.PositiveRF(16, 64), max_pairs=256)
+    >>> dx.feasible, [row["estimator"] for row in dx.rows], dx.regime["n"]
+    (True, ['positive'], 64)
+    >>> df = dx.to_frame()                  # one row per estimator
+    >>> df.shape[0], bool(df["rel_mse_median"].iloc[0] < dx.target)
+    (1, True)
     """
 
     regime: dict[str, Any]
@@ -182,6 +194,20 @@ def diagnose(
     Returns
     -------
     Diagnosis
+
+    Examples
+    --------
+    One map, with values (the predicted attention-output error):
+
+    >>> import torch, kernelapprox as ka
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k, v = (0.1 * torch.randn(3, 64, 16, generator=g)).unbind(0)
+    >>> dx = ka.diagnose(q, k, ka.PositiveRF(16, 64), v=v, max_pairs=256)
+    >>> row = dx.rows[0]
+    >>> row["estimator"], row["delta_method_valid"], bool(row["attn_rel_err_pred"] < 0.1)
+    ('positive', True, True)
+    >>> bool(row["r_needed"] < 64)      # r at which the median relative MSE reaches target
+    True
     """
     from . import theory
 
@@ -314,6 +340,17 @@ class KernelApproxWarning(UserWarning):
     `kernelapprox.nn.LinearAttentionHeads` and `kernelapprox.hf.linearize` (their ``check=False``
     turns it off), and by ``ka.linear_attention(..., check=True)``. Silence it with
     ``warnings.filterwarnings("ignore", category=ka.KernelApproxWarning)``.
+
+    Examples
+    --------
+    >>> import torch, warnings, kernelapprox as ka
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k = (2 * torch.randn(2, 32, 16, generator=g)).unbind(0)    # logits far too large
+    >>> with warnings.catch_warnings(record=True) as w:
+    ...     warnings.simplefilter("always")
+    ...     _ = warn_if_hopeless(ka.PositiveRF(16, 64, seed=0), q, k)
+    >>> issubclass(w[0].category, ka.KernelApproxWarning), issubclass(ka.KernelApproxWarning, UserWarning)
+    (True, True)
     """
 
 

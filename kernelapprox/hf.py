@@ -119,6 +119,22 @@ class LayerCapture:
         The model's own attention output for this layer (``record_output=True``).
     module : str
         Class name of the attention module.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from transformers import GPT2Config, GPT2Model
+    >>> from kernelapprox import hf
+    >>> _ = torch.manual_seed(0)
+    >>> model = GPT2Model(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99)).eval()
+    >>> lc = hf.capture(model, input_ids=torch.randint(0, 99, (1, 9))).layers[1]
+    >>> lc.layer, lc.module, lc.q.shape, lc.allowed.shape, lc.causal
+    (1, 'GPT2Attention', torch.Size([1, 4, 9, 8]), torch.Size([1, 1, 9, 9]), True)
+    >>> round(lc.scaling, 4)                        # d_head ** -0.5
+    0.3536
+    >>> w = lc.attention_weights()                  # causal rows, each summing to 1
+    >>> bool(w.triu(1).eq(0).all()), bool(w.sum(-1).sub(1).abs().max() < 1e-12)
+    (True, True)
     """
 
     layer: int
@@ -659,6 +675,24 @@ class Linearized:
         calibration time for learned maps).
     layers : set of int or None
         Linearised attention calls (``None``: all).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from transformers import GPT2Config, GPT2Model
+    >>> from kernelapprox import hf
+    >>> _ = torch.manual_seed(0)
+    >>> model = GPT2Model(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99)).eval()
+    >>> ids = torch.randint(0, 99, (1, 9))
+    >>> with torch.no_grad():
+    ...     exact = model(input_ids=ids).last_hidden_state
+    ...     with hf.linearize(model, "positive", num_features=64, layers=[1]) as lin:
+    ...         approx = model(input_ids=ids).last_hidden_state
+    ...         print(lin.active, lin.layers, {i: type(fm).__name__ for i, fm in lin.feature_maps.items()})
+    ...     restored = model(input_ids=ids).last_hidden_state
+    True {1} {1: 'PositiveRF'}
+    >>> lin.active, torch.equal(restored, exact), approx.shape
+    (False, True, torch.Size([1, 9, 32]))
     """
 
     model: Any
@@ -917,6 +951,15 @@ def load_minilm(*, attn_implementation: str = "sdpa", device: torch.device | str
     ------
     ImportError
         If the ``[real]`` extra is missing (the message gives the install command).
+
+    Examples
+    --------
+    >>> from kernelapprox import hf
+    >>> model, tokenizer = hf.load_minilm(attn_implementation="eager")
+    >>> type(model).__name__, model.config.num_hidden_layers, model.config.num_attention_heads
+    ('BertModel', 6, 12)
+    >>> model.training, tokenizer.cls_token
+    (False, '[CLS]')
     """
     tf = _transformers()
     try:
@@ -935,7 +978,7 @@ def load_minilm(*, attn_implementation: str = "sdpa", device: torch.device | str
 
 
 def pydoc_text(split: str = "evaluation", *, calibration_fraction: float = 0.5) -> str:
-    """English prose shipped with every CPython: the interactive help topics (``pydoc_data.topics``).
+    r"""English prose shipped with every CPython: the interactive help topics (``pydoc_data.topics``).
 
     The topics are sorted by name and split by *topic* (never inside one): the first
     ``calibration_fraction`` of the characters is the calibration part (for fitting learned maps),
@@ -944,11 +987,23 @@ def pydoc_text(split: str = "evaluation", *, calibration_fraction: float = 0.5) 
     Parameters
     ----------
     split : {"calibration", "evaluation", "all"}, default "evaluation"
+        Which part to return.
     calibration_fraction : float in (0, 1), default 0.5
+        Share of the characters (whole topics) in the calibration part.
 
     Returns
     -------
     str
+        The topics of the part, whitespace collapsed, separated by blank lines.
+
+    Examples
+    --------
+    >>> from kernelapprox import hf
+    >>> cal, ev = hf.pydoc_text("calibration"), hf.pydoc_text("evaluation")
+    >>> len(cal) + len(ev) + 2 == len(hf.pydoc_text("all"))     # a split between two topics
+    True
+    >>> set(cal.split("\n\n")).isdisjoint(ev.split("\n\n"))
+    True
     """
     if split not in ("calibration", "evaluation", "all"):
         raise ValueError(f"split must be 'calibration', 'evaluation' or 'all', got {split!r}")
@@ -980,14 +1035,41 @@ def token_chunks(tokenizer: Any, text: str, *, length: int = 512, max_chunks: in
     Parameters
     ----------
     tokenizer : transformers tokenizer
+        Any tokenizer; ``cls_token_id`` and ``sep_token_id`` are used when it has both.
     text : str
+        The text, tokenised whole (without special tokens); a last partial chunk is dropped.
     length : int, default 512
+        Tokens per chunk, special tokens included (at least 3).
     max_chunks : int, optional
+        Keep the first ``max_chunks`` chunks only.
 
     Returns
     -------
     dict
         ``input_ids`` and ``attention_mask``, shape (chunks, length), int64 (all-ones mask).
+
+    Raises
+    ------
+    ValueError
+        Bad ``length`` or ``max_chunks``, or ``text`` shorter than one chunk.
+
+    Examples
+    --------
+    With a word-level tokenizer of five words (``load_minilm``'s tokenizer works the same):
+
+    >>> from tokenizers import Tokenizer, models, pre_tokenizers
+    >>> from transformers import PreTrainedTokenizerFast
+    >>> from kernelapprox import hf
+    >>> vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "the": 3, "a": 4}
+    >>> tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    >>> tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    >>> tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", cls_token="[CLS]",
+    ...                               sep_token="[SEP]")
+    >>> batch = hf.token_chunks(tok, "the a " * 10, length=8)    # 20 tokens: 3 chunks of 6 + 2
+    >>> batch["input_ids"].shape, batch["input_ids"][0].tolist()
+    (torch.Size([3, 8]), [1, 3, 4, 3, 4, 3, 4, 2])
+    >>> bool(batch["attention_mask"].eq(1).all())
+    True
     """
     if not isinstance(length, int) or isinstance(length, bool) or length < 3:
         raise ValueError(f"length must be an int >= 3, got {length!r}")
@@ -1009,13 +1091,42 @@ def token_chunks(tokenizer: Any, text: str, *, length: int = 512, max_chunks: in
 
 
 def sentence_embeddings(model: Any, /, **inputs: Any) -> torch.Tensor:
-    """Sentence embeddings as sentence-transformers computes them for MiniLM [Rei19]_.
+    r"""Sentence embeddings as sentence-transformers computes them for MiniLM [Rei19]_.
 
-    Mean of the last hidden states over the non-padded tokens, then L2-normalised.
+    Mean of the last hidden states over the non-padded tokens, then L2-normalised:
+
+    $$
+    e = \frac{\bar h}{\|\bar h\|_2},\qquad \bar h = \frac{\sum_t m_t h_t}{\sum_t m_t}.
+    $$
+
+    Parameters
+    ----------
+    model : transformers model
+        A model whose output has ``last_hidden_state`` (batch, n, hidden), e.g. `load_minilm`'s.
+    **inputs
+        The model's inputs (``input_ids``, ``attention_mask`` = $m$, ...); without
+        ``attention_mask`` every token counts.
 
     Returns
     -------
     Tensor, shape (batch, hidden)
+
+    Examples
+    --------
+    >>> import torch
+    >>> from transformers import BertConfig, BertModel
+    >>> from kernelapprox import hf
+    >>> _ = torch.manual_seed(0)
+    >>> model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                              intermediate_size=37, vocab_size=99)).eval()
+    >>> ids = torch.randint(0, 99, (2, 7))
+    >>> mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])        # the second sentence is padded
+    >>> e = hf.sentence_embeddings(model, input_ids=ids, attention_mask=mask)
+    >>> e.shape, bool(torch.allclose(e.norm(dim=-1), torch.ones(2)))
+    (torch.Size([2, 32]), True)
+    >>> alone = hf.sentence_embeddings(model, input_ids=ids[1:, :4])  # the same tokens, unpadded
+    >>> bool(torch.allclose(e[1], alone[0], atol=1e-5))
+    True
     """
     with torch.no_grad():
         hidden = model(**inputs).last_hidden_state

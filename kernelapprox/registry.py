@@ -78,7 +78,7 @@ class EstimatorTheory:
         ``"chi"``, ``"fixed"``). ``None``: no closed-form moments.
     row_laws : frozenset of str
         The `Sampler.row_law <kernelapprox.samplers.Sampler.row_law>` values covered by
-        ``components`` (``"iid"``, ``"orthogonal-chi"``, ``"orthogonal-fixed"``).
+        ``components`` (``"iid"``, ``"orthogonal-chi"``, ``"orthogonal-fixed"``, ``"simplex"``).
     attention_pair_terms : tuple of (c, alpha, beta, gamma), optional
         $E[X_jX_l]$ for two keys sharing a query, iid Gaussian rows:
         $\sum c\,e^{\alpha\|q\|^2+\beta(q^\top k_j+q^\top k_l)+\gamma k_j^\top k_l}$
@@ -93,6 +93,15 @@ class EstimatorTheory:
         ``prepare(fm, q, k) -> (q, k, params)`` for estimators with (fitted) parameters: the
         inputs the closed forms see (float64 NumPy arrays; e.g. SADERF's $\Psi q$ and
         $\Psi^{-1}k$) and keyword arguments passed on to ``components`` (e.g. OPRF's ``A``).
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> th = ka.get_estimator("positive").theory
+    >>> sorted(th.row_laws)
+    ['iid', 'orthogonal-chi', 'orthogonal-fixed', 'simplex']
+    >>> sorted(th.closed_forms("iid")), sorted(th.closed_forms(None))
+    (['attention_variance', 'moments'], [])
     """
 
     components: Callable[..., Any] | None = None
@@ -141,6 +150,17 @@ class Estimator:
         Legend label for figures and tables.
     feature_dim_rule : str
         ``"r"``, ``"2r"``, ``"d"`` or ``"custom"``.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> est = ka.get_estimator("trig-sincos")
+    >>> est
+    Estimator('trig-sincos', TrigRF, variant='sincos')
+    >>> est.is_random, est.positive, est.feature_dim(16, 4)
+    (True, False, 32)
+    >>> est.matches(ka.TrigRF(4, 16, variant="sincos")), est.matches(ka.TrigRF(4, 16, variant="offset"))
+    (True, False)
     """
 
     name: str
@@ -287,6 +307,18 @@ def register_estimator(
     ValueError
         Bad ``name`` or ``feature_dim``, or ``name`` (or the same ``cls`` and ``params``) already
         registered without ``replace=True``.
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> class HalfTrigRF(ka.TrigRF):
+    ...     '''Trig features under another class: its own estimator once registered.'''
+    >>> est = ka.register_estimator(HalfTrigRF, name="half-trig", params={"variant": "sincos"},
+    ...                             feature_dim="2r")
+    >>> fm = est.build(4, 8, seed=0)
+    >>> ka.estimator_of(fm).name, fm.feature_dim, fm(torch.randn(3, 4)).shape
+    ('half-trig', 16, torch.Size([3, 16]))
+    >>> ka.unregister_estimator("half-trig")
     """
     if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
         raise TypeError(f"cls must be a FeatureMap subclass, got {cls!r}")
@@ -336,7 +368,28 @@ def _forget(est: Estimator) -> None:
 
 
 def unregister_estimator(name: str) -> None:
-    """Remove the estimator registered under ``name`` (``KeyError`` if there is none)."""
+    """Remove the estimator registered under ``name`` (``KeyError`` if there is none).
+
+    Parameters
+    ----------
+    name : str
+        A name given to `register_estimator`.
+
+    Raises
+    ------
+    KeyError
+        No estimator is registered under ``name``.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> class MyElu(ka.EluFeatures):
+    ...     '''elu+1 under another class.'''
+    >>> _ = ka.register_estimator(MyElu, name="my-elu", feature_dim="d")
+    >>> ka.unregister_estimator("my-elu")
+    >>> "my-elu" in [e.name for e in ka.estimators()]
+    False
+    """
     if name not in _REGISTRY:
         raise KeyError(f"no estimator named {name!r}; registered: {sorted(_REGISTRY)}")
     _forget(_REGISTRY.pop(name))
@@ -344,6 +397,22 @@ def unregister_estimator(name: str) -> None:
 
 def get_estimator(name: str | Estimator) -> Estimator:
     """The estimator registered under ``name`` (an `Estimator` is returned as is).
+
+    Parameters
+    ----------
+    name : str or Estimator
+        A registered name (see `estimators`).
+
+    Returns
+    -------
+    Estimator
+
+    Raises
+    ------
+    ValueError
+        No estimator is registered under ``name`` (the message lists the registered names).
+    TypeError
+        ``name`` is neither a str nor an `Estimator`.
 
     Examples
     --------
@@ -364,6 +433,16 @@ def get_estimator(name: str | Estimator) -> Estimator:
 def estimator_of(fm: object) -> Estimator:
     """The registered identity of a feature map (exact class and params match).
 
+    Parameters
+    ----------
+    fm : FeatureMap
+        A feature map instance.
+
+    Returns
+    -------
+    Estimator
+        The one whose ``cls`` is ``type(fm)`` and whose ``params`` equal ``fm``'s attributes.
+
     Raises
     ------
     TypeError
@@ -371,6 +450,14 @@ def estimator_of(fm: object) -> Estimator:
     LookupError
         Its class (with its params) is not registered; a subclass of a registered map is a
         different estimator until registered itself.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> ka.estimator_of(ka.TrigRF(4, 8, variant="offset")).name
+    'trig-offset'
+    >>> ka.estimator_of(ka.PositiveRF(4, 8)).label == ka.get_estimator("positive").label
+    True
     """
     if not isinstance(fm, FeatureMap):
         raise TypeError(f"expected a kernelapprox FeatureMap, got {type(fm).__name__}")

@@ -221,6 +221,16 @@ class Projection(nn.Module):
     r"""A (batch of) projection(s) $W$ of shape ``(*batch_shape, r, d)``.
 
     ``forward(x)`` returns $x W^\top$, shape ``(*broadcast(x.shape[:-2], batch_shape), n, r)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> P = get_sampler("orthogonal").sample(6, 4, batch_shape=(2,), generator=make_generator(0))
+    >>> isinstance(P, Projection), P.weight.shape, (P.batch_shape, P.num_features, P.dim)
+    (True, torch.Size([2, 6, 4]), ((2,), 6, 4))
+    >>> x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    >>> P(x).shape, torch.allclose(P(x), x @ P.weight.mT)
+    (torch.Size([2, 3, 6]), True)
     """
 
     num_features: int
@@ -291,6 +301,15 @@ class DenseProjection(Projection):
     Parameters
     ----------
     weight : Tensor, shape (*batch_shape, r, d)
+
+    Examples
+    --------
+    >>> import torch
+    >>> P = DenseProjection(torch.randn(4, 8, 3, generator=torch.Generator().manual_seed(0)))
+    >>> P.batch_shape, P.num_features, P.dim
+    ((4,), 8, 3)
+    >>> P(torch.zeros(4, 10, 3)).shape          # one projection per leading index
+    torch.Size([4, 10, 8])
     """
 
     _weight: torch.Tensor
@@ -336,6 +355,21 @@ class HadamardProjection(Projection):
         Input dimension ``d <= p``.
     num_features : int
         ``r <= n_blocks * p``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> g = torch.Generator().manual_seed(0)
+    >>> signs = (2 * torch.randint(0, 2, (2, 3, 8), generator=g) - 1).double()   # 2 blocks, p = 8
+    >>> P = HadamardProjection(signs, 5, 12)
+    >>> P.weight.shape
+    torch.Size([12, 5])
+    >>> x = torch.randn(3, 5, dtype=torch.float64, generator=g)
+    >>> torch.allclose(P(x), x @ P.weight.mT)     # the fast transform is the dense product
+    True
+    >>> full = HadamardProjection(signs, 8, 8).weight   # a full block: orthogonal rows, norm sqrt(p)
+    >>> torch.allclose(full @ full.mT, 8 * torch.eye(8, dtype=torch.float64))
+    True
     """
 
     signs: torch.Tensor
@@ -422,6 +456,21 @@ class Sampler:
 
     Subclasses implement `sample`, returning a `Projection` of shape
     ``(*batch_shape, r, d)`` in float64 on CPU.
+
+    Examples
+    --------
+    A sampler of your own, usable by every random map:
+
+    >>> import torch, kernelapprox as ka
+    >>> class HalfNormRows(Sampler):
+    ...     '''iid Gaussian rows scaled by 1/2: an estimator of exp(q.k / 4), not exp(q.k).'''
+    ...     name, unbiased, row_law = "half-norm", False, None
+    ...     def sample(self, num_features, dim, *, batch_shape=(), generator):
+    ...         w = torch.randn(*batch_shape, num_features, dim, generator=generator, dtype=torch.float64)
+    ...         return DenseProjection(w / 2)
+    >>> fm = ka.PositiveRF(4, 8, sampler=HalfNormRows(), seed=0)
+    >>> fm.weight.shape, torch.allclose(2 * fm.weight, ka.PositiveRF(4, 8, seed=0).weight)
+    (torch.Size([8, 4]), True)
     """
 
     #: Registry name (``get_sampler(name)``).
@@ -572,6 +621,16 @@ class StructuredSampler(Sampler):
     their first $d$ coordinates act on the (zero-padded) input, and those are *not* orthogonal. The estimators built on it are slightly *biased*
     (Yu et al. Thm 3: $|\mathbb E K_{\mathrm{SORF}} - K| \le 6z/\sqrt d$), and no closed-form
     variance is claimed for them (use `kernelapprox.montecarlo`).
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> P = StructuredSampler().sample(12, 5, batch_shape=(2,), generator=make_generator(0))
+    >>> type(P).__name__, P.weight.shape, P.signs.shape      # 2 blocks of p = 8 rows
+    ('HadamardProjection', torch.Size([2, 12, 5]), torch.Size([2, 2, 3, 8]))
+    >>> fm = ka.PositiveRF(5, 12, sampler="structured", seed=0)
+    >>> fm.sampler.unbiased, fm.sampler.row_law
+    (False, None)
     """
 
     name = "structured"
@@ -614,6 +673,18 @@ class QMCSampler(Sampler):
         uniform. ``"shift"``: the unscrambled sequence plus an independent uniform shift modulo 1
         per batch element (Cranley–Patterson rotation). Both make every row marginally
         $\mathcal N(0, I_d)$, and draws are independent.
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> s = QMCSampler(method="halton", randomization="shift")
+    >>> s
+    QMCSampler(method='halton', randomization='shift')
+    >>> s.sample(16, 4, batch_shape=(3,), generator=make_generator(0)).weight.shape
+    torch.Size([3, 16, 4])
+    >>> fm = ka.PositiveRF(4, 16, sampler="qmc", seed=0)        # Sobol', scrambled
+    >>> fm.sampler.unbiased, bool(fm.weight.isfinite().all())
+    (True, True)
     """
 
     name = "qmc"
@@ -926,6 +997,18 @@ class GivenSampler(Sampler):
     """Marks a projection supplied by the caller (``from_projection``): provenance unknown.
 
     It cannot draw: ``redraw`` on such a map needs an explicit sampler.
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> fm = ka.PositiveRF.from_projection(torch.randn(8, 4, dtype=torch.float64))
+    >>> fm.sampler, fm.sampler.unbiased
+    (GivenSampler(), False)
+    >>> try:
+    ...     fm.redraw()
+    ... except ValueError:
+    ...     print("cannot redraw a given projection")
+    cannot redraw a given projection
     """
 
     name = "given"
@@ -957,6 +1040,22 @@ def get_sampler(sampler: str | Sampler) -> Sampler:
     ``"simplex"``, ``"simplex+"``) or object.
 
     The sampler's ``sample(r, d, batch_shape=B, generator=g)`` draws projections of shape ``(*B, r, d)``.
+
+    Parameters
+    ----------
+    sampler : str or Sampler
+        A name in ``SAMPLERS`` (the default instance is built), or a `Sampler` (returned as is).
+
+    Returns
+    -------
+    Sampler
+
+    Raises
+    ------
+    ValueError
+        Unknown name (the message lists the valid ones).
+    TypeError
+        Neither a str nor a `Sampler`.
 
     Examples
     --------

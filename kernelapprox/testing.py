@@ -128,6 +128,15 @@ def claims_unbiased(fm: FeatureMap) -> bool:
     """Whether ``fm`` claims $E\\,\\varphi(q)^\\top\\psi(k) = e^{q^\\top k}$: random features drawn by a
     sampler whose ``unbiased`` flag is set (data-dependent maps: given their fitted parameters).
 
+    Parameters
+    ----------
+    fm : FeatureMap
+        Any feature map.
+
+    Returns
+    -------
+    bool
+
     Examples
     --------
     >>> import kernelapprox as ka
@@ -139,7 +148,24 @@ def claims_unbiased(fm: FeatureMap) -> bool:
 
 # ----------------------------------------------------------------------------------- the checks
 def check_kernel_is_feature_product(subject: Subject) -> None:
-    r"""``fm.kernel(q, k)`` equals $\varphi(q)\psi(k)^\top$ in float64 (relative 1e-10)."""
+    r"""``fm.kernel(q, k)`` equals $\varphi(q)\psi(k)^\top$ in float64 (relative 1e-10).
+
+    Parameters
+    ----------
+    subject : Estimator, FeatureMap or callable
+        A registered estimator, a map or a factory, as in `check_feature_map`.
+
+    Raises
+    ------
+    AssertionError
+        When ``fm.kernel(q, k)`` (shape ``(n, m)``) differs from ``fm(q) @ fm.key_features(k).mT``.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> check_kernel_is_feature_product(ka.get_estimator("positive"))
+    >>> check_kernel_is_feature_product(ka.TrigRF(4, 8, variant="offset", seed=0))
+    """
     b = _Builder(subject)
     q, k = _data(_DIM, 5, 0.8, 1), _data(_DIM, 9, 0.8, 2)
     fm = _fitted(b.build(seed=0, dtype=torch.float64), q, k)
@@ -154,7 +180,25 @@ def check_unbiased(subject: Subject) -> None:
     r"""Monte Carlo z-test of $E\hat K = e^{q^\top k}$ where `claims_unbiased` (module docstring).
 
     ``S = 4000`` draws at once (``batch_shape=(S, 1, 1)``); per entry $|z| < 4.5$ and
-    $\mathrm{se} \le 0.01\,K$. A no-op for maps that do not claim unbiasedness."""
+    $\mathrm{se} \le 0.01\,K$. A no-op for maps that do not claim unbiasedness.
+
+    Parameters
+    ----------
+    subject : Estimator, FeatureMap or callable
+        A registered estimator, a map or a factory, as in `check_feature_map`.
+
+    Raises
+    ------
+    AssertionError
+        When an entry of the ``(3, 3)`` kernel has $|z| \ge 4.5$, or the draws are too noisy to
+        detect a 4.5 % bias.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> check_unbiased(ka.get_estimator("positive"))
+    >>> check_unbiased(ka.get_estimator("elu"))  # biased, and says so: nothing to test
+    """
     b = _Builder(subject)
     probe = b.build(seed=0, dtype=torch.float64)
     if not claims_unbiased(probe):
@@ -171,7 +215,23 @@ def check_unbiased(subject: Subject) -> None:
 
 
 def check_dtype_rule(subject: Subject) -> None:
-    """float16/bfloat16 inputs are computed in float32 and come back in their own dtype."""
+    """float16/bfloat16 inputs are computed in float32 and come back in their own dtype.
+
+    Parameters
+    ----------
+    subject : Estimator, FeatureMap or callable
+        A registered estimator, a map or a factory, as in `check_feature_map`.
+
+    Raises
+    ------
+    AssertionError
+        When half-precision features are not the float32 features of the upcast input, rounded.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> check_dtype_rule(ka.get_estimator("positive"))
+    """
     b = _Builder(subject)
     q32, k32 = _data(_DIM, 8, 0.8, 6, torch.float32), _data(_DIM, 8, 0.8, 7, torch.float32)
     fm = _fitted(b.build(seed=0, dtype=torch.float32), q32, k32)
@@ -186,7 +246,23 @@ def check_dtype_rule(subject: Subject) -> None:
 
 
 def check_autocast(subject: Subject) -> None:
-    """Under CPU bfloat16 autocast, features and kernel match float32 to bfloat16 rounding."""
+    """Under CPU bfloat16 autocast, features and kernel match float32 to bfloat16 rounding.
+
+    Parameters
+    ----------
+    subject : Estimator, FeatureMap or callable
+        A registered estimator, a map or a factory, as in `check_feature_map`.
+
+    Raises
+    ------
+    AssertionError
+        When features or kernel under autocast differ from float32 by more than bfloat16 rounding.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> check_autocast(ka.get_estimator("elu"))
+    """
     b = _Builder(subject)
     q, k = _data(_DIM, 8, 0.8, 8, torch.float32), _data(_DIM, 8, 0.8, 9, torch.float32)
     fm = _fitted(b.build(seed=0, dtype=torch.float32), q, k)
@@ -201,7 +277,23 @@ def check_autocast(subject: Subject) -> None:
 
 
 def check_state_dict(subject: Subject) -> None:
-    """Checkpoint round trip (weights-only load into a fresh map), deepcopy and redraw."""
+    """Checkpoint round trip (weights-only load into a fresh map), deepcopy and redraw.
+
+    Parameters
+    ----------
+    subject : Estimator, FeatureMap or callable
+        A registered estimator, a map or a factory, as in `check_feature_map`.
+
+    Raises
+    ------
+    AssertionError
+        When a reloaded or copied map gives other outputs, or ``redraw`` misbehaves.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> check_state_dict(ka.get_estimator("positive"))
+    """
     b = _Builder(subject)
     q, k = _data(_DIM, 20, 0.8, 10), _data(_DIM, 20, 0.8, 11)
     fm = _fitted(b.build(seed=0, dtype=torch.float64), q, k)
@@ -225,7 +317,23 @@ def check_state_dict(subject: Subject) -> None:
 
 
 def check_batch_shape(subject: Subject) -> None:
-    """``batch_shape=(3, 1)`` broadcasts against inputs (2, n, d); rows agree when taken alone."""
+    """``batch_shape=(3, 1)`` broadcasts against inputs (2, n, d); rows agree when taken alone.
+
+    Parameters
+    ----------
+    subject : Estimator, FeatureMap or callable
+        A registered estimator, a map or a factory, as in `check_feature_map`.
+
+    Raises
+    ------
+    AssertionError
+        When features of shape ``(3, 2, n, feature_dim)`` are not produced, or a row differs alone.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> check_batch_shape(ka.get_estimator("positive"))
+    """
     b = _Builder(subject)
     x = torch.stack([_data(_DIM, 8, 0.8, 12), _data(_DIM, 8, 0.8, 13)])  # (2, n, d)
     fm = _fitted(b.build(seed=0, batch_shape=(3, 1), dtype=torch.float64), x, x)
@@ -245,7 +353,23 @@ def check_batch_shape(subject: Subject) -> None:
 
 
 def check_empty_batch(subject: Subject) -> None:
-    """Zero-sized batches give empty features, kernels and attention outputs."""
+    """Zero-sized batches give empty features, kernels and attention outputs.
+
+    Parameters
+    ----------
+    subject : Estimator, FeatureMap or callable
+        A registered estimator, a map or a factory, as in `check_feature_map`.
+
+    Raises
+    ------
+    AssertionError
+        When inputs of shape ``(0, n, d)`` do not give empty outputs of the right shapes.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> check_empty_batch(ka.get_estimator("trig-sincos"))
+    """
     from .attention import linear_attention
 
     b = _Builder(subject)
@@ -263,7 +387,23 @@ def check_empty_batch(subject: Subject) -> None:
 
 
 def check_finite_gradients(subject: Subject) -> None:
-    """Finite ``q.grad`` and ``k.grad`` through parallel and causal attention (float32)."""
+    """Finite ``q.grad`` and ``k.grad`` through parallel and causal attention (float32).
+
+    Parameters
+    ----------
+    subject : Estimator, FeatureMap or callable
+        A registered estimator, a map or a factory, as in `check_feature_map`.
+
+    Raises
+    ------
+    AssertionError
+        When a gradient entry is NaN or infinite.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> check_finite_gradients(ka.get_estimator("positive"))
+    """
     from .attention import linear_attention
 
     b = _Builder(subject)

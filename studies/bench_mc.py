@@ -13,12 +13,12 @@ $\hat K = \varphi(q)\varphi(k)^\top$ and the float64 sums of $e, e^2, e^3, e^4$ 
 chunk, $e = \hat K - K$ (for attention: row-normalised $\hat K$ times $V$, then the same sums
 of $\hat o - o$). The driver does more than the floor (stabilised log-domain features, per-draw
 metrics, confidence intervals and quantiles at the end), so a ratio of 1 is not reachable; the
-issue's target is <= 2.
+target is <= 2.
 
 Ratios printed (``driver time / floor time``, each the median over ``repeats`` back-to-back
 pairs, so that a load change on a shared machine hits both sides of a pair):
 
-* ``kernel_error d16 r64 n64 S10000``: the issue's setting (``PositiveRF``, 64 x 64 kernel);
+* ``kernel_error d16 r64 n64 S10000``: the small setting (``PositiveRF``, 64 x 64 kernel);
 * ``kernel_error d64 r256 n128 S2000``: a bigger one;
 * ``attention_error d16 r64 n64 dv16 S5000`` non-causal and causal;
 * ``error_vs_r cell``: one cell of the slowest study (``studies.error_vs_r.run_cell`` for

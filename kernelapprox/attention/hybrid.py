@@ -208,6 +208,21 @@ class HybridAttentionState:
     position : int
         Number of tokens consumed.
     window : int
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k, v = (0.5 * torch.randn(3, 2, 10, 8, generator=g)).unbind(0)
+    >>> fm = ka.PositiveRF(8, 16, seed=0)
+    >>> kw = dict(window=4, sinks=1, causal=True)
+    >>> out, st = ka.hybrid_attention(q, k, v, fm, return_state=True, **kw)
+    >>> st.kv.shape, st.keys.shape, st.sink_keys.shape, st.sink_positions, st.position
+    (torch.Size([2, 16, 9]), torch.Size([2, 4, 8]), torch.Size([2, 1, 8]), (0,), 10)
+    >>> a, s1 = ka.hybrid_attention(q[:, :6], k[:, :6], v[:, :6], fm, return_state=True, **kw)
+    >>> b = ka.hybrid_attention(q[:, 6:], k[:, 6:], v[:, 6:], fm, initial_state=s1, **kw)
+    >>> torch.allclose(torch.cat([a, b], dim=1), out, atol=1e-6)
+    True
     """
 
     kv: torch.Tensor

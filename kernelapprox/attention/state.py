@@ -28,6 +28,24 @@ class LinearAttentionState:
         ``[S | z]`` divided by ``exp(log_scale)``.
     log_scale : Tensor, shape (..., 1, 1)
         Shared log scale (float64 for the random maps).
+
+    Examples
+    --------
+    A long sequence in two segments, the state carried between them:
+
+    >>> import torch, kernelapprox as ka
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k, v = (0.5 * torch.randn(3, 2, 10, 8, generator=g)).unbind(0)
+    >>> fm = ka.PositiveRF(8, 16, seed=0)
+    >>> out, st = ka.linear_attention(q, k, v, fm, causal=True, return_state=True)
+    >>> st.kv.shape, st.S.shape, st.z.shape, (st.feature_dim, st.value_dim)
+    (torch.Size([2, 16, 9]), torch.Size([2, 16, 8]), torch.Size([2, 16]), (16, 8))
+    >>> torch.allclose(st.z, fm.key_features(k).sum(-2), atol=1e-5)
+    True
+    >>> o1, s1 = ka.linear_attention(q[:, :6], k[:, :6], v[:, :6], fm, causal=True, return_state=True)
+    >>> o2 = ka.linear_attention(q[:, 6:], k[:, 6:], v[:, 6:], fm, causal=True, initial_state=s1)
+    >>> torch.allclose(torch.cat([o1, o2], dim=1), out, atol=1e-6)
+    True
     """
 
     kv: torch.Tensor

@@ -101,6 +101,29 @@ class FeatureMap(nn.Module):
         Shape of the batch of independent projections (``()`` for deterministic maps).
     is_random, positive : bool
         Whether the map is random, and whether its features are always non-negative.
+
+    Examples
+    --------
+    A new deterministic map is `log_features` and one registration; the kernel, attention and
+    the checks of `kernelapprox.testing` then work on it:
+
+    >>> import torch, kernelapprox as ka
+    >>> class Elu1(ka.FeatureMap):
+    ...     '''elu(x) + 1, written as a new map.'''
+    ...     def __init__(self, dim, num_features=None, **kwargs):
+    ...         super().__init__()
+    ...         self.dim = self.num_features = dim
+    ...     def log_features(self, x, shared=False):
+    ...         f = torch.nn.functional.elu(x) + 1
+    ...         return f, torch.zeros(f.shape[:-1], dtype=f.dtype)
+    >>> _ = ka.register_estimator(Elu1, name="elu1", feature_dim="d")
+    >>> q, k = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0)).unbind(0)
+    >>> fm = Elu1(4)
+    >>> fm(q).shape, fm.kernel(q, k).shape, fm.feature_dim
+    (torch.Size([3, 4]), torch.Size([3, 3]), 4)
+    >>> torch.allclose(fm.kernel(q, k), ka.EluFeatures(4).kernel(q, k))
+    True
+    >>> ka.unregister_estimator("elu1")
     """
 
     is_random: ClassVar[bool] = False
@@ -456,6 +479,19 @@ class RandomFeatureMap(FeatureMap):
         Where and in which dtype the projection buffer lives (default: CPU, default dtype).
         Moving the map to a 16-bit dtype rounds the stored projection (the estimator changes);
         16-bit *inputs* need no such move: they are computed in float32 anyway.
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> fm = ka.PositiveRF(8, 16, sampler="orthogonal", seed=0, batch_shape=(2,))
+    >>> fm.weight.shape, fm.sampler.row_law
+    (torch.Size([2, 16, 8]), 'orthogonal-chi')
+    >>> x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    >>> fm(x).shape  # one projection per leading index (e.g. per head)
+    torch.Size([2, 5, 16])
+    >>> w = fm.weight.clone()
+    >>> bool((fm.redraw().weight != w).any())
+    True
     """
 
     is_random = True

@@ -316,12 +316,41 @@ def _hyp0f1_neg(b: float, x: np.ndarray) -> np.ndarray:
 
 
 class Components(NamedTuple):
-    """Closed-form ingredients of one estimator at every ``(q_i, k_j)`` pair (float64 arrays).
+    r"""Closed-form ingredients of one estimator at every ``(q_i, k_j)`` pair (float64 arrays).
 
     ``Var(K^) = exp(scale) * (v1 / r + P(r) / r^2 * cv)`` with ``P(r)`` from
     `orf_pair_count` (0 for iid rows); ``rbias = (E K^ - SM) / SM``; ``xy = log SM = q.k``;
     ``s = |q - k|^2`` and ``t = |q + k|^2``. An `kernelapprox.EstimatorTheory`'s
     ``components(geo, orthogonal)`` returns one.
+
+    Attributes
+    ----------
+    scale : ndarray, shape (..., n, m)
+        Log of the common scale factor of the variance.
+    v1 : ndarray, shape (..., n, m)
+        Variance of one projection's term, divided by ``exp(scale)``.
+    cv : ndarray, shape (..., n, m)
+        Covariance of two terms of the same orthogonal block, divided by ``exp(scale)`` (0 for iid
+        rows).
+    rbias : ndarray, shape (..., n, m)
+        Relative bias $(E\hat K - K)/K$.
+    xy, s, t : ndarray, shape (..., n, m)
+        $q^\top k = \log K$, $\|q - k\|^2$ and $\|q + k\|^2$.
+
+    Examples
+    --------
+    FAVOR+ with iid rows [Cho21]_: one term $X = e^{w^\top(x+y) - (\|x\|^2+\|y\|^2)/2}$ has
+    $\mathrm{Var}\,X = e^{2x^\top y}(e^{\|x+y\|^2} - 1)$:
+
+    >>> import numpy as np, kernelapprox as ka
+    >>> x = np.array([[0.3, -0.2, 0.1, 0.4]]); y = np.array([[0.1, 0.2, -0.3, 0.2]])
+    >>> xy = x @ y.T
+    >>> s, t = (((x[:, None] + sign * y[None]) ** 2).sum(-1) for sign in (-1, 1))
+    >>> zero = np.zeros_like(t)
+    >>> c = ka.theory.Components(scale=2 * xy, v1=np.expm1(t), cv=zero, rbias=zero, xy=xy, s=s, t=t)
+    >>> r = 8
+    >>> np.allclose(np.exp(c.scale) * c.v1 / r, ka.theory.positive_mse(x, y, r))
+    True
     """
 
     scale: np.ndarray  # log of the common scale factor

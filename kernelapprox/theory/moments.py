@@ -134,7 +134,31 @@ _NO_CLOSED_FORM = (
 )
 
 class Moments(NamedTuple):
-    """Bias, variance and MSE of every kernel entry, each of shape ``(..., n, m)``."""
+    r"""Bias, variance and MSE of every kernel entry, each of shape ``(..., n, m)``.
+
+    $\mathrm{MSE} = \mathrm{bias}^2 + \mathrm{variance}$, entrywise, for $\hat K_{ij}$ against
+    $e^{q_i^	op k_j}$.
+
+    Attributes
+    ----------
+    bias : ndarray or Tensor, shape (..., n, m)
+        $E\hat K - K$ (a Tensor when the inputs were tensors, on their device; float64).
+    variance : ndarray or Tensor, shape (..., n, m)
+        $\mathrm{Var}\,\hat K$.
+    mse : ndarray or Tensor, shape (..., n, m)
+        $E(\hat K - K)^2$.
+
+    Examples
+    --------
+    >>> import numpy as np, kernelapprox as ka
+    >>> g = np.random.default_rng(0)
+    >>> q, k = 0.3 * g.standard_normal((2, 3, 4)), 0.3 * g.standard_normal((2, 5, 4))
+    >>> m = ka.theory.estimator_moments("trig-offset", q, k, 16)
+    >>> m.mse.shape, bool(np.abs(m.bias).max() == 0.0)
+    ((2, 3, 5), True)
+    >>> np.allclose(m.mse, m.bias**2 + m.variance)
+    True
+    """
 
     bias: Any
     variance: Any
@@ -207,6 +231,17 @@ def feature_map_kind(fm: Any) -> tuple[str, str | None]:
 
     The identity comes from the registry (`kernelapprox.estimator_of`), the row law from
     ``fm.sampler.row_law``.
+
+    Parameters
+    ----------
+    fm : FeatureMap
+        A registered feature map.
+
+    Returns
+    -------
+    (str, str or None)
+        The estimator's name and the row law in `estimator_moments`' former spelling: ``None``
+        (iid), ``"chi"``, ``"fixed"`` or ``"simplex"``; ``None`` also for a deterministic map.
 
     Raises
     ------
