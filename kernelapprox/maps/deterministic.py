@@ -62,6 +62,15 @@ class _DeterministicMap(FeatureMap):
     The constructor takes the random maps' arguments (``num_features``, ``sampler``, ``seed``,
     ``generator``, ``batch_shape``, ``device``, ``dtype``) so that generic code can build any map
     the same way; they have no effect here (there is nothing to draw), and ``redraw`` is a no-op.
+
+    Parameters
+    ----------
+    dim : int
+        Input dimension $d$ (also the feature dimension).
+    num_features : int, optional
+        Accepted for a uniform constructor; must be a positive int if given; ignored.
+    sampler, seed, generator, batch_shape, device, dtype
+        The random maps' arguments, accepted and ignored (nothing is drawn).
     """
 
     is_random = False

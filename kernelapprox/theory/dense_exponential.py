@@ -88,6 +88,19 @@ def oprf_optimal_A(t: Any, d: int) -> np.ndarray:
     variance-optimal OPRF parameter at $t = \|x+y\|^2$ (see
     `kernelapprox.maps.dense_exponential.optimal_A`).
 
+    Parameters
+    ----------
+    t : array_like
+        $\|x + y\|^2 \ge 0$ (any shape).
+    d : int
+        Input dimension.
+
+    Returns
+    -------
+    ndarray, float64, the shape of ``t``
+        $A^* \in (-\infty, 0]$, computed as $-t / (d - 2t + \sqrt{(2t+d)^2 + 8dt})$ (the same
+        value without cancellation).
+
     Examples
     --------
     >>> float(oprf_optimal_A(0.0, 64))
