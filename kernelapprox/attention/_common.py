@@ -241,11 +241,13 @@ def doubly_shifted(
     if pad is not None:
         lk = lk.masked_fill(pad.unsqueeze(-1), float("-inf"))
     with torch.no_grad():
-        t = lk.amax(dim=-2, keepdim=True)  # (..., 1, F)
-        s = (lq + t).amax(dim=-1, keepdim=True)  # (..., n, 1); -inf on a feature no key reaches
-        s = torch.where(s == float("-inf"), torch.zeros_like(s), s)
+        t = lk.amax(dim=-2, keepdim=True)  # (..., 1, F); -inf on a feature no key reaches
         tk = torch.where(t == float("-inf"), torch.zeros_like(t), t)
-    return torch.exp2((lq + t) - s), torch.exp2(lk - tk)
+    a = lq + t
+    with torch.no_grad():
+        s = a.amax(dim=-1, keepdim=True)  # (..., n, 1); -inf only without any valid key
+        s = torch.where(s == float("-inf"), torch.zeros_like(s), s)
+    return torch.exp2(a - s), torch.exp2(lk - tk)
 
 
 def with_ones(v: torch.Tensor, multiple: int = 1) -> torch.Tensor:
