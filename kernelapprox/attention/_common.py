@@ -211,6 +211,45 @@ def key_side(
     return fk, v1, kv0, g
 
 
+def doubly_shifted(
+    lq: torch.Tensor, lk: torch.Tensor, pad: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Query and key features of a positive map, shifted per feature and per query.
+
+    With $\ell^q_{if} = \log_2\varphi_f(q_i) + c_i$ (``lq`` (..., n, F), $c_i$ any per-row
+    constant) and $\ell^k_{jf} = \log_2\psi_f(k_j)$ (``lk`` (..., m, F)), each feature is
+    shifted by its maximum over the keys and each query by its maximum after that:
+    $$
+    t_f = \max_j \ell^k_{jf}, \qquad s_i = \max_f (\ell^q_{if} + t_f), \qquad
+    \tilde\psi_f(k_j) = 2^{\ell^k_{jf} - t_f}, \qquad
+    \tilde\varphi_f(q_i) = 2^{\ell^q_{if} + t_f - s_i}.
+    $$
+    $\tilde\varphi(q_i)^\top\tilde\psi(k_j) = 2^{-s_i}\,\varphi(q_i)^\top\psi(k_j)\,2^{-c_i}$: the
+    factor is one per query, and cancels in $o_i = \text{num}_i / \text{den}_i$. Every feature
+    is in $[0, 1]$, $\tilde z_f = \sum_j\tilde\psi_f(k_j) \in [1, m]$ (0 for a feature no key
+    reaches), and at the maximiser $f^*$ of $s_i$, $\tilde\varphi_{f^*}(q_i) = 1$: so
+    $$
+    1 \le \text{den}_i = \textstyle\sum_f \tilde\varphi_f(q_i)\,\tilde z_f \le F m,
+    $$
+    and neither the forward nor the backward ($1/\text{den}_i$, $\tilde\varphi(Q)^\top\partial O$,
+    $\partial O\,\tilde z^\top$) can underflow or overflow, however peaked the features (a
+    fitted FAVOR++/FAVOR# map, whose per-row shift lets $\text{den}_i$ fall to $10^{-37}$ in
+    float32). Padded keys (``pad`` True) get $\ell^k = -\infty$; features that no key reaches
+    get $\tilde\psi = \tilde\varphi = 0$; without any valid key every denominator is 0 (see
+    `normalise`). The shifts are constants for autograd.
+    """
+    if pad is not None:
+        lk = lk.masked_fill(pad.unsqueeze(-1), float("-inf"))
+    with torch.no_grad():
+        t = lk.amax(dim=-2, keepdim=True)  # (..., 1, F); -inf on a feature no key reaches
+        tk = torch.where(t == float("-inf"), torch.zeros_like(t), t)
+    a = lq + t
+    with torch.no_grad():
+        s = a.amax(dim=-1, keepdim=True)  # (..., n, 1); -inf only without any valid key
+        s = torch.where(s == float("-inf"), torch.zeros_like(s), s)
+    return torch.exp2(a - s), torch.exp2(lk - tk)
+
+
 def with_ones(v: torch.Tensor, multiple: int = 1) -> torch.Tensor:
     """``[v, 1]`` (..., m, dv + 1): numerator and denominator share one GEMM (and its rounding).
 

@@ -6,7 +6,15 @@ import torch
 
 from .._validation import inputs_validated, no_autocast
 from ..maps.base import FeatureMap
-from ._common import apply_padding, key_side, normalise, padding_mask, prepare
+from ._common import (
+    apply_padding,
+    doubly_shifted,
+    key_side,
+    normalise,
+    padding_mask,
+    prepare,
+    with_ones,
+)
 from .state import LinearAttentionState
 
 #: Width multiple of the value GEMMs ($[V, 1]$ padded with zero columns, see `with_ones`).
@@ -64,23 +72,41 @@ def parallel_linear_attention(
     q, k, v, out_dtype, _ = prepare(q, k, v, feature_map, False, initial_state)
     k, v = apply_padding(pad, k, v)
     with inputs_validated():
-        fk, v1, kv0, g = key_side(feature_map, k, v, initial_state, _GEMM_COLUMNS, pad)
-        # [S | z] = phi(K)^T [V, 1] in one GEMM: numerator and denominator then share their
-        # rounding (a constant v is returned exactly; separate reductions disagree by ~n*eps).
-        # The GEMMs run at a width padded to a multiple of 8 (zero columns after the ones).
-        kv = torch.matmul(fk.mT, v1)  # (..., F, P)
-        if kv0 is not None:
-            kv = kv + kv0
-        # The per-query scale cancels. Without autograd, phi(Q) may reuse the memory of phi(K)
-        # and the product that of [wV, w] (both dead by now): fresh buffers of that size cost
-        # page faults on CPU (~0.25 ms per MB).
+        dv = v.shape[-1]
         recycle = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
-        if recycle and feature_map._fresh_key_features():
-            fq = feature_map._query_features_into(q, fk)
+        # Positive exponential maps with a gradient to take: features shifted per feature (keys) and
+        # per query against them (`doubly_shifted`), so that every denominator is >= 1 and the
+        # backward's 1/den stays of the size of the values, however peaked the features. Without
+        # autograd the cheaper shared key scale and per-row query shift are kept (`normalise`
+        # guards an underflowing denominator there).
+        grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or any(p.requires_grad for p in feature_map.parameters())
+        )
+        lk = None
+        if grad and feature_map.positive and initial_state is None and not return_state:
+            lk = feature_map._key_log2_features(k)
+        lq = None if lk is None else feature_map._query_log2_features(q)
+        if lk is not None and lq is not None:
+            fq, fk = doubly_shifted(lq, lk, pad)
+            kv = torch.matmul(fk.mT, with_ones(v, _GEMM_COLUMNS))  # (..., F, P)
+            v1 = kv  # not recycled (autograd)
         else:
-            fq = feature_map.query_features(q)
+            fk, v1, kv0, g = key_side(feature_map, k, v, initial_state, _GEMM_COLUMNS, pad)
+            # [S | z] = phi(K)^T [V, 1] in one GEMM: numerator and denominator then share their
+            # rounding (a constant v is returned exactly; separate reductions disagree by ~n*eps).
+            # The GEMMs run at a width padded to a multiple of 8 (zero columns after the ones).
+            kv = torch.matmul(fk.mT, v1)  # (..., F, P)
+            if kv0 is not None:
+                kv = kv + kv0
+            # The per-query scale cancels. Without autograd, phi(Q) may reuse the memory of
+            # phi(K) and the product that of [wV, w] (both dead by now): fresh buffers of that
+            # size cost page faults on CPU (~0.25 ms per MB).
+            if recycle and feature_map._fresh_key_features():
+                fq = feature_map._query_features_into(q, fk)
+            else:
+                fq = feature_map.query_features(q)
         del fk
-    dv = v.shape[-1]
     o_shape = (*torch.broadcast_shapes(fq.shape[:-2], kv.shape[:-2]), fq.shape[-2], kv.shape[-1])
     if recycle and v1.shape == o_shape and v1.dtype == fq.dtype == kv.dtype:
         o = torch.matmul(fq, kv, out=v1)

@@ -310,6 +310,24 @@ class FeatureMap(nn.Module):
         """
         return self.log_features(x)[0]
 
+    def _query_log2_features(self, x: torch.Tensor) -> torch.Tensor | None:
+        r"""$\log_2\varphi(x)$ up to an additive constant per row, (..., n, F), or ``None``.
+
+        For maps whose features are exponentials (``exp2`` of these exponents, before any
+        shift): attention then chooses each query's shift itself, against the key state
+        (`kernelapprox.attention._common.shift_queries`). ``None`` (the default) where the map
+        has no such form; attention then uses `query_features`.
+        """
+        return None
+
+    def _key_log2_features(self, x: torch.Tensor) -> torch.Tensor | None:
+        r"""$\log_2\psi(x)$ (key side, every term included), (..., m, F), or ``None``.
+
+        The key counterpart of `_query_log2_features`: attention then shifts each feature
+        (column) by its maximum over the keys.
+        """
+        return None
+
     def _fresh_key_features(self) -> bool:
         """Whether `key_log_features` returns a fresh tensor that nothing else references, so
         that a caller done with it may recycle its memory (see `_query_features_into`)."""
