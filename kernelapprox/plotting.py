@@ -77,7 +77,7 @@ LAWS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "c·d^p": lambda d: d,
 }
 
-_SVG_SALT = "kernelapprox"
+_SVG_SALT = "kernelapprox"  # studies._engine.figures.STABLE_RC uses the same salt
 _LAW_STYLES = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
 
 

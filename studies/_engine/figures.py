@@ -10,27 +10,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-#: rcParams applied around every save (and set by :func:`set_style`): fixed SVG ids.
-STABLE_RC: dict[str, Any] = {"svg.hashsalt": "kernelapprox-studies"}
-#: ``metadata`` of ``savefig`` per format: no creation date.
-STABLE_METADATA = {"svg": {"Date": None}, "pdf": {"CreationDate": None, "ModDate": None}, "png": {}}
+#: rcParams set by :func:`set_style`: the fixed SVG hash salt of `kernelapprox.plotting.save_figure`.
+STABLE_RC: dict[str, Any] = {"svg.hashsalt": "kernelapprox"}
 
 
 def save_figure(fig: Any, outdir: Path | str, stem: str) -> list[Path]:
     """Save ``fig`` as ``<outdir>/<stem>.png`` (dpi 150) and ``.svg``, close it, return the paths.
 
-    The files are byte-stable: the same figure gives the same bytes on every run (see
-    :data:`STABLE_RC`, :data:`STABLE_METADATA`).
+    The files are byte-stable: the same figure gives the same bytes on every run
+    (`kernelapprox.plotting.save_figure`, which the studies share with users' own figures).
     """
-    import matplotlib
     import matplotlib.pyplot as plt
 
+    from kernelapprox.plotting import save_figure as save
+
     outdir = Path(outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
-    paths = [outdir / f"{stem}.png", outdir / f"{stem}.svg"]
-    with matplotlib.rc_context(STABLE_RC):  # type: ignore[arg-type]
-        fig.savefig(paths[0], dpi=150, bbox_inches="tight", metadata=STABLE_METADATA["png"])
-        fig.savefig(paths[1], bbox_inches="tight", metadata=STABLE_METADATA["svg"])
+    paths = [save(fig, outdir / f"{stem}.png", dpi=150), save(fig, outdir / f"{stem}.svg")]
     plt.close(fig)
     return paths
 
