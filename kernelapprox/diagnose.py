@@ -90,6 +90,12 @@ class Diagnosis:
     feasible: bool = False
     target: float = 0.01
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.regime, dict):
+            raise TypeError(f"regime must be a dict, got {type(self.regime).__name__}")
+        if not isinstance(self.rows, list):
+            raise TypeError(f"rows must be a list of dicts, got {type(self.rows).__name__}")
+
     def to_frame(self) -> Any:
         """The rows as a pandas DataFrame (pandas needed)."""
         import pandas as pd
