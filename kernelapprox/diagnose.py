@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 from ._validation import check_finite_float, check_floating, check_last_dim, check_positive_int, check_seed
-from .maps.base import FeatureMap
 from .attention._common import install_input_check
+from .maps.base import FeatureMap
 from .registry import estimators
 
 __all__ = [

@@ -681,7 +681,7 @@ def _fit_map(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> FeatureMap:
     sequence, since every key is a landmark. The layer's own map is left as it was. Every other
     map is fitted in place, ``fm.fit(q, k)``.
     """
-    from .deterministic import NystromFeatures
+    from .maps.deterministic import NystromFeatures
 
     if isinstance(fm, NystromFeatures) and not isinstance(fm.landmarks, torch.Tensor):
         if k.shape[-2] < fm.num_features:

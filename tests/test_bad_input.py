@@ -26,8 +26,9 @@ import kernelapprox.theory as th
 
 hf: Any
 try:
-    from kernelapprox import hf
     from transformers import GPT2Config, GPT2Model
+
+    from kernelapprox import hf
 except ImportError:  # pragma: no cover - transformers is an optional dependency
     hf = None
 
