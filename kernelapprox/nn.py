@@ -38,7 +38,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ._validation import check_positive_int
+from ._validation import check_device, check_dtype, check_positive_int
 from .attention import LinearAttentionState, linear_attention
 from .attention._common import padding_mask
 from .maps.base import FeatureMap
@@ -390,6 +390,8 @@ class LinearAttentionHeads(nn.Module):
     ) -> None:
         super().__init__()
         self.dim_head = check_positive_int("dim_head", dim_head)
+        device = check_device("device", device)
+        check_dtype("dtype", dtype)
         self.dropout = _check_dropout(dropout)
         self.heads = check_positive_int("heads", heads)
         self.causal = _check_bool("causal", causal)
@@ -687,6 +689,8 @@ class LinearAttention(nn.Module):
         super().__init__()
         self.dim = check_positive_int("dim", dim)
         self.heads = check_positive_int("heads", heads)
+        device = check_device("device", device)
+        check_dtype("dtype", dtype)
         if dim_head is None:
             if self.dim % self.heads:
                 raise ValueError(
@@ -977,6 +981,8 @@ class MultiheadLinearAttention(nn.Module):
         **kwargs: Any,
     ) -> None:
         super().__init__()
+        check_positive_int("embed_dim", embed_dim)
+        check_positive_int("num_heads", num_heads)
         if add_bias_kv or add_zero_attn:
             raise ValueError(
                 "add_bias_kv and add_zero_attn are not supported by MultiheadLinearAttention "

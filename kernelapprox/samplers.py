@@ -36,14 +36,14 @@ import functools
 import math
 import warnings
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import numpy as np
 import torch
 from torch import nn
 
 from ._logdomain import _dense_apply
-from ._validation import as_batch_shape, check_positive_int
+from ._validation import as_batch_shape, check_positive_int, check_seed
 
 __all__ = [
     "Projection",
@@ -101,10 +101,9 @@ def make_generator(seed: int | None = None, generator: torch.Generator | None = 
         return generator
     if seed is None:
         return torch.default_generator
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be an int or None, got {seed!r}")
+    iseed = check_seed("seed", seed)
     g = torch.Generator(device="cpu")
-    g.manual_seed(int(seed))
+    g.manual_seed(cast(int, iseed))
     return g
 
 

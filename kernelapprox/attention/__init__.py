@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from .._validation import no_autocast
+from .._validation import check_bool, check_finite_float, no_autocast
 from ..maps.base import FeatureMap
 from ._common import padding_mask, run_input_checks
 from .chunk import chunk_linear_attention
@@ -196,10 +196,11 @@ def linear_attention(
     ...                     fm, scale=0.25, layout="bthd").shape
     torch.Size([2, 128, 8, 16])
     """
-    if not isinstance(fit, bool):
-        raise TypeError(f"fit must be a bool, got {fit!r}")
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, got {check!r}")
+    check_bool("fit", fit)
+    check_bool("check", check)
+    check_bool("causal", causal)
+    check_bool("return_state", return_state)
+    check_finite_float("eps", eps, min=0.0)
     if layout not in ("bhtd", "bthd"):
         raise ValueError(f"layout must be 'bhtd' (..., heads, n, d) or 'bthd' (batch, n, heads, d), got {layout!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
