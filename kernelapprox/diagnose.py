@@ -431,12 +431,12 @@ def quick_relative_mse(fm: Any, q: torch.Tensor, k: torch.Tensor) -> float:
 
 def _checkable(fm: Any, q: object, k: object) -> bool:
     """Inputs the check can read: floating tensors of the map's ``dim`` with broadcastable batch
-    dimensions and at least one row, off the meta device (anything else is left to the attention
+    dimensions and at least one element, off the meta device (anything else is left to the attention
     call, which raises the input errors)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.is_floating_point()
             and k.is_floating_point() and q.dim() >= 2 and k.dim() >= 2 and q.shape[-1] == fm.dim
-            and k.shape[-1] == fm.dim and q.shape[-2] > 0 and k.shape[-2] > 0):
-        return False
+            and k.shape[-1] == fm.dim and q.numel() > 0 and k.numel() > 0):
+        return False  # an empty batch (B = 0) or sequence: nothing to check
     try:
         torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     except RuntimeError:

@@ -294,8 +294,9 @@ def _grouped_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int | N
         return None
     if hq % hk:
         raise ValueError(
-            f"q has {hq} heads (dimension -3) and k, v have {hk}: grouped-query attention needs the "
-            f"key/value heads to divide the query heads (shapes q {tuple(q.shape)}, k {tuple(k.shape)})"
+            f"q has {hq} heads (dimension -3) and k, v have {hk}: the leading dimensions do not "
+            f"broadcast, and grouped-query attention needs the key/value heads to divide the query "
+            f"heads (shapes q {tuple(q.shape)}, k {tuple(k.shape)})"
         )
     return hq // hk
 
