@@ -207,14 +207,17 @@ def _finite_positive(values: Sequence[np.ndarray]) -> np.ndarray:
     return v[np.isfinite(v) & (v > 0)]
 
 
-def _legend(fig: Figure, cells: Sequence[tuple[Any, Any, Axes, Any]], handles: list[Any]) -> None:
-    """One panel: a legend in it; a grid: one legend above the panels."""
+def _legend(fig: Figure, cells: Sequence[tuple[Any, Any, Axes, Any]], handles: list[Any],
+            *, below: bool = False) -> None:
+    """One panel: a legend in it; a grid: one legend above the panels, or below them when the
+    figure has a title (constrained layout does not stack a title and a legend above a grid)."""
     if not handles:
         return
     if len(cells) == 1:
         cells[0][2].legend(handles=handles, loc="best")
     else:
-        fig.legend(handles=handles, loc="outside upper center", ncol=min(4, len(handles)))
+        fig.legend(handles=handles, loc="outside lower center" if below else "outside upper center",
+                   ncol=min(4, len(handles)))
 
 
 def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
@@ -387,9 +390,9 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
             handles.append(Line2D([], [], color="0.3", marker=markers[s], ls="", label=str(s)))
     if any_closed:
         handles.append(Line2D([], [], color="k", ls="--", lw=1.0, label="closed form"))
-    _legend(fig, cells, handles)
     if title is not None:
         fig.suptitle(title)
+    _legend(fig, cells, handles, below=title is not None)
     return fig
 
 
@@ -789,9 +792,9 @@ def plot_forest(df: pd.DataFrame, *, x: str = "slope",
                    for h in hues]
     if reference is not None:
         handles.append(Line2D([], [], color="k", ls="--", lw=1, label=f"reference {reference:g}"))
-    _legend(fig, cells, handles)
     if title is not None:
         fig.suptitle(title)
+    _legend(fig, cells, handles, below=title is not None)
     return fig
 
 

@@ -25,7 +25,6 @@ evaluated (hybrid features have 36 r coordinates; Taylor at d = 256 has 33153).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -222,53 +221,21 @@ def slopes(df: pd.DataFrame) -> pd.DataFrame:
 
 def _facet_lines(df: pd.DataFrame, hue: str, style: str | None, title: str, ylabel: str,
                  folder: Path, stem: str, theory: bool) -> list[Path]:
-    import matplotlib.pyplot as plt
-    import seaborn as sns
+    """One panel per (regime, d): RMS error against r with 95% bands, the closed form dashed
+    (`kernelapprox.plotting.plot_error_vs_r`); regimes and dimensions absent from ``df`` (a grid
+    restricted to other estimators) are skipped."""
+    from kernelapprox import plotting
 
     regimes = [r for r in REGIMES if r in set(df["regime"])]
-    dims = sorted(df["d"].unique())
-    if not regimes or not dims:  # a grid restricted to other estimators: no facet to draw
+    if not regimes or df.empty:  # a grid restricted to other estimators: no facet to draw
         return []
-    hues = list(dict.fromkeys(df[hue]))
-    palette = dict(zip(hues, sns.color_palette("tab10", len(hues)), strict=False))
-    fig, axes = plt.subplots(len(regimes), len(dims), figsize=(3.6 * len(dims), 2.9 * len(regimes)),
-                             squeeze=False, sharex=True)
-    for i, reg in enumerate(regimes):
-        for j, d in enumerate(dims):
-            ax = axes[i][j]
-            g = df[(df["regime"] == reg) & (df["d"] == d)].sort_values("r")
-            mk = {"markers": True, "dashes": False} if style else {"marker": "o"}
-            sns.lineplot(data=g, x="r", y="rms", hue=hue, style=style, palette=palette,
-                         hue_order=hues, errorbar=None, ax=ax,
-                         legend=(i == 0 and j == len(dims) - 1), markersize=4, **mk)
-            for key, gg in g.groupby([hue, style] if style else [hue], sort=False):
-                key = key[0]
-                gg = gg.sort_values("r")
-                ax.fill_between(gg["r"], gg["rms_lo"], gg["rms_hi"], color=palette[key], alpha=0.15,
-                                lw=0)
-                if theory and gg["theory_rms"].notna().any():
-                    ax.plot(gg["r"], gg["theory_rms"], ls="--", lw=1, color=palette[key])
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            vals = pd.concat([g["rms"], g["theory_rms"]]).replace(0, np.nan).dropna()
-            if len(vals):  # limits from the curves: a CI reaching 0 runs off the bottom
-                ax.set_ylim(vals.min() / 3, vals.max() * 3)
-            ax.set_title(f"d = {d}, {regime_label(reg)}", fontsize=9)
-            ax.set_xlabel("r (number of random projections)")
-            ax.set_ylabel(ylabel if j == 0 else "")
-    leg_ax = axes[0][len(dims) - 1]
-    if leg_ax.get_legend() is not None:
-        handles, labels = leg_ax.get_legend_handles_labels()
-        leg_ax.get_legend().remove()
-        if theory:
-            from matplotlib.lines import Line2D
-
-            handles.append(Line2D([], [], ls="--", color="k", lw=1))
-            labels.append("closed-form theory (ka.theory)")
-        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1.0),
-                   ncol=min(4, len(labels)), fontsize=8, frameon=False)
-    fig.suptitle(title, y=1.0 + 0.02 * math.ceil(len(hues) / 4) + 0.02)
-    fig.tight_layout()
+    fig = plotting.plot_error_vs_r(
+        df, x="r", y="rms", hue=hue, ci=("rms_lo", "rms_hi"),
+        closed_form="theory_rms" if theory else None, row="regime", col="d", style_by=style,
+        row_order=regimes, col_order=sorted(df["d"].unique()),
+        facet_title=lambda reg, d: f"d = {d}, {regime_label(reg)}",
+        xlabel="r (number of random projections)", ylabel=ylabel, title=title,
+    )
     return save_figure(fig, folder, stem)
 
 
