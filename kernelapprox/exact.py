@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_floating, check_last_dim, compute_dtype, no_autocast
+from ._validation import check_bool, check_floating, check_last_dim, compute_dtype, no_autocast
 
 __all__ = ["softmax_kernel", "softmax_attention", "check_qkv"]
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, causal: bool = False) -> None:
     """Validate attention inputs: q (..., n, d), k (..., m, d), v (..., m, dv), broadcastable leading dims."""
+    check_bool("causal", causal)
     check_floating("q", q)
     check_floating("k", k)
     if v is not None:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from ._validation import check_bool
 from .maps.base import FeatureMap
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -111,6 +112,12 @@ class EstimatorTheory:
     uniform_variant: str | None = None
     prepare: Callable[..., Any] | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("components", "term_bound", "prepare"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be callable or None, got {value!r} ({type(value).__name__})")
+
     def closed_forms(self, row_law: str | None) -> frozenset[str]:
         """The closed forms available for projections drawn with ``row_law`` (``None``: unknown)."""
         out = set()
@@ -170,6 +177,11 @@ class Estimator:
     feature_dim_rule: str = "r"
     _feature_dim: Callable[[int, int], int] | None = field(default=None, repr=False)
     _theory: EstimatorTheory | str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cls, type):
+            raise TypeError(f"cls must be a class (a FeatureMap subclass), got {self.cls!r} "
+                            f"({type(self.cls).__name__})")
 
     # ------------------------------------------------------------------ facts read from the class
     @property
@@ -368,7 +380,7 @@ def _forget(est: Estimator) -> None:
 
 
 def unregister_estimator(name: str) -> None:
-    """Remove the estimator registered under ``name`` (``KeyError`` if there is none).
+    """Remove the estimator registered under ``name`` (``ValueError`` if there is none).
 
     Parameters
     ----------
@@ -377,8 +389,8 @@ def unregister_estimator(name: str) -> None:
 
     Raises
     ------
-    KeyError
-        No estimator is registered under ``name``.
+    ValueError
+        No estimator is registered under ``name`` (the message lists the registered names).
 
     Examples
     --------
@@ -391,7 +403,7 @@ def unregister_estimator(name: str) -> None:
     False
     """
     if name not in _REGISTRY:
-        raise KeyError(f"no estimator named {name!r}; registered: {sorted(_REGISTRY)}")
+        raise ValueError(f"no estimator named {name!r}; registered: {sorted(_REGISTRY)}")
     _forget(_REGISTRY.pop(name))
 
 
@@ -460,7 +472,7 @@ def estimator_of(fm: object) -> Estimator:
     True
     """
     if not isinstance(fm, FeatureMap):
-        raise TypeError(f"expected a kernelapprox FeatureMap, got {type(fm).__name__}")
+        raise TypeError(f"fm must be a kernelapprox FeatureMap, got {type(fm).__name__}")
     return fm.estimator
 
 
@@ -490,6 +502,8 @@ def estimators(
     >>> [e.name for e in ka.estimators(closed_form="uniform")]
     ['trig-sincos', 'trig-offset']
     """
+    if random is not None:
+        check_bool("random", random)
     if closed_form is not None and closed_form not in CLOSED_FORMS:
         raise ValueError(f"closed_form must be one of {CLOSED_FORMS}, got {closed_form!r}")
     keep = None if names is None else set(names)

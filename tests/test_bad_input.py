@@ -34,17 +34,8 @@ except ImportError:  # pragma: no cover - transformers is an optional dependency
 
 NAN = float("nan")
 BAD = (ValueError, TypeError)
-# a map owned by a module that validates nothing in its constructors may be fixed later; the
-# rows below that still fail are strict xfails naming the file and the fix
-XF_THEORY = "kernelapprox/theory does not validate this argument at the call"
-XF_ESTIMATOR_OF = "kernelapprox/registry.py estimator_of: the message does not name the argument fm"
-XF_DEVICE = "kernelapprox/maps constructors pass device to .to() unchecked (no check_device)"
-XF_OPRF = "kernelapprox/maps/dense_exponential.py OptimalPositiveRF.fit/forward do not check their inputs"
-XF_REGISTRY = "kernelapprox/registry.py does not validate this argument"
-XF_MAPS = "kernelapprox/maps does not validate this argument at construction"
-XF_ATTN = "kernelapprox/attention/parallel.py or chunk*.py does not validate this argument"
-XF_COMMON = "kernelapprox/exact.py check_qkv (used by softmax_attention and naive.py) does not check causal"
-XF_RECURRENT = "kernelapprox/attention/recurrent.py and state.py do not validate this argument"
+# rows the library does not refuse yet are strict xfails naming the file
+XF_HYBRID = "kernelapprox/attention/hybrid.py and theory/hybrid_attention.py do not validate this argument"
 
 
 def q4(*shape: int) -> torch.Tensor:
@@ -81,17 +72,16 @@ def row(owner: str, label: str, call: Callable[[], object], match: str, xfail: s
 
 
 # ------------------------------------------------------------------------------- kernelapprox
-row("ka.Estimator", "cls-not-type", lambda: ka.Estimator("x", cls=3), "cls", XF_REGISTRY)
+row("ka.Estimator", "cls-not-type", lambda: ka.Estimator("x", cls=3), "cls")
 row("ka.EstimatorTheory", "components-not-callable", lambda: ka.EstimatorTheory(components=3),
-    "components", XF_REGISTRY)
+    "components")
 row("ka.register_estimator", "cls-not-type", lambda: ka.register_estimator(3, name="x3"), "cls")
 row("ka.register_estimator", "name-not-str", lambda: ka.register_estimator(ka.PositiveRF, name=3), "name")
-row("ka.unregister_estimator", "unknown", lambda: ka.unregister_estimator("no-such-map"), "no-such-map",
-    XF_REGISTRY + " (raises KeyError)")
+row("ka.unregister_estimator", "unknown", lambda: ka.unregister_estimator("no-such-map"), "no-such-map")
 row("ka.get_estimator", "unknown", lambda: ka.get_estimator("no-such-map"), "no-such-map")
 row("ka.get_estimator", "not-str", lambda: ka.get_estimator(3), "name")
 row("ka.estimator_of", "not-map", lambda: ka.estimator_of(3), "int")
-row("ka.estimators", "random-yes", lambda: ka.estimators(random="yes"), "random", XF_REGISTRY)
+row("ka.estimators", "random-yes", lambda: ka.estimators(random="yes"), "random")
 row("ka.estimators", "closed-form-bad", lambda: ka.estimators(closed_form=3), "closed_form")
 
 row("ka.FeatureMap", "abstract", lambda: ka.FeatureMap(4, 8), "")
@@ -114,7 +104,7 @@ for _name, _cls in RANDOM_CTORS.items():
     row(_name, "num-features-neg", lambda c=_cls: c(4, -8, seed=0), "num_features")
     row(_name, "seed-neg", lambda c=_cls: c(4, 8, seed=-1), "seed")
     row(_name, "seed-str", lambda c=_cls: c(4, 8, seed="0"), "seed")
-    row(_name, "device-nodevice", lambda c=_cls: c(4, 8, seed=0, device="nodevice"), "device", XF_DEVICE)
+    row(_name, "device-nodevice", lambda c=_cls: c(4, 8, seed=0, device="nodevice"), "device")
     row(_name, "dtype-str", lambda c=_cls: c(4, 8, seed=0, dtype="float64"), "dtype")
     row(_name, "dtype-int", lambda c=_cls: c(4, 8, seed=0, dtype=torch.int64), "dtype")
     row(_name, "sampler-unknown", lambda c=_cls: c(4, 8, seed=0, sampler="nosampler"), "sampler")
@@ -124,7 +114,7 @@ row("ka.OptimalPositiveRF", "A-nan", lambda: ka.OptimalPositiveRF(4, 8, A=NAN, s
 row("ka.SADERF", "scaling-unknown", lambda: ka.SADERF(4, 8, scaling="nope", seed=0), "scaling")
 row("ka.HybridRF", "num-angular-neg", lambda: ka.HybridRF(4, 8, num_angular=-1, seed=0), "num_angular")
 row("ka.PositiveRF", "from-projection-nan",
-    lambda: ka.PositiveRF.from_projection(torch.full((8, 4), NAN)), "W", XF_MAPS)
+    lambda: ka.PositiveRF.from_projection(torch.full((8, 4), NAN)), "W")
 row("ka.PositiveRF", "from-projection-1d",
     lambda: ka.PositiveRF.from_projection(torch.ones(8)), "W")
 row("ka.PositiveRF", "call-1d", lambda: fm4()(torch.ones(4)), "x")
@@ -142,9 +132,8 @@ DETERMINISTIC_CTORS = {
 for _name, _cls in DETERMINISTIC_CTORS.items():
     row(_name, "dim-0", lambda c=_cls: c(0), "dim")
     row(_name, "dim-str", lambda c=_cls: c("4"), "dim")
-    row(_name, "device-nodevice", lambda c=_cls: c(4, 8, device="nodevice"), "device", XF_DEVICE)
-    row(_name, "dtype-str", lambda c=_cls: c(4, 8, dtype="float64"), "dtype",
-        XF_MAPS if _name in ("ka.EluFeatures", "ka.ReluFeatures", "ka.TaylorFeatures") else None)
+    row(_name, "device-nodevice", lambda c=_cls: c(4, 8, device="nodevice"), "device")
+    row(_name, "dtype-str", lambda c=_cls: c(4, 8, dtype="float64"), "dtype")
 row("ka.NystromFeatures", "ridge-neg", lambda: ka.NystromFeatures(4, 8, ridge=-1.0), "ridge")
 row("ka.NystromFeatures", "ridge-nan", lambda: ka.NystromFeatures(4, 8, ridge=NAN), "ridge")
 row("ka.NystromFeatures", "landmarks-unknown", lambda: ka.NystromFeatures(4, 8, landmarks="nope"), "landmarks")
@@ -166,8 +155,8 @@ def _oprf_fit_meta() -> None:
     fm.fit(x, x)
 
 
-row("ka.OptimalPositiveRF", "fitted-batch2-applied-batch3", _oprf_batch2_on_batch3, "batch", XF_OPRF)
-row("ka.OptimalPositiveRF", "fit-meta", _oprf_fit_meta, "meta", XF_OPRF)
+row("ka.OptimalPositiveRF", "fitted-batch2-applied-batch3", _oprf_batch2_on_batch3, "batch")
+row("ka.OptimalPositiveRF", "fit-meta", _oprf_fit_meta, "meta")
 
 row("ka.diagnose", "q-1d", lambda: ka.diagnose(torch.ones(4), torch.ones(4)), "q")
 row("ka.diagnose", "q-list", lambda: ka.diagnose([[1.0]], q4(3, 1)), "q")
@@ -219,7 +208,7 @@ row("ka.softmax_kernel", "k-wrong-dim", lambda: ka.softmax_kernel(Q5, q4(5, 3)),
 row("ka.softmax_kernel", "q-int", lambda: ka.softmax_kernel(torch.ones(5, 4, dtype=torch.int64), K5), "q")
 
 V5 = q4(5, 2)
-row("ka.softmax_attention", "causal-yes", lambda: ka.softmax_attention(Q5, K5, V5, causal="yes"), "causal", XF_COMMON)
+row("ka.softmax_attention", "causal-yes", lambda: ka.softmax_attention(Q5, K5, V5, causal="yes"), "causal")
 row("ka.softmax_attention", "v-wrong-length", lambda: ka.softmax_attention(Q5, K5, q4(6, 2)), "v")
 row("ka.softmax_attention", "chunk-size-0", lambda: ka.softmax_attention(Q5, K5, V5, chunk_size=0), "chunk_size")
 
@@ -236,43 +225,46 @@ row("ka.linear_attention", "v-wrong-length", lambda: ka.linear_attention(Q5, K5,
 row("ka.linear_attention", "fit-yes", lambda: ka.linear_attention(Q5, K5, V5, fm4(), fit="yes"), "fit")
 row("ka.linear_attention", "check-yes", lambda: ka.linear_attention(Q5, K5, V5, fm4(), check="yes"), "check")
 row("ka.parallel_linear_attention", "return-state-yes",
-    lambda: ka.parallel_linear_attention(Q5, K5, V5, fm4(), return_state="yes"), "return_state", XF_ATTN)
+    lambda: ka.parallel_linear_attention(Q5, K5, V5, fm4(), return_state="yes"), "return_state")
 row("ka.parallel_linear_attention", "eps-nan",
-    lambda: ka.parallel_linear_attention(Q5, K5, V5, fm4(), eps=NAN), "eps", XF_ATTN)
+    lambda: ka.parallel_linear_attention(Q5, K5, V5, fm4(), eps=NAN), "eps")
 row("ka.parallel_linear_attention", "eps-neg",
-    lambda: ka.parallel_linear_attention(Q5, K5, V5, fm4(), eps=-1.0), "eps", XF_ATTN)
+    lambda: ka.parallel_linear_attention(Q5, K5, V5, fm4(), eps=-1.0), "eps")
 row("ka.parallel_linear_attention", "q-1d",
     lambda: ka.parallel_linear_attention(torch.ones(4), K5, V5, fm4()), "q")
 row("ka.chunk_linear_attention", "chunk-size-0",
     lambda: ka.chunk_linear_attention(Q5, K5, V5, fm4(), chunk_size=0), "chunk_size")
 row("ka.chunk_linear_attention", "return-state-yes",
-    lambda: ka.chunk_linear_attention(Q5, K5, V5, fm4(), return_state="yes"), "return_state", XF_ATTN)
+    lambda: ka.chunk_linear_attention(Q5, K5, V5, fm4(), return_state="yes"), "return_state")
 row("ka.chunk_linear_attention", "eps-nan",
-    lambda: ka.chunk_linear_attention(Q5, K5, V5, fm4(), eps=NAN), "eps", XF_ATTN)
+    lambda: ka.chunk_linear_attention(Q5, K5, V5, fm4(), eps=NAN), "eps")
 row("ka.naive_linear_attention", "causal-yes",
-    lambda: ka.naive_linear_attention(Q5, K5, V5, fm4(), causal="yes"), "causal", XF_COMMON)
+    lambda: ka.naive_linear_attention(Q5, K5, V5, fm4(), causal="yes"), "causal")
 row("ka.naive_linear_attention", "q-1d", lambda: ka.naive_linear_attention(torch.ones(4), K5, V5, fm4()), "q")
 row("ka.naive_recurrent_linear_attention", "q-1d",
     lambda: ka.naive_recurrent_linear_attention(torch.ones(4), K5, V5, fm4()), "q")
 row("ka.naive_recurrent_linear_attention", "fm-not-map",
     lambda: ka.naive_recurrent_linear_attention(Q5, K5, V5, 3), "feature_map")
 row("ka.RecurrentLinearAttention", "fm-not-map", lambda: ka.RecurrentLinearAttention(3), "feature_map")
-row("ka.RecurrentLinearAttention", "eps-nan", lambda: ka.RecurrentLinearAttention(fm4(), eps=NAN), "eps",
-    XF_RECURRENT)
-row("ka.RecurrentLinearAttention", "eps-neg", lambda: ka.RecurrentLinearAttention(fm4(), eps=-1.0), "eps",
-    XF_RECURRENT)
+row("ka.RecurrentLinearAttention", "eps-nan", lambda: ka.RecurrentLinearAttention(fm4(), eps=NAN), "eps")
+row("ka.RecurrentLinearAttention", "eps-neg", lambda: ka.RecurrentLinearAttention(fm4(), eps=-1.0), "eps")
 row("ka.RecurrentLinearAttention", "step-wrong-dim",
     lambda: ka.RecurrentLinearAttention(fm4())(q4(3), q4(3), q4(2)), "")
-row("ka.LinearAttentionState", "kv-not-tensor", lambda: ka.LinearAttentionState(3, torch.zeros(())), "kv", XF_RECURRENT)
+row("ka.LinearAttentionState", "kv-not-tensor", lambda: ka.LinearAttentionState(3, torch.zeros(())), "kv")
 row("ka.LinearAttentionState", "log-scale-not-tensor",
-    lambda: ka.LinearAttentionState(torch.zeros(8, 2), 3), "log_scale", XF_RECURRENT)
+    lambda: ka.LinearAttentionState(torch.zeros(8, 2), 3), "log_scale")
+
+row("ka.hybrid_attention", "fm-not-map", lambda: ka.hybrid_attention(Q5, K5, V5, 3, window=2), "feature_map")
+row("ka.hybrid_attention", "q-1d", lambda: ka.hybrid_attention(torch.ones(4), K5, V5, fm4(), window=2), "q")
+row("ka.RecurrentHybridAttention", "fm-not-map", lambda: ka.RecurrentHybridAttention(3, window=2), "feature_map")
+row("ka.HybridAttentionState", "kv-not-tensor",
+    lambda: ka.HybridAttentionState(3, torch.zeros(1, 1), *(torch.zeros(0, 4),) * 4, (), 0, 2), "kv", XF_HYBRID)
 
 # ------------------------------------------------------------------------------------- theory
 for _fname in ("bias", "variance", "mse", "relative_mse", "deterministic_error"):
     _f = getattr(th, _fname)
     _fm = ka.EluFeatures if _fname == "deterministic_error" else fm4
-    row(f"theory.{_fname}", "fm-not-map", lambda f=_f: f(3, Q5, K5), "fm",
-        None if _fname == "deterministic_error" else XF_ESTIMATOR_OF)
+    row(f"theory.{_fname}", "fm-not-map", lambda f=_f: f(3, Q5, K5), "fm")
     row(f"theory.{_fname}", "q-wrong-dim", lambda f=_f, m=_fm: f(m(4) if m is ka.EluFeatures else m(), q4(5, 3), K5),
         "")
 row("theory.estimator_moments", "kind-unknown", lambda: th.estimator_moments("nomap", Q5, K5, 8), "nomap")
@@ -280,15 +272,14 @@ row("theory.estimator_moments", "num-features-0", lambda: th.estimator_moments("
     "num_features")
 row("theory.feature_map_kind", "not-map", lambda: th.feature_map_kind(3), "")
 row("theory.orf_pair_count", "num-features-0", lambda: th.orf_pair_count(0, 4), "num_features")
-row("theory.orf_pair_count", "dim-bool", lambda: th.orf_pair_count(8, True), "dim",
-    XF_THEORY + " (the message names num_features)")
+row("theory.orf_pair_count", "dim-bool", lambda: th.orf_pair_count(8, True), "dim")
 for _fname in ("trig_sincos_mse", "trig_offset_mse", "positive_mse", "oprf_mse", "hyperbolic_mse"):
     _f = getattr(th, _fname)
     row(f"theory.{_fname}", "num-features-0", lambda f=_f: f(Q5, K5, 0), "num_features")
     row(f"theory.{_fname}", "orthogonal-unknown", lambda f=_f: f(Q5, K5, 8, orthogonal="nope"), "orthogonal")
     row(f"theory.{_fname}", "q-wrong-dim", lambda f=_f: f(q4(5, 3), K5, 8), "")
-row("theory.oprf_optimal_A", "d-0", lambda: th.oprf_optimal_A(1.0, 0), "d", XF_THEORY)
-row("theory.oprf_optimal_A", "t-nan", lambda: th.oprf_optimal_A(NAN, 4), "t", XF_THEORY)
+row("theory.oprf_optimal_A", "d-0", lambda: th.oprf_optimal_A(1.0, 0), "d")
+row("theory.oprf_optimal_A", "t-nan", lambda: th.oprf_optimal_A(NAN, 4), "t")
 for _fname in ("trig_bias", "positive_bias", "hyperbolic_bias"):
     _f = getattr(th, _fname)
     row(f"theory.{_fname}", "orthogonal-unknown", lambda f=_f: f(Q5, K5, orthogonal="nope"), "orthogonal")
@@ -321,13 +312,20 @@ row("theory.required_features_uniform", "eps-0",
 for _fname in ("attention_variance", "normaliser_relative_variance"):
     _f = getattr(th, _fname)
     _args = (Q5, K5, V5) if _fname == "attention_variance" else (Q5, K5)
-    row(f"theory.{_fname}", "fm-not-map", lambda f=_f, a=_args: f(3, *a), "fm",
-        XF_THEORY + " (raises NotImplementedError)")
+    row(f"theory.{_fname}", "fm-not-map", lambda f=_f, a=_args: f(3, *a), "fm")
     row(f"theory.{_fname}", "causal-yes", lambda f=_f, a=_args: f(fm4(), *a, causal="yes"), "causal")
     row(f"theory.{_fname}", "q-1d", lambda f=_f, a=_args: f(fm4(), torch.ones(4), *a[1:]), "q")
-row("theory.kernel_covariance", "fm-not-map", lambda: th.kernel_covariance(3, Q5, K5), "fm",
-    XF_THEORY + " (raises NotImplementedError)")
+row("theory.kernel_covariance", "fm-not-map", lambda: th.kernel_covariance(3, Q5, K5), "fm")
 row("theory.kernel_covariance", "q-1d", lambda: th.kernel_covariance(fm4(), torch.ones(4), K5), "q")
+row("theory.exact_mass", "q-1d", lambda: th.exact_mass(torch.ones(4), K5, window=2), "q")
+for _fname in ("hybrid_attention_variance", "hybrid_numerator_variance", "hybrid_numerator_mse",
+               "hybrid_normaliser_variance", "hybrid_normaliser_mse"):
+    _f = getattr(th, _fname)
+    _args = (Q5, K5, V5) if "normaliser" not in _fname else (Q5, K5)
+    row(f"theory.{_fname}", "fm-not-map", lambda f=_f, a=_args: f(3, *a, window=2), "fm",
+        XF_HYBRID + " (raises AttributeError)" if _fname.endswith("_mse") else None)
+    row(f"theory.{_fname}", "q-1d", lambda f=_f, a=_args: f(fm4(), torch.ones(4), *a[1:], window=2), "q")
+row("theory.hybrid_error_identity", "p-list", lambda: th.hybrid_error_identity([1.0], V5, V5, V5), "p", XF_HYBRID)
 
 # --------------------------------------------------------------------------------- montecarlo
 for _fname in ("relative_error", "relative_rms", "relative_frobenius", "max_abs_error",

@@ -103,7 +103,7 @@ def test_registration_errors():
         ka.register_estimator(ka.PositiveRF, name="p2", theory=3)
     with pytest.raises(ValueError, match="unknown estimator 'trig'"):
         ka.get_estimator("trig")  # one spelling: no aliases
-    with pytest.raises(KeyError, match="no estimator"):
+    with pytest.raises(ValueError, match="no estimator named 'nope'"):
         ka.unregister_estimator("nope")
 
 

@@ -14,9 +14,9 @@ from typing import Literal
 
 import torch
 
-from .._validation import check_bool, check_finite_float, no_autocast
+from .._validation import check_bool, no_autocast
 from ..maps.base import FeatureMap
-from ._common import padding_mask, run_input_checks
+from ._common import check_options, padding_mask, run_input_checks
 from .chunk import chunk_linear_attention
 from .hybrid import (
     HybridAttentionState,
@@ -199,8 +199,7 @@ def linear_attention(
     check_bool("fit", fit)
     check_bool("check", check)
     check_bool("causal", causal)
-    check_bool("return_state", return_state)
-    check_finite_float("eps", eps, min=0.0)
+    check_options(return_state, eps)
     if layout not in ("bhtd", "bthd"):
         raise ValueError(f"layout must be 'bhtd' (..., heads, n, d) or 'bthd' (batch, n, heads, d), got {layout!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._validation import broadcast_batch, compute_dtype
+from .._validation import broadcast_batch, check_bool, check_finite_float, compute_dtype
 from ..exact import check_qkv
 from ..maps.base import FeatureMap
 from .state import LinearAttentionState
@@ -104,6 +104,18 @@ def check_feature_map(feature_map: object) -> FeatureMap:
     if not isinstance(feature_map, FeatureMap):
         raise TypeError(f"feature_map must be a kernelapprox FeatureMap, got {type(feature_map).__name__}")
     return feature_map
+
+
+def check_eps(eps: object) -> float:
+    """``eps`` (the denominators' floor) as a finite float >= 0, else ``TypeError``/``ValueError``."""
+    return check_finite_float("eps", eps, min=0.0)
+
+
+def check_options(return_state: object, eps: object) -> float:
+    """Check the scalar options every attention form takes: ``return_state`` a bool, ``eps`` a
+    finite float >= 0 (returned as ``float``)."""
+    check_bool("return_state", return_state)
+    return check_eps(eps)
 
 
 def prepare(

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .._validation import inputs_validated, no_autocast
 from ..maps.base import FeatureMap
 from . import chunk_runmax, chunk_shared
-from ._common import apply_padding, normalise, padding_mask, prepare, with_ones
+from ._common import apply_padding, check_options, normalise, padding_mask, prepare, with_ones
 from .parallel import _GEMM_COLUMNS
 from .state import LinearAttentionState
 
@@ -142,6 +142,7 @@ def chunk_linear_attention(
     compiling = torch.compiler.is_compiling()
     if _path == "shared" and compiling:
         raise ValueError("_path='shared' decides on the host and cannot run inside torch.compile; use 'auto'")
+    eps = check_options(return_state, eps)
     pad = padding_mask(key_padding_mask, k.shape)
     q, k, v, out_dtype, cdt = prepare(q, k, v, feature_map, True, initial_state)
     k, v = apply_padding(pad, k, v)

@@ -8,6 +8,7 @@ from .._validation import inputs_validated, no_autocast
 from ..maps.base import FeatureMap
 from ._common import (
     apply_padding,
+    check_options,
     doubly_shifted,
     key_side,
     normalise,
@@ -68,6 +69,7 @@ def parallel_linear_attention(
     >>> parallel_linear_attention(q / 2, k / 2, v, fm).shape
     torch.Size([2, 50, 8])
     """
+    eps = check_options(return_state, eps)
     pad = padding_mask(key_padding_mask, k.shape)
     q, k, v, out_dtype, _ = prepare(q, k, v, feature_map, False, initial_state)
     k, v = apply_padding(pad, k, v)

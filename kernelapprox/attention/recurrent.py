@@ -6,7 +6,16 @@ import torch
 
 from .._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
 from ..maps.base import FeatureMap
-from ._common import apply_padding, check_feature_map, check_state, normalise, padding_mask, split, with_ones
+from ._common import (
+    apply_padding,
+    check_eps,
+    check_feature_map,
+    check_state,
+    normalise,
+    padding_mask,
+    split,
+    with_ones,
+)
 from .state import LinearAttentionState
 
 
@@ -53,7 +62,7 @@ class RecurrentLinearAttention:
             raise TypeError(f"state must be a LinearAttentionState, got {type(state).__name__}")
         self.feature_map = feature_map
         self.state = state
-        self.eps = eps
+        self.eps = check_eps(eps)
         self.steps = 0
 
     def reset(self) -> None:

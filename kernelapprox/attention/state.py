@@ -51,6 +51,12 @@ class LinearAttentionState:
     kv: torch.Tensor
     log_scale: torch.Tensor
 
+    def __post_init__(self) -> None:
+        for name in ("kv", "log_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {value!r} ({type(value).__name__})")
+
     @property
     def S(self) -> torch.Tensor:
         """$S$, shape (..., F, dv)."""

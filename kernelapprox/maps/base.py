@@ -46,6 +46,8 @@ from torch import nn
 from .._validation import (
     as_batch_shape,
     broadcast_batch,
+    check_device,
+    check_dtype,
     check_floating,
     check_last_dim,
     check_positive_int,
@@ -533,8 +535,8 @@ class RandomFeatureMap(FeatureMap):
         self.num_features = check_positive_int("num_features", num_features)
         self.batch_shape = as_batch_shape(batch_shape)
         self.sampler = get_sampler(sampler)
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        device = check_device("device", device)
+        dtype = check_dtype("dtype", dtype)
         self._init_dtype = dtype or torch.get_default_dtype()
         g = None
         if _projection is None:
@@ -587,6 +589,9 @@ class RandomFeatureMap(FeatureMap):
         W = check_floating("W", W)
         if W.dim() < 2:
             raise ValueError(f"W must have shape (*batch_shape, r, d), got {tuple(W.shape)}")
+        if W.device.type != "meta" and not bool(torch.isfinite(W).all()):
+            raise ValueError(f"W must be finite, got {int((~torch.isfinite(W)).sum())} non-finite entries "
+                             f"(shape {tuple(W.shape)})")
         kwargs.setdefault("dtype", W.dtype)
         kwargs.setdefault("device", W.device)
         for bad in ("seed", "generator", "batch_shape"):

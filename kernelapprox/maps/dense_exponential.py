@@ -108,6 +108,9 @@ def _check_qk(fm: RandomFeatureMap, q: object, k: object) -> tuple[torch.Tensor,
     k = check_floating("k", k)
     check_last_dim("q", q, fm.dim)
     check_last_dim("k", k, fm.dim)
+    for name, t in (("q", q), ("k", k)):
+        if t.device.type == "meta":
+            raise ValueError(f"fit needs {name} with data, got a tensor on the meta device (shape {tuple(t.shape)})")
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         raise ValueError(f"fit needs at least one query and one key, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     try:
@@ -297,6 +300,18 @@ def _fitted(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t.to(device=like.device)
 
 
+def _check_fitted_batch(fm: RandomFeatureMap, xc: torch.Tensor, fitted_batch: torch.Size) -> None:
+    """``ValueError`` unless the input's leading dimensions broadcast with those `fit` saw."""
+    try:
+        torch.broadcast_shapes(xc.shape[:-2], fitted_batch)
+    except RuntimeError:
+        raise ValueError(
+            f"x has leading dimensions {tuple(xc.shape[:-2])} which do not broadcast with the batch "
+            f"shape {tuple(fitted_batch)} that {type(fm).__name__}.fit saw (refit on data of this "
+            "batch shape, or apply the map to inputs of the fitted one)"
+        ) from None
+
+
 class OptimalPositiveRF(_DenseExponentialRF):
     r"""Optimal positive random features, OPRF / FAVOR++ [LCD22]_.
 
@@ -382,6 +397,7 @@ class OptimalPositiveRF(_DenseExponentialRF):
         return self
 
     def _weights(self, xc, key):
+        _check_fitted_batch(self, xc, self.A_.shape)
         A = _fitted(self.A_, xc)  # (*fb) float64
         W = self.weight.to(xc.dtype)  # (*bs, r, d)
         one4 = 1.0 - 4.0 * A
@@ -490,6 +506,7 @@ class SADERF(_DenseExponentialRF):
         return self
 
     def _weights(self, xc, key):
+        _check_fitted_batch(self, xc, self.A_.shape)
         A = _fitted(self.A_, xc)  # (*fb)
         psi = _fitted(self.psi_, xc)  # (*fb, d)
         scale = 1.0 / psi if key else psi
@@ -581,6 +598,7 @@ class SDERF(_DenseExponentialRF):
         return self
 
     def _weights(self, xc, key):
+        _check_fitted_batch(self, xc, self.A_.shape[:-1])
         A = _fitted(self.A_, xc)  # (*fb, d)
         Q = _fitted(self.Q_, xc)  # (*fb, d, d)
         W = self.weight.to(torch.float64)  # (*bs, r, d)

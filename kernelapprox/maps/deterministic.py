@@ -38,6 +38,8 @@ from .._logdomain import _op_into
 from .._validation import (
     as_batch_shape,
     broadcast_batch,
+    check_device,
+    check_dtype,
     check_floating,
     check_last_dim,
     check_positive_int,
@@ -92,6 +94,8 @@ class _DeterministicMap(FeatureMap):
         if num_features is not None:
             check_positive_int("num_features", num_features)
         as_batch_shape(batch_shape)
+        check_device("device", device)
+        check_dtype("dtype", dtype)
         self.num_features = self.dim
         self.batch_shape = ()
 
@@ -380,8 +384,8 @@ class NystromFeatures(FeatureMap):
     ) -> None:
         super().__init__()
         self.dim = check_positive_int("dim", dim)
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        device = check_device("device", device)
+        dtype = check_dtype("dtype", dtype)
         if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not (ridge >= 0 and math.isfinite(ridge)):
             raise ValueError(f"ridge must be a finite float >= 0, got {ridge!r}")
         if rcond is not None and (

@@ -33,6 +33,8 @@ from torch import nn
 from .._logdomain import LOG2E, _grad, _op_into
 from .._validation import (
     as_batch_shape,
+    check_device,
+    check_dtype,
     check_floating,
     check_last_dim,
     check_positive_int,
@@ -168,8 +170,8 @@ class HedgehogFeatures(FeatureMap):
             bias = variant == "fla"
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool or None, got {bias!r}")
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        device = check_device("device", device)
+        dtype = check_dtype("dtype", dtype)
         self.variant = variant
         self.init = init
         self.batch_shape = as_batch_shape(batch_shape)

@@ -150,11 +150,11 @@ def _geometry(q: np.ndarray, k: np.ndarray) -> _Geometry:
     return _Geometry(nx, ny, xy, s, t, int(q.shape[-1]))
 
 
-def _check_r(num_features: object) -> int:
+def _check_r(num_features: object, name: str = "num_features") -> int:
     if isinstance(num_features, bool) or not isinstance(num_features, (int, np.integer)):
-        raise TypeError(f"num_features must be a positive int, got {num_features!r}")
+        raise TypeError(f"{name} must be a positive int, got {num_features!r}")
     if num_features <= 0:
-        raise ValueError(f"num_features must be a positive int, got {num_features}")
+        raise ValueError(f"{name} must be a positive int, got {num_features}")
     return int(num_features)
 
 
@@ -189,7 +189,7 @@ def orf_pair_count(num_features: int, dim: int) -> int:
     14
     """
     r = _check_r(num_features)
-    d = _check_r(dim)
+    d = _check_r(dim, "dim")
     b, rp = divmod(r, d)
     return b * d * (d - 1) + rp * (rp - 1)
 

@@ -97,9 +97,12 @@ _PairTerms = tuple[tuple[float, float, float, float], ...]
 def pair_terms(fm: object) -> _PairTerms | None:
     """The estimator's attention pair terms (``EstimatorTheory.attention_pair_terms``, see the
     module docstring), ``None`` for a deterministic map; ``NotImplementedError`` where the
-    delta-method closed form is not available."""
+    delta-method closed form is not available; ``TypeError`` if ``fm`` is not a feature map."""
+    from kernelapprox.maps.base import FeatureMap
     from kernelapprox.registry import estimator_of
 
+    if not isinstance(fm, FeatureMap):
+        raise TypeError(f"fm must be a kernelapprox FeatureMap, got {type(fm).__name__}")
     try:
         est = estimator_of(fm)
     except (LookupError, TypeError) as e:

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernelapprox._validation import check_positive_int
 from kernelapprox.registry import EstimatorTheory
 
 from ._common import (
@@ -106,7 +107,11 @@ def oprf_optimal_A(t: Any, d: int) -> np.ndarray:
     >>> float(oprf_optimal_A(0.0, 64))
     -0.0
     """
+    d = check_positive_int("d", d)
     t = np.asarray(t, dtype=np.float64)
+    if not np.isfinite(t).all():
+        raise ValueError(f"t must be finite, got {int((~np.isfinite(t)).sum())} non-finite entries "
+                         f"(shape {t.shape})")
     S = np.sqrt((2 * t + d) ** 2 + 8 * d * t)
     return -t / (d - 2 * t + S)
 
