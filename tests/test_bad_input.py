@@ -35,7 +35,6 @@ except ImportError:  # pragma: no cover - transformers is an optional dependency
 NAN = float("nan")
 BAD = (ValueError, TypeError)
 # rows the library does not refuse yet are strict xfails naming the file
-XF_HYBRID = "kernelapprox/attention/hybrid.py and theory/hybrid_attention.py do not validate this argument"
 
 
 def q4(*shape: int) -> torch.Tensor:
@@ -258,7 +257,7 @@ row("ka.hybrid_attention", "fm-not-map", lambda: ka.hybrid_attention(Q5, K5, V5,
 row("ka.hybrid_attention", "q-1d", lambda: ka.hybrid_attention(torch.ones(4), K5, V5, fm4(), window=2), "q")
 row("ka.RecurrentHybridAttention", "fm-not-map", lambda: ka.RecurrentHybridAttention(3, window=2), "feature_map")
 row("ka.HybridAttentionState", "kv-not-tensor",
-    lambda: ka.HybridAttentionState(3, torch.zeros(1, 1), *(torch.zeros(0, 4),) * 4, (), 0, 2), "kv", XF_HYBRID)
+    lambda: ka.HybridAttentionState(3, torch.zeros(1, 1), *(torch.zeros(0, 4),) * 4, (), 0, 2), "kv")
 
 # ------------------------------------------------------------------------------------- theory
 for _fname in ("bias", "variance", "mse", "relative_mse", "deterministic_error"):
@@ -323,9 +322,9 @@ for _fname in ("hybrid_attention_variance", "hybrid_numerator_variance", "hybrid
     _f = getattr(th, _fname)
     _args = (Q5, K5, V5) if "normaliser" not in _fname else (Q5, K5)
     row(f"theory.{_fname}", "fm-not-map", lambda f=_f, a=_args: f(3, *a, window=2), "fm",
-        XF_HYBRID + " (raises AttributeError)" if _fname.endswith("_mse") else None)
+        None)
     row(f"theory.{_fname}", "q-1d", lambda f=_f, a=_args: f(fm4(), torch.ones(4), *a[1:], window=2), "q")
-row("theory.hybrid_error_identity", "p-list", lambda: th.hybrid_error_identity([1.0], V5, V5, V5), "p", XF_HYBRID)
+row("theory.hybrid_error_identity", "p-list", lambda: th.hybrid_error_identity([1.0], V5, V5, V5), "p")
 
 # --------------------------------------------------------------------------------- montecarlo
 for _fname in ("relative_error", "relative_rms", "relative_frobenius", "max_abs_error",

@@ -235,6 +235,12 @@ class HybridAttentionState:
     position: int
     window: int
 
+    def __post_init__(self) -> None:
+        for name in ("kv", "log_scale", "keys", "values", "sink_keys", "sink_values"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {value!r} ({type(value).__name__})")
+
     def detach(self) -> HybridAttentionState:
         """The same state, detached from autograd."""
         return HybridAttentionState(

@@ -63,15 +63,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from kernelapprox.attention.hybrid import exact_set_mask
+from kernelapprox.maps.base import FeatureMap
 from kernelapprox.theory.attention import check_attention_inputs, pair_terms
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kernelapprox.maps.base import FeatureMap
 
 __all__ = [
     "exact_mass",
@@ -84,6 +81,11 @@ __all__ = [
 ]
 
 _BLOCK_BYTES = 64 * 2**20
+
+
+def _check_map(fm: object) -> None:
+    if not isinstance(fm, FeatureMap):
+        raise TypeError(f"fm must be a kernelapprox FeatureMap, got {type(fm).__name__}")
 
 
 def _masks(n: int, m: int, window: int, sinks: object, causal: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,6 +328,7 @@ def hybrid_normaliser_mse(
     >>> bool((hybrid_normaliser_mse(ka.TaylorFeatures(4), q, k, window=16) == 0).all())  # all exact
     True
     """
+    _check_map(fm)
     check_attention_inputs(fm, q, k, None)
     ones = torch.ones(k.shape[-2], 1, dtype=torch.float64, device=q.device)
     bias = _remainder_bias(fm, q, k, ones, window, sinks, causal)[..., 0]
@@ -358,6 +361,7 @@ def hybrid_numerator_mse(
     >>> hybrid_numerator_mse(ka.EluFeatures(4), q, k, v, window=3).shape
     torch.Size([16, 4])
     """
+    _check_map(fm)
     check_attention_inputs(fm, q, k, v)
     bias = _remainder_bias(fm, q, k, v, window, sinks, causal)
     return hybrid_numerator_variance(fm, q, k, v, window=window, sinks=sinks, causal=causal) + bias**2
@@ -436,7 +440,11 @@ def hybrid_error_identity(
     >>> hybrid_error_identity(p, torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1))
     tensor([[0.2500]])
     """
-    p = torch.as_tensor(p).unsqueeze(-1)
+    for name, t in (("p", p), ("o_exact", o_exact), ("o_remainder", o_remainder),
+                    ("o_remainder_hat", o_remainder_hat)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    p = p.unsqueeze(-1)
     dl = torch.as_tensor(delta, dtype=p.dtype, device=p.device)
     if dl.dim():
         dl = dl.unsqueeze(-1)
