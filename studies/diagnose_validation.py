@@ -13,7 +13,7 @@ prediction error. ``ratio = measured / predicted``; ``within_2x``: ``0.5 <= rati
 Attention: ``v ~ N(0, I)``; ``attn_rel_err = ‖Ô − O‖_F/‖O‖_F`` per draw (``Ô`` =
 ``ka.linear_attention(q, k, v, fm)`` with the S-batched map, ``O`` = softmax attention), next to the
 row's ``normaliser_rel_var`` and ``delta_method_valid``; ``uniform_attn_rel_err`` is the error of
-uniform weights (output = mean of ``v``). ``warned``: whether ``ka.linear_attention`` raised
+uniform weights (output = mean of ``v``). ``warned``: whether ``ka.linear_attention(..., check=True)`` raised
 :class:`ka.KernelApproxWarning` (recorded with ``warnings.catch_warnings``); ``worse_than_uniform``:
 ``attn_rel_err > uniform_attn_rel_err``; ``quick_pred`` is the value the warning thresholds
 (``ka.diagnose.quick_relative_mse``, warns above ``WARN_RELATIVE_MSE = 1``).
@@ -120,7 +120,7 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with torch.no_grad():
-                Oh = ka.linear_attention(q, k, v, fm)  # (S, n, d)
+                Oh = ka.linear_attention(q, k, v, fm, check=True)  # (S, n, d); the check on request
         assert isinstance(Oh, torch.Tensor)
         warned = any(issubclass(w.category, ka.KernelApproxWarning) for w in caught)
         attn = _rel_fro(Oh, out_exact)  # per draw
