@@ -95,8 +95,9 @@ class SoftmaxAttention(nn.Module):
         def split(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
 
-        o = F.scaled_dot_product_attention(split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)),
-                                           is_causal=True)
+        o = F.scaled_dot_product_attention(
+            split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)), is_causal=True
+        )
         return self.to_out(o.transpose(1, 2).reshape(b, n, d))
 
 
@@ -104,8 +105,9 @@ def make_attention(name: str, seed: int) -> nn.Module:
     """The attention of one block: ``"softmax"`` or a `LinearAttention` with map ``name``."""
     if name == "softmax":
         return SoftmaxAttention(DIM, HEADS)
-    return LinearAttention(DIM, heads=HEADS, causal=True, feature_map=name, seed=seed, fit=name == "oprf",
-                           check=False)
+    return LinearAttention(
+        DIM, heads=HEADS, causal=True, feature_map=name, seed=seed, fit=name == "oprf", check=False
+    )
 
 
 class CausalLM(nn.Module):
@@ -118,8 +120,9 @@ class CausalLM(nn.Module):
         self.blocks = nn.ModuleList()
         for i in range(LAYERS):
             mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
-            self.blocks.append(nn.ModuleList([nn.LayerNorm(DIM), make_attention(attention, seed=i),
-                                              nn.LayerNorm(DIM), mlp]))
+            self.blocks.append(
+                nn.ModuleList([nn.LayerNorm(DIM), make_attention(attention, seed=i), nn.LayerNorm(DIM), mlp])
+            )
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB)
 
@@ -170,7 +173,7 @@ class Run:
 
     @property
     def step_s(self) -> float:
-        t = self.times[self.warmup:] or self.times[-1:]
+        t = self.times[self.warmup :] or self.times[-1:]
         return sum(t) / len(t)
 
     @property
@@ -178,8 +181,16 @@ class Run:
         return max(self.times[0] - self.step_s, 0.0)
 
 
-def train(attention: str, mode: str, tokens: torch.Tensor, steps: int, *, backend: str = "inductor",
-          seed: int = 0, progress: bool = True) -> Run:
+def train(
+    attention: str,
+    mode: str,
+    tokens: torch.Tensor,
+    steps: int,
+    *,
+    backend: str = "inductor",
+    seed: int = 0,
+    progress: bool = True,
+) -> Run:
     """Train a fresh `CausalLM` (initial weights from ``seed``) for ``steps`` AdamW steps in ``mode``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -195,8 +206,14 @@ def train(attention: str, mode: str, tokens: torch.Tensor, steps: int, *, backen
     )
     losses: list[float] = []
     times: list[float] = []
-    bar = tqdm(batches(tokens, steps), total=steps, desc=f"{attention:>8} {mode:<8}", disable=not progress,
-               leave=False, file=sys.stderr)
+    bar = tqdm(
+        batches(tokens, steps),
+        total=steps,
+        desc=f"{attention:>8} {mode:<8}",
+        disable=not progress,
+        leave=False,
+        file=sys.stderr,
+    )
     for ids in bar:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -221,7 +238,10 @@ def max_diff(run: Run, ref: Run, steps: int = COMPARE_STEPS) -> float:
 def table(runs: Sequence[Run]) -> str:
     """The markdown table of the runs (one row per (map, mode))."""
     eager = {r.attention: r for r in runs if r.mode == "eager"}
-    lines = ["| attention | mode | loss | s/step | compile s | max \\|Δ\\| vs eager |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| attention | mode | loss | s/step | compile s | max \\|Δ\\| vs eager |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in runs:
         ref = eager.get(r.attention)
         diff = "—" if ref is None or r is ref else f"{max_diff(r, ref):.1e}"
@@ -234,9 +254,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m studies.bench_train", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--maps", nargs="+", choices=MAPS, default=None, help=f"attentions (default {' '.join(MAPS)})")
+    p.add_argument(
+        "--maps", nargs="+", choices=MAPS, default=None, help=f"attentions (default {' '.join(MAPS)})"
+    )
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--backend", default=None, help="torch.compile backend (default inductor; aot_eager with --quick)")
+    p.add_argument(
+        "--backend", default=None, help="torch.compile backend (default inductor; aot_eager with --quick)"
+    )
     p.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps of {' and '.join(QUICK_MAPS)}")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     args = p.parse_args(argv)
@@ -253,8 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in maps:
         for mode in modes:
             runs.append(train(name, mode, tokens, steps, backend=backend, progress=not args.no_progress))
-    print(f"{steps} steps, batch {BATCH}, seq {SEQ}, d_model {DIM}, {HEADS} heads, {LAYERS} layers, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, backend {backend}")
+    print(
+        f"{steps} steps, batch {BATCH}, seq {SEQ}, d_model {DIM}, {HEADS} heads, {LAYERS} layers, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, backend {backend}"
+    )
     print(table(runs))
     return 0
 
