@@ -137,8 +137,9 @@ def library_variances(delta: np.ndarray, d: int, num_coords: int, orthogonal: st
     """Paired and phased Gaussian-kernel variances from ``ka.theory`` (shape (n,) each)."""
     x, y = _pairs(np.asarray(delta, float), d)
     scale = np.exp(-(x**2).sum(-1) - (y**2).sum(-1))  # softmax MSE -> Gaussian variance
-    paired = np.diagonal(ka.theory.trig_sincos_mse(x, y, num_coords // 2, orthogonal=orthogonal))
-    phased = np.diagonal(ka.theory.trig_offset_mse(x, y, num_coords, orthogonal=orthogonal))
+    law = {None: "iid", "chi": "orthogonal-chi", "fixed": "orthogonal-fixed"}[orthogonal]
+    paired = np.diagonal(ka.theory.trig_sincos_mse(x, y, num_coords // 2, row_law=law))
+    phased = np.diagonal(ka.theory.trig_offset_mse(x, y, num_coords, row_law=law))
     return paired * scale, phased * scale
 
 

@@ -6,7 +6,7 @@ $\hat K(x, y) = \frac1D\sum_{i=1}^D\cos(w_i^\top(x-y))$ (the sin/cos map with $D
 against $z = \|x-y\|$ (bandwidth $\sigma = 1$) for $d = 2, 4, 8, 16, 32$ at $D = d$ (one
 orthogonal block). Three curves per $d$ are drawn here on one plot:
 
-* **exact** (this library): ``ka.theory.trig_sincos_mse(..., orthogonal="chi")`` over the iid
+* **exact** (this library): ``ka.theory.trig_sincos_mse(..., row_law="orthogonal-chi")`` over the iid
   MSE; with $s = z^2$,
   $$\rho_{\rm exact}(z) = 1 + \frac{2(D-1)\big[{}_1F_1(d;\tfrac d2;-\tfrac s2) - e^{-s}\big]}
   {(1-e^{-s})^2};$$
@@ -91,7 +91,7 @@ def yu_ratio(z: np.ndarray | float, d: int, D: int | None = None) -> np.ndarray:
 def exact_ratio(z: np.ndarray | float, d: int, D: int | None = None) -> np.ndarray:
     r"""Exact ORF/RFF variance ratio from the library's closed form (``ka.theory``).
 
-    ``trig_sincos_mse(x, y, D, orthogonal="chi") / trig_sincos_mse(x, y, D)`` at
+    ``trig_sincos_mse(x, y, D, row_law="orthogonal-chi") / trig_sincos_mse(x, y, D)`` at
     $x = zu/2$, $y = -zu/2$ (any unit $u$; the ratio depends on $z$ only).
 
     Parameters
@@ -119,7 +119,7 @@ def exact_ratio(z: np.ndarray | float, d: int, D: int | None = None) -> np.ndarr
     if np.any(~(z > 0)):
         raise ValueError(f"z must be > 0, got {z!r}")
     x, y = _pairs(z, d)
-    orf = np.diagonal(ka.theory.trig_sincos_mse(x, y, D, orthogonal="chi"))
+    orf = np.diagonal(ka.theory.trig_sincos_mse(x, y, D, row_law="orthogonal-chi"))
     iid = np.diagonal(ka.theory.trig_sincos_mse(x, y, D))
     return orf / iid
 
