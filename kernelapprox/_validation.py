@@ -63,6 +63,15 @@ def check_floating(name: str, x: object) -> torch.Tensor:
     return x
 
 
+def check_tensor_fields(obj: object, *names: str) -> None:
+    """Raise ``TypeError`` naming the first attribute of ``obj`` among ``names`` that is not a
+    tensor (the ``__post_init__`` of the library's state and result dataclasses)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {value!r} ({type(value).__name__})")
+
+
 def check_last_dim(name: str, x: torch.Tensor, dim: int) -> None:
     """Raise ``ValueError`` unless ``x`` has shape (..., n, dim) with ``n >= 1``."""
     if x.dim() < 2:

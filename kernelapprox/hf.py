@@ -56,7 +56,14 @@ from typing import Any, cast
 
 import torch
 
-from ._validation import check_bool, check_device, check_finite_float, check_positive_int, check_seed
+from ._validation import (
+    check_bool,
+    check_device,
+    check_finite_float,
+    check_positive_int,
+    check_seed,
+    check_tensor_fields,
+)
 from .maps.base import FeatureMap
 
 __all__ = [
@@ -150,9 +157,7 @@ class LayerCapture:
     module: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("q", "k", "v", "allowed"):
-            if not isinstance(getattr(self, name), torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(getattr(self, name)).__name__}")
+        check_tensor_fields(self, "q", "k", "v", "allowed")
 
     def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         r"""$(\sqrt s\,q, \sqrt s\,k)$: the softmax kernel of this layer is ``exp(q̃ k̃ᵀ)``.

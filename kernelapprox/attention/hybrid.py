@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .._validation import _as_int, inputs_validated, no_autocast
+from .._validation import _as_int, check_tensor_fields, inputs_validated, no_autocast
 from ..maps.base import FeatureMap
 from ._common import normalise, prepare, with_ones
 
@@ -236,10 +236,7 @@ class HybridAttentionState:
     window: int
 
     def __post_init__(self) -> None:
-        for name in ("kv", "log_scale", "keys", "values", "sink_keys", "sink_values"):
-            value = getattr(self, name)
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {value!r} ({type(value).__name__})")
+        check_tensor_fields(self, "kv", "log_scale", "keys", "values", "sink_keys", "sink_values")
 
     def detach(self) -> HybridAttentionState:
         """The same state, detached from autograd."""

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._validation import check_tensor_fields
+
 __all__ = ["LinearAttentionState"]
 
 
@@ -52,10 +54,7 @@ class LinearAttentionState:
     log_scale: torch.Tensor
 
     def __post_init__(self) -> None:
-        for name in ("kv", "log_scale"):
-            value = getattr(self, name)
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {value!r} ({type(value).__name__})")
+        check_tensor_fields(self, "kv", "log_scale")
 
     @property
     def S(self) -> torch.Tensor:
