@@ -170,7 +170,7 @@ def _output_error(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
 
 def _signed_families() -> list[str]:
     """Estimators whose features take both signs (attention denominators can be <= 0)."""
-    return sorted({s.family for s in select() if not s.positive})
+    return sorted({s.name for s in select() if not s.positive})
 
 
 def _chunk(S: int, H: int, n: int, F: int, itemsize: int) -> int:
@@ -207,8 +207,8 @@ def _uniform_rows(ref: dict, n: int) -> list[dict]:
     # mean of |q_i + k_j|^2 over all pairs: mean|q|^2 + mean|k|^2 + 2 mean(q).mean(k)
     t_bar = (q.pow(2).sum(-1).mean(-1) + k.pow(2).sum(-1).mean(-1)
              + 2 * (q.mean(-2) * k.mean(-2)).sum(-1)).mean(-1).cpu()
-    extra = {"r": 0, "feature_dim": 0, "family": UNIFORM, "sampler": "none",
-             "label": UNIFORM_LABEL, "estimator": UNIFORM}
+    extra = {"r": 0, "feature_dim": 0, "estimator": UNIFORM, "sampler": "none",
+             "label": UNIFORM_LABEL, "spec": UNIFORM}
     return [
         row("rel_err", err, **extra),
         row("rel_err_median", float(err.median()), n_draws=len(err), **extra),
@@ -257,8 +257,8 @@ def _evaluate(spec: EstimatorSpec, r: int, ref: dict, cell: dict, ctx: Context
                 fracs.append((den <= 0).flatten(1).double().mean(1).cpu())
             del fm, Oh, fk, fqs, G, Ah
     errs_t, tvs_t, fracs_t = torch.cat(errs), torch.cat(tvs), torch.cat(fracs)
-    extra = {"r": r, "feature_dim": F, "family": spec.family, "sampler": spec.sampler or "none",
-             "label": spec.label, "estimator": spec.key}
+    extra = {"r": r, "feature_dim": F, "estimator": spec.name, "sampler": spec.sampler or "none",
+             "label": spec.label, "spec": spec.key}
     out = [
         row("rel_err", errs_t, **extra),
         row("rel_err_median", float(errs_t.median()), n_draws=len(errs_t), **extra),
@@ -292,19 +292,19 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
         th = _theory_rel_err(spec, rs[0], ref, ctx.seed_for("theory", data, sigma, key)) \
             if n == 256 else None
         if th is not None:
-            F = {x["r"]: x["feature_dim"] for x in out_rows if x.get("estimator") == key}
+            F = {x["r"]: x["feature_dim"] for x in out_rows if x.get("spec") == key}
             for r in rs:
                 out_rows.append(row("rel_err_theory", th * math.sqrt(rs[0] / r), n_draws=1, r=r,
-                                    feature_dim=F[r], family=spec.family, sampler=spec.sampler,
-                                    label=spec.label, estimator=key))
+                                    feature_dim=F[r], estimator=spec.name, sampler=spec.sampler,
+                                    label=spec.label, spec=key))
     for a, b, label in COMPARISONS:
         for r in cell["rs"]:
             if (a, r) in errs and (b, r) in errs:
                 # paired over draws: same data, independent projections; t-interval of the mean
                 out_rows.append(row(
                     "rel_err_diff", errs[a, r] - errs[b, r], r=r, feature_dim=r,
-                    family=get(a).family, sampler="paired", label=label,
-                    estimator=f"{a} - {b}", comparison=label,
+                    estimator=get(a).name, sampler="paired", label=label,
+                    spec=f"{a} - {b}", comparison=label,
                 ))
     return out_rows
 
@@ -331,9 +331,9 @@ def _palette(labels: list[str]) -> dict[str, tuple]:
 def _order(df: pd.DataFrame) -> list[str]:
     """Estimator labels (no paired-difference rows): the full-grid order, then any others."""
     df = df[df.metric == "rel_err"]
-    keys = [k for g in FULL_GROUPS for k in g if k in set(df["estimator"])]
-    keys += sorted(set(df["estimator"]) - set(keys) - {UNIFORM}) + [UNIFORM]
-    lab = df.drop_duplicates("estimator").set_index("estimator")["label"]
+    keys = [k for g in FULL_GROUPS for k in g if k in set(df["spec"])]
+    keys += sorted(set(df["spec"]) - set(keys) - {UNIFORM}) + [UNIFORM]
+    lab = df.drop_duplicates("spec").set_index("spec")["label"]
     return [lab[k] for k in keys if k in lab.index]
 
 
@@ -461,7 +461,7 @@ def theory_ratio(df: pd.DataFrame) -> pd.DataFrame:
     """Rows (data, sigma, n, estimator, label, r, ratio): measured ``rel_rmse`` over the
     delta-method ``rel_err_theory``."""
     th = df[df.metric == "rel_err_theory"]
-    keys = ["data", "sigma", "n", "estimator", "r"]
+    keys = ["data", "sigma", "n", "spec", "r"]
     m = th.merge(df[df.metric == "rel_rmse"], on=keys, suffixes=("_th", "_mc"))
     m["ratio"] = m["mean_mc"] / m["mean_th"]
     m["label"] = m["label_th"]
@@ -501,7 +501,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     if len(m):
         paths += save_figure(_theory_figure(m), folder, "theory_ratio_vs_r")
 
-    sub = df[(df.metric == "frac_den_nonpos") & df.family.isin(_signed_families())]
+    sub = df[(df.metric == "frac_den_nonpos") & df.estimator.isin(_signed_families())]
     if len(sub):
         sub = sub.copy()
         sub["n tokens"] = sub["n"].astype(int).astype(str)
@@ -573,7 +573,7 @@ def _at_F(s: pd.DataFrame, F: int) -> pd.DataFrame:
 
 def _common_F(rand: pd.DataFrame) -> int | None:
     """The largest feature dimension every random estimator was run at."""
-    sets = [set(s["feature_dim"]) for _, s in rand.groupby("estimator")]
+    sets = [set(s["feature_dim"]) for _, s in rand.groupby("spec")]
     common = set.intersection(*sets) if sets else set()
     return int(max(common)) if common else None
 
@@ -594,7 +594,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
     reg_rows = []
     for (data, sigma), n in itertools.product(regimes, sorted(df["n"].unique())):
         u = _rg(df, data, sigma)
-        u = u[(u.n == n) & (u.estimator == UNIFORM)]
+        u = u[(u.n == n) & (u.spec == UNIFORM)]
         if not len(u):
             continue
         reg_rows.append({
@@ -617,7 +617,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         tv = tv[tv.n == n_big]
         den = _rg(df[df.metric == "frac_den_nonpos"], data, sigma)
         den = den[den.n == n_big]
-        for key, s in e.groupby("estimator"):
+        for key, s in e.groupby("spec"):
             sr = _at_r(s, rmax)
             rec = {"regime": regime_name(data, sigma), "estimator": s["label"].iloc[0],
                    f"F at r={rmax}": _one(sr, "feature_dim"), f"rel err r={rmax}": _one(sr)}
@@ -625,10 +625,10 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                 sf = _at_F(s, Feq)
                 rec[f"r at F={Feq}"] = _one(sf, "r")
                 rec[f"rel err F={Feq}"] = _one(sf)
-                rec[f"TV F={Feq}"] = _one(_at_F(tv[tv.estimator == key], Feq)) if key != UNIFORM \
-                    else _one(tv[tv.estimator == key])
-            rec[f"den<=0 r={rmax}"] = _one(_at_r(den[den.estimator == key], rmax)) \
-                if len(den[den.estimator == key]) else math.nan
+                rec[f"TV F={Feq}"] = _one(_at_F(tv[tv.spec == key], Feq)) if key != UNIFORM \
+                    else _one(tv[tv.spec == key])
+            rec[f"den<=0 r={rmax}"] = _one(_at_r(den[den.spec == key], rmax)) \
+                if len(den[den.spec == key]) else math.nan
             tab_rows.append(rec)
     tab = pd.DataFrame(tab_rows)
     if len(tab):
@@ -687,8 +687,8 @@ def _figure_notes(df: pd.DataFrame, rmax: int, n_big: int) -> list[str]:
     notes = []
     parts = []
     for (data, sigma), s in err.groupby(["data", "sigma"], sort=False):
-        pos = s[s.estimator == "positive-orthogonal"]["mean"]
-        trg = s[s.family.isin(_signed_families())]["mean"]
+        pos = s[s.spec == "positive-orthogonal"]["mean"]
+        trg = s[s.estimator.isin(_signed_families())]["mean"]
         if len(pos) and len(trg):
             parts.append((regime_name(data, sigma), float(pos.iloc[0]), float(trg.min())))
     if parts:
@@ -740,7 +740,7 @@ def _figure_notes(df: pd.DataFrame, rmax: int, n_big: int) -> list[str]:
 
 def _ranking(e: pd.DataFrame, sel: str, val: int) -> str:
     parts = []
-    for _, s in e.groupby("estimator"):
+    for _, s in e.groupby("spec"):
         ss = _at_r(s, val) if sel == "r" else _at_F(s, val)
         if len(ss):
             x = ss.iloc[0]
@@ -759,7 +759,7 @@ def _findings(df: pd.DataFrame, regimes: list[tuple[str, float]], rmax: int, Feq
         e = _rg(err, data, sigma)
         e = e[e.n == n_big]
         u = _rg(df, data, sigma)
-        u = u[(u.n == n_big) & (u.estimator == UNIFORM)]
+        u = u[(u.n == n_big) & (u.spec == UNIFORM)]
         if not len(e):
             continue
         ent, amax = _one(u, metric="attn_entropy"), _one(u, metric="attn_max_weight")
@@ -790,8 +790,8 @@ def _findings(df: pd.DataFrame, regimes: list[tuple[str, float]], rmax: int, Feq
         if Feq is not None:
             lines.append(f"  - equal feature dimension F = {Feq}: {_ranking(e, 'F', Feq)}.")
         if shape == "peaked rows":
-            at = pd.concat([_at_r(g, rmax) for _, g in e.groupby("estimator")])
-            at = at[~at.family.isin(_signed_families())]
+            at = pd.concat([_at_r(g, rmax) for _, g in e.groupby("spec")])
+            at = at[~at.estimator.isin(_signed_families())]
             lines.append(
                 f"  - every positive or deterministic map's error lies in "
                 f"{fmt(at['mean'].min(), 3)}–{fmt(at['mean'].max(), 3)} at r = {rmax} (uniform "
@@ -799,7 +799,7 @@ def _findings(df: pd.DataFrame, regimes: list[tuple[str, float]], rmax: int, Feq
             )
         re_ = e[e.sampler != "none"]
         beats = []
-        for _, s in re_.groupby("estimator"):
+        for _, s in re_.groupby("spec"):
             ok = s[s.ci_high < uni].sort_values("r")
             if len(ok):
                 beats.append(f"{s['label'].iloc[0]} from r = {int(ok['r'].iloc[0])}")
@@ -849,11 +849,11 @@ def _findings(df: pd.DataFrame, regimes: list[tuple[str, float]], rmax: int, Feq
             + "; ".join(parts) + ". Ranked only where the CI excludes 0."
         )
 
-    trig = df[(df.metric == "frac_den_nonpos") & df.family.isin(_signed_families())]
+    trig = df[(df.metric == "frac_den_nonpos") & df.estimator.isin(_signed_families())]
     if len(trig):
         worst = trig.loc[trig["mean"].idxmax()]
         at_max = trig[trig.r == rmax]
-        med = df[(df.metric == "rel_err_median") & df.family.isin(_signed_families())
+        med = df[(df.metric == "rel_err_median") & df.estimator.isin(_signed_families())
                  & (df.r == rmax)]
         lines.append(
             f"- Trigonometric features: non-positive denominators in up to "

@@ -120,11 +120,11 @@ def _sup_cells(quick: bool) -> list[tuple[str, float, int, list[int]]]:
 
 def grid(quick: bool) -> list[dict]:
     """Sup-error cells (estimator, R, d), convergence cells, pointwise cells."""
-    cells = [{"kind": "sup", "estimator": e, "R": R, "d": d} for e, R, d, _ in _sup_cells(quick)]
-    cells += [{"kind": "convergence", "estimator": e, "R": R, "d": d}
+    cells = [{"kind": "sup", "spec": e, "R": R, "d": d} for e, R, d, _ in _sup_cells(quick)]
+    cells += [{"kind": "convergence", "spec": e, "R": R, "d": d}
               for e, R, d, _ in _sup_cells(quick) if e in TRIG]
     ests = ["trig-sincos-orthogonal", POS] if quick else ESTIMATORS
-    cells += [{"kind": "pointwise", "estimator": e, "R": 1.0, "d": d}
+    cells += [{"kind": "pointwise", "spec": e, "R": 1.0, "d": d}
               for e in ests for d in (DIMS_QUICK if quick else DIMS)]
     return cells
 
@@ -329,7 +329,7 @@ def trig_sup_delta(fm: torch.nn.Module, R: float, *, starts: int, steps: int,
 
 
 def run_cell(cell: dict, ctx: Context) -> list[dict]:
-    kind, key, R, d = cell["kind"], cell["estimator"], float(cell["R"]), int(cell["d"])
+    kind, key, R, d = cell["kind"], cell["spec"], float(cell["R"]), int(cell["d"])
     if kind == "pointwise":
         return pointwise_rows(key, d, R, ctx)
     spec = get(key)
@@ -418,7 +418,7 @@ def rstar_table(df: pd.DataFrame, n_boot: int = N_BOOT) -> tuple[pd.DataFrame, d
     rng = np.random.default_rng(12345)
     sub = df[(df["metric"] == "sup_adv") & (df["kind"] == "sup")]
     out, boots = [], {}
-    for (est, R, d), g in sub.groupby(["estimator", "R", "d"], sort=True):
+    for (est, R, d), g in sub.groupby(["spec", "R", "d"], sort=True):
         g = g.sort_values("r")
         r = g["r"].to_numpy(float)
         vals = [np.asarray(json.loads(v), float) for v in g["values"]]
@@ -435,7 +435,7 @@ def rstar_table(df: pd.DataFrame, n_boot: int = N_BOOT) -> tuple[pd.DataFrame, d
             se = float(np.std(np.log(reps[fin]), ddof=1)) if fin.sum() > 2 else np.nan
             cens = ("above grid" if np.isnan(rs) else ("below grid" if rs <= r[0] else
                     ("unstable" if not ok else "")))
-            out.append({"estimator": est, "R": R, "d": int(d), "eps": eps,
+            out.append({"spec": est, "R": R, "d": int(d), "eps": eps,
                         "r_star": rs, "r_star_lo": lo, "r_star_hi": hi, "se_log": se,
                         "censored": cens, "r_min": r[0], "r_max": r[-1],
                         "n_draws": int(vals[0].size), "boot_finite": float(fin.mean())})
@@ -574,7 +574,7 @@ def fits_table(rst: pd.DataFrame, boots: dict, dmax: int | None = None,
                dmin: int | None = None) -> pd.DataFrame:
     """Fits of r*(d) per (estimator, R, ε) over the uncensored d in [dmin, dmax], CI of p."""
     out = []
-    for (est, R, eps), g in rst.groupby(["estimator", "R", "eps"], sort=True):
+    for (est, R, eps), g in rst.groupby(["spec", "R", "eps"], sort=True):
         if dmax is not None:
             g = g[g["d"] <= dmax]
         if dmin is not None:
@@ -583,7 +583,7 @@ def fits_table(rst: pd.DataFrame, boots: dict, dmax: int | None = None,
         cens = g[g["censored"] != ""].sort_values("d")
         cs = ", ".join(f"d = {int(x)} censored ({c})" for x, c in zip(cens["d"], cens["censored"],
                                                                      strict=True))
-        rec = {"estimator": est, "R": R, "eps": eps, "n_d": len(used),
+        rec = {"spec": est, "R": R, "eps": eps, "n_d": len(used),
                "d_used": _dset(used["d"].tolist()) + (f"; {cs}" if cs else "")}
         if len(used) < 3:
             rec["best"] = "too few uncensored d"
@@ -618,12 +618,12 @@ def convergence_table(df: pd.DataFrame) -> pd.DataFrame:
     """Mean sup per (estimator, R, d, budget) and the relative increase standard -> 4x budget."""
     c = df[df["metric"] == "sup_budget"]
     out = []
-    for (e, R, d), g in c.groupby(["estimator", "R", "d"], sort=True):
+    for (e, R, d), g in c.groupby(["spec", "R", "d"], sort=True):
         g = g.sort_values("budget")
         m = g["mean"].to_numpy(float)
         v = [np.asarray(json.loads(x), float) for x in g["values"]]
         inc = v[-1] / v[-2] - 1  # per draw: 4x budget vs standard
-        out.append({"estimator": e, "R": R, "d": int(d), "r": int(g["r"].iloc[0]),
+        out.append({"spec": e, "R": R, "d": int(d), "r": int(g["r"].iloc[0]),
                     "sup_1/16": m[0], "sup_1/4": m[1], "sup_std": m[-2], "sup_4x": m[-1],
                     "gain_4x_%": 100 * float(np.mean(inc)),
                     "gain_4x_max_%": 100 * float(np.max(inc)),
@@ -661,7 +661,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     set_style()
     paths: list[Path] = []
     sup = _sup_frame(df)
-    pairs = sorted({(e, R) for e, R in zip(sup["estimator"], sup["R"], strict=True)},
+    pairs = sorted({(e, R) for e, R in zip(sup["spec"], sup["R"], strict=True)},
                    key=lambda x: (ESTIMATORS.index(x[0]), x[1]))
     dims = sorted(sup["d"].unique())
     dpal = dict(zip(dims, sns.color_palette("viridis", len(dims)), strict=False))
@@ -669,11 +669,11 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     # 1) sup error vs r
     fig, axes = plt.subplots(1, len(pairs), figsize=(3.9 * len(pairs), 3.6), squeeze=False)
     for ax, (e, R) in zip(axes[0], pairs, strict=True):
-        g = sup[(sup["R"] == R) & (sup["estimator"] == e)]
+        g = sup[(sup["R"] == R) & (sup["spec"] == e)]
         for d, gd in g.groupby("d"):
             gd = gd.sort_values("r")
             ax.plot(gd["r"], gd["q90"], "o-", ms=3, color=dpal[d], label=f"d = {d}")
-        f = df[(df["metric"] == "sup_formula") & (df["estimator"] == e) & (df["R"] == R)]
+        f = df[(df["metric"] == "sup_formula") & (df["spec"] == e) & (df["R"] == R)]
         for d, gd in f.groupby("d"):
             gd = gd.sort_values("r")
             ax.plot(gd["r"], gd["mean"], ls="--", lw=1, color=dpal[d])
@@ -700,7 +700,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
                              squeeze=False)
     for ax, (e, R) in zip(axes[0], tp, strict=False):
         for eps in EPS:
-            g = rst[(rst["estimator"] == e) & (rst["R"] == R) & (rst["eps"] == eps)]
+            g = rst[(rst["spec"] == e) & (rst["R"] == R) & (rst["eps"] == eps)]
             u = g[g["censored"] == ""]
             if len(u):
                 ax.errorbar(u["d"], u["r_star"] / u["d"],
@@ -711,17 +711,17 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
             ax.scatter(c["d"], c["r_max"] / c["d"], marker="^", s=30, color=epal[eps])
             c = g[g["censored"] == "below grid"]
             ax.scatter(c["d"], c["r_min"] / c["d"], marker="v", s=30, color=epal[eps])
-            f = fits[(fits["estimator"] == e) & (fits["R"] == R) & (fits["eps"] == eps)]
+            f = fits[(fits["spec"] == e) & (fits["R"] == R) & (fits["eps"] == eps)]
             if len(f) and "p" in f and np.isfinite(f["p"].iloc[0]):
                 fr = f.iloc[0]
                 dd = np.geomspace(u["d"].min(), u["d"].max(), 40)
                 for m, ls in FIT_STYLE.items():
                     ax.plot(dd, _fit_curve(fr, m, dd) / dd, ls=ls, lw=1, color=epal[eps])
-        fp = fits[(fits["estimator"] == e) & (fits["R"] == R)]
+        fp = fits[(fits["spec"] == e) & (fits["R"] == R)]
         fp = fp[fp["p"].notna()] if "p" in fp else fp.iloc[0:0]
         if len(fp):  # the bounds' d-shapes, constant fitted, at the smallest fitted ε
             fr = fp.sort_values("eps").iloc[0]
-            u = rst[(rst["estimator"] == e) & (rst["R"] == R) & (rst["eps"] == fr["eps"])
+            u = rst[(rst["spec"] == e) & (rst["R"] == R) & (rst["eps"] == fr["eps"])
                     & (rst["censored"] == "")]
             dd = np.unique(np.round(np.geomspace(u["d"].min(), u["d"].max(), 40)))
             for b in THEORY_BOUNDS:
@@ -750,13 +750,13 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     # 3) convergence of the search: sup vs budget, one curve per d
     cv = df[df["metric"] == "sup_budget"]
     if len(cv):
-        cp = sorted({(e, R) for e, R in zip(cv["estimator"], cv["R"], strict=True)})
+        cp = sorted({(e, R) for e, R in zip(cv["spec"], cv["R"], strict=True)})
         cdims = sorted(cv["d"].unique())
         cpal = dict(zip(cdims, sns.color_palette("viridis", len(cdims)), strict=False))
         fig, axes = plt.subplots(1, len(cp), figsize=(max(7.0, 4.4 * len(cp)), 3.8),
                                  squeeze=False)
         for ax, (e, R) in zip(axes[0], cp, strict=True):
-            g = cv[(cv["estimator"] == e) & (cv["R"] == R)]
+            g = cv[(cv["spec"] == e) & (cv["R"] == R)]
             for d, gd in g.groupby("d"):
                 gd = gd.sort_values("budget")
                 ax.plot(gd["budget"], gd["mean"] / gd["mean"].iloc[-1], "o-", ms=3,
@@ -777,7 +777,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     # 4) positive features: measured sup vs the analytic value at q = k ∥ ω_max
     pf = df[(df["metric"] == "sup_formula")]
     if len(pf):
-        ps = sup[sup["estimator"] == POS]
+        ps = sup[sup["spec"] == POS]
         radii = sorted(pf["R"].unique())
         fig, axes = plt.subplots(1, len(radii), figsize=(4.4 * len(radii), 3.6), squeeze=False)
         rods = sorted((ps["r/d"]).unique())
@@ -806,7 +806,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
         ax = axes[0]
         pw["rms"], pw["theory_rms"] = np.sqrt(pw["mean"]), np.sqrt(pw["theory"])
         epal2 = dict(zip(ESTIMATORS, sns.color_palette("tab10", 3), strict=True))
-        for (e, a), g in pw.groupby(["estimator", "angle"]):
+        for (e, a), g in pw.groupby(["spec", "angle"]):
             g = g.sort_values("d")
             ax.plot(g["d"], g["rms"], "o" if a == POINTWISE_ANGLES[0] else "s", ms=4,
                     color=epal2[e], label=f"{get(e).label}, ∠ = {a:g}°")
@@ -819,8 +819,8 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
         ax.set_ylabel("relative RMS error (unitless)")
         ax.legend(fontsize=6)
         ax = axes[1]
-        t = sup[sup["estimator"].isin(TRIG)]
-        for (e, R, rod), g in t.groupby(["estimator", "R", "r/d"]):
+        t = sup[sup["spec"].isin(TRIG)]
+        for (e, R, rod), g in t.groupby(["spec", "R", "r/d"]):
             if g["d"].nunique() < 3:
                 continue
             g = g.sort_values("d")
@@ -865,7 +865,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
           (f"≤ {fmt(rmin)}" if c == "below grid" else f"{fmt(a)} (unstable)")))
         for a, lo, hi, c, rmin, rmax in zip(r2["r_star"], r2["r_star_lo"], r2["r_star_hi"],
                                             r2["censored"], r2["r_min"], r2["r_max"], strict=True)]
-    tab = r2.pivot_table(index=["estimator", "R", "eps"], columns="d", values="cell",
+    tab = r2.pivot_table(index=["spec", "R", "eps"], columns="d", values="cell",
                          aggfunc="first").reset_index()
     tab.columns = [f"d = {c}" if isinstance(c, (int, np.integer)) else c for c in tab.columns]
     lines += [f"r*(ε, δ = {DELTA:g}) with bootstrap 95% CI (ε: sup error normalised by e^{{R²}}; "
@@ -875,7 +875,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         ft["p (95% CI)"] = [f"{fmt(p)} [{fmt(a)}, {fmt(b)}]"
                             for p, a, b in zip(ft["p"], ft["p_lo"], ft["p_hi"], strict=True)]
         ft["C (d·log(C·d))"] = ft["C_fit"].map(lambda c: fmt(c) if c < 1e12 else "→ ∞")
-        cols = ["estimator", "R", "eps", "d_used", "p (95% CI)", "best", "dAICc[c·d]",
+        cols = ["spec", "R", "eps", "d_used", "p (95% CI)", "best", "dAICc[c·d]",
                 "dAICc[c·d·log(C·d)]", "C (d·log(C·d))", "dAICc[c·d^p]", "dAICc[c·d·ln d]"]
         cols += [f"dAICc[c·{b}]" for b in THEORY_BOUNDS]
         cols += ["w[c·d]", "w[c·d·log(C·d)]"]
@@ -883,9 +883,9 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                   "bootstrap), AICc with the residual scale counted as a parameter; "
                   "w[·] = Akaike weight; c·<bound> = that bound's d-shape at the cell's "
                   "(R, ε, δ) with a free constant:", "", df_to_markdown(ft[cols]), ""]
-        det = ft[["estimator", "R", "eps", "d_used", "h", "C_star"]
+        det = ft[["spec", "R", "eps", "d_used", "h", "C_star"]
                  + [f"lexp[{b}]" for b in THEORY_BOUNDS]].copy()
-        det.columns = ["estimator", "R", "eps", "d used", "detectable Δp (CI half-width)",
+        det.columns = ["spec", "R", "eps", "d used", "detectable Δp (CI half-width)",
                        "C* (d·log(C·d) separable from d only if C < C*)"] + [
             f"local exponent {b}" for b in THEORY_BOUNDS]
         lines += ["What the data can separate: half-width of the 95% CI of p, the C below which "
@@ -940,8 +940,8 @@ def figure_lines(fits: pd.DataFrame, conv: pd.DataFrame, pos: pd.DataFrame) -> l
 
 def positive_table(df: pd.DataFrame) -> pd.DataFrame:
     """Measured mean sup vs the analytic value, per (R, d, r), positive features."""
-    a = df[(df["estimator"] == POS) & (df["metric"] == "sup_adv")]
-    b = df[(df["estimator"] == POS) & (df["metric"] == "sup_formula")]
+    a = df[(df["spec"] == POS) & (df["metric"] == "sup_adv")]
+    b = df[(df["spec"] == POS) & (df["metric"] == "sup_formula")]
     if a.empty or b.empty:
         return pd.DataFrame()
     m = a[["R", "d", "r", "mean"]].merge(b[["R", "d", "r", "mean"]], on=["R", "d", "r"],
@@ -956,7 +956,7 @@ def findings(df: pd.DataFrame, rst: pd.DataFrame, fits: pd.DataFrame, conv: pd.D
     f: list[str] = []
     sup = _sup_frame(df)
     # --- search convergence
-    for (e, R), g in conv.groupby(["estimator", "R"], sort=False):
+    for (e, R), g in conv.groupby(["spec", "R"], sort=False):
         g = g.sort_values("d")
         parts = ", ".join(f"d = {int(d)}: {fmt(x, 2)}%" for d, x in zip(g["d"], g["gain_4x_%"],
                                                                           strict=True))
@@ -966,19 +966,19 @@ def findings(df: pd.DataFrame, rst: pd.DataFrame, fits: pd.DataFrame, conv: pd.D
                  f"raises the mean sup by {parts} (largest single draw "
                  f"{fmt(g['gain_4x_max_%'].max(), 2)}%); if all of that were missing, p would "
                  f"be low by about {fmt(bias, 2)}.")
-    s8 = sup[(sup["R"] == 1.0) & (sup["r/d"] == 8) & sup["estimator"].isin(TRIG)
-             & sup["d"].isin([4, 64, 128])].sort_values(["estimator", "d"])
+    s8 = sup[(sup["R"] == 1.0) & (sup["r/d"] == 8) & sup["spec"].isin(TRIG)
+             & sup["d"].isin([4, 64, 128])].sort_values(["spec", "d"])
     if len(s8):
         parts = [f"{get(e).label} d = {int(d)}: {fmt(m)} ({int(n)} draws)" for e, d, m, n in
-                 zip(s8["estimator"], s8["d"], s8["mean"], s8["n_draws"], strict=True)]
+                 zip(s8["spec"], s8["d"], s8["mean"], s8["n_draws"], strict=True)]
         f.append("Mean sup at R = 1, r = 8d (standard budget): " + "; ".join(parts) + ".")
     # --- fits
     ok = fits[fits["p"].notna()] if "p" in fits else fits.iloc[0:0]
     for _, x in ok.iterrows():
-        u = rst[(rst["estimator"] == x["estimator"]) & (rst["R"] == x["R"])
+        u = rst[(rst["spec"] == x["spec"]) & (rst["R"] == x["R"])
                 & (rst["eps"] == x["eps"]) & (rst["censored"] == "")].sort_values("d")
         rod = ", ".join(fmt(v, 2) for v in u["r_star"] / u["d"])
-        f.append(f"{get(x['estimator']).label}, R = {fmt(x['R'])}, ε = {fmt(x['eps'])}, "
+        f.append(f"{get(x['spec']).label}, R = {fmt(x['R'])}, ε = {fmt(x['eps'])}, "
                  f"d ∈ {x['d_used']}: r*/d = {rod}; "
                  f"p = {fmt(x['p'])} [{fmt(x['p_lo'])}, {fmt(x['p_hi'])}] "
                  f"({_verdict(x)}); AICc best: {x['best']}; ΔAICc c·d {fmt(x['dAICc[c·d]'], 2)}, "
@@ -990,10 +990,10 @@ def findings(df: pd.DataFrame, rst: pd.DataFrame, fits: pd.DataFrame, conv: pd.D
     if len(few):
         parts = []
         for _, x in few.iterrows():
-            cz = rst[(rst["estimator"] == x["estimator"]) & (rst["R"] == x["R"])
+            cz = rst[(rst["spec"] == x["spec"]) & (rst["R"] == x["R"])
                      & (rst["eps"] == x["eps"]) & (rst["censored"] != "")]
             why = "/".join(sorted(set(cz["censored"])))
-            parts.append(f"{get(x['estimator']).label} R = {fmt(x['R'])} ε = {fmt(x['eps'])} "
+            parts.append(f"{get(x['spec']).label} R = {fmt(x['R'])} ε = {fmt(x['eps'])} "
                          f"({x['n_d']} uncensored d; others {why})")
         f.append("Not fitted (fewer than 3 uncensored d): " + "; ".join(parts) + ".")
     if len(ok):
@@ -1015,7 +1015,7 @@ def findings(df: pd.DataFrame, rst: pd.DataFrame, fits: pd.DataFrame, conv: pd.D
             "d·log(C·d) with the bound's C; a bound-shape win means its local exponent, not its "
             "constants, matches).")
         if len(conv):
-            worst = conv.groupby(["estimator", "R"])["gain_4x_%"].max()
+            worst = conv.groupby(["spec", "R"])["gain_4x_%"].max()
             big_gain = float(worst.max())
             f.append(f"The bootstrap CIs of p cover the draws, not the search's residual bias: 4× "
                      f"the budget still adds up to {fmt(big_gain, 2)}% to the mean sup at d ≥ 32 "
@@ -1059,7 +1059,7 @@ def findings(df: pd.DataFrame, rst: pd.DataFrame, fits: pd.DataFrame, conv: pd.D
             parts.append(f"adding d = {', '.join(str(int(e)) for e in extra)} would shrink it to "
                          f"about {fmt(h2, 2)} (C* {fmt(c_star(dv, h2))})")
         f.append(f"Extending d (not run: it did not fit this run's time budget): for the sharpest "
-                 f"cell ({get(x['estimator']).label}, R = {fmt(x['R'])}, ε = {fmt(x['eps'])}, "
+                 f"cell ({get(x['spec']).label}, R = {fmt(x['R'])}, ε = {fmt(x['eps'])}, "
                  f"detectable Δp = {fmt(x['h'], 2)}), " + "; ".join(parts)
                  + " at the same per-point se — the answer would stay 'linear up to a "
                  "d·log(C·d) with large C'.")
@@ -1067,12 +1067,12 @@ def findings(df: pd.DataFrame, rst: pd.DataFrame, fits: pd.DataFrame, conv: pd.D
     if len(big) and len(ok):
         small = fits_table(rst, boots_cache(df, rst), dmax=128)
         for _, x in ok.iterrows():
-            if not ((big["estimator"] == x["estimator"]) & (big["R"] == x["R"])).any():
+            if not ((big["spec"] == x["spec"]) & (big["R"] == x["R"])).any():
                 continue
-            s = small[(small["estimator"] == x["estimator"]) & (small["R"] == x["R"])
+            s = small[(small["spec"] == x["spec"]) & (small["R"] == x["R"])
                       & (small["eps"] == x["eps"])]
             if len(s) and "h" in s and np.isfinite(s["h"].iloc[0]):
-                f.append(f"Extending d: {get(x['estimator']).label}, R = {fmt(x['R'])}, "
+                f.append(f"Extending d: {get(x['spec']).label}, R = {fmt(x['R'])}, "
                          f"ε = {fmt(x['eps'])}: on d ≤ 128 p = {fmt(s['p'].iloc[0])} "
                          f"[{fmt(s['p_lo'].iloc[0])}, {fmt(s['p_hi'].iloc[0])}] (detectable "
                          f"{fmt(s['h'].iloc[0], 2)}, C* = {fmt(s['C_star'].iloc[0])}); with "
@@ -1085,12 +1085,12 @@ def findings(df: pd.DataFrame, rst: pd.DataFrame, fits: pd.DataFrame, conv: pd.D
         large = large[large["p"].notna()] if "p" in large else large.iloc[0:0]
         if len(large):
             f.append("Fits on d ≥ 32 only: " + "; ".join(
-                f"{get(x['estimator']).label} R = {fmt(x['R'])} ε = {fmt(x['eps'])}: p = "
+                f"{get(x['spec']).label} R = {fmt(x['R'])} ε = {fmt(x['eps'])}: p = "
                 f"{fmt(x['p'])} [{fmt(x['p_lo'])}, {fmt(x['p_hi'])}] (d ∈ {x['d_used']})"
                 for _, x in large.iterrows()) + ".")
     # --- chaining scaling
-    t = sup[sup["estimator"].isin(TRIG) & (sup["r/d"] == 8)]
-    for (e, R), g in t.groupby(["estimator", "R"]):
+    t = sup[sup["spec"].isin(TRIG) & (sup["r/d"] == 8)]
+    for (e, R), g in t.groupby(["spec", "R"]):
         g = g[g["d"] <= 512].sort_values("d")
         if len(g) >= 3:
             vals = ", ".join(f"{fmt(v)} (d = {int(d)})" for d, v in
@@ -1104,7 +1104,7 @@ def findings(df: pd.DataFrame, rst: pd.DataFrame, fits: pd.DataFrame, conv: pd.D
                      f"{vals}{ch}; the chaining rate √(d/r) (no log d) makes it constant in d.")
     # --- bounds (not validity checks)
     if len(rst):
-        m = rst[(rst["censored"] == "") & rst["estimator"].isin(TRIG)].copy()
+        m = rst[(rst["censored"] == "") & rst["spec"].isin(TRIG)].copy()
         if len(m):
             parts = []
             for b in THEORY_BOUNDS:
@@ -1133,7 +1133,7 @@ def findings(df: pd.DataFrame, rst: pd.DataFrame, fits: pd.DataFrame, conv: pd.D
         g = pw.assign(rms=np.sqrt(pw["mean"]), th=np.sqrt(pw["theory"]))
         lo_d, hi_d = int(g["d"].min()), int(g["d"].max())
         parts = []
-        for e, ge in g.groupby("estimator", sort=False):
+        for e, ge in g.groupby("spec", sort=False):
             a, b = ge[ge["d"] == lo_d], ge[ge["d"] == hi_d]
             parts.append(f"{get(e).label} {fmt(a['rms'].mean())} → {fmt(b['rms'].mean())} "
                          f"(theory {fmt(a['th'].mean())} → {fmt(b['th'].mean())})")

@@ -106,7 +106,7 @@ def grid(quick: bool) -> list[dict]:
     # SimRF+ has no closed form and costs O(d^3) per block to draw: it is measured in estimator-league
     specs = [s for s in specs if not s.learned and s.sampler != "simplex+"]
     dims = DIMS_QUICK if quick else DIMS
-    return [{"estimator": s.key, "d": d} for s in specs for d in dims]
+    return [{"spec": s.key, "d": d} for s in specs for d in dims]
 
 
 def _theory(spec: EstimatorSpec, d: int, r: int, q: torch.Tensor, k: torch.Tensor,
@@ -155,7 +155,7 @@ def draw_errors(est: torch.Tensor, K: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def run_cell(cell: dict, ctx: Context) -> list[dict]:
     """All r and regimes for one (estimator, d): S draws per r in one batched feature map."""
-    spec = get(cell["estimator"])
+    spec = get(cell["spec"])
     d = int(cell["d"])
     regimes = REGIMES_QUICK if ctx.quick else REGIMES
     data = {reg: make_data(reg, d, ctx) for reg in regimes}
@@ -178,7 +178,7 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
             th_entry, th_frob = _theory(spec, d, r, q, k, K)
             varies = spec.is_random or spec.data_dependent  # Nystrom: r landmarks
             extra = {"r": r if varies else d, "regime": reg,
-                     "feature_dim": fm.feature_dim, "family": spec.family,
+                     "feature_dim": fm.feature_dim, "estimator": spec.name,
                      "sampler": spec.sampler or ("landmarks" if varies else "none"), "label": spec.label}
             rows.append(row("rel_mse_entry", rel_entry, theory=th_entry, **extra))
             rows.append(row("rel_mse_frob", rel_frob, theory=th_frob, **extra))
@@ -209,11 +209,11 @@ def slopes(df: pd.DataFrame) -> pd.DataFrame:
     sub = rms_frame(df, "rel_mse_entry")
     sub = sub[~sub["sampler"].isin(["none", "landmarks"])]  # a Monte Carlo rate: random maps only
     out = []
-    for (est, d, reg), g in sub.groupby(["estimator", "d", "regime"], sort=False):
+    for (est, d, reg), g in sub.groupby(["spec", "d", "regime"], sort=False):
         s, lo, hi = loglog_slope(g["r"], g["rms"])
         ts, _, _ = loglog_slope(g["r"], g["theory_rms"]) if g["theory_rms"].notna().all() else (
             float("nan"), 0, 0)
-        out.append({"estimator": est, "label": g["label"].iloc[0], "family": g["family"].iloc[0],
+        out.append({"spec": est, "label": g["label"].iloc[0], "estimator": g["estimator"].iloc[0],
                     "sampler": g["sampler"].iloc[0], "d": d, "regime": reg, "slope": s,
                     "slope_lo": lo, "slope_hi": hi, "theory_slope": ts})
     return pd.DataFrame(out)
@@ -240,7 +240,7 @@ def _facet_lines(df: pd.DataFrame, hue: str, style: str | None, title: str, ylab
 
 
 def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
-    """Error-vs-r panels (by family, by sampler, Frobenius) and the fitted slopes."""
+    """Error-vs-r panels (by estimator, by sampler, Frobenius) and the fitted slopes."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
@@ -251,12 +251,12 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     paths += _facet_lines(iid, "label", None,
                           "Relative RMS error of exp(q·k) over (q, k) pairs vs r (iid features); "
                           "dashed = closed-form MSE, flat = elu/relu",
-                          "relative RMS error (unitless)", folder, "rel_rms_by_family", True)
-    smp = ent[ent["family"].isin(["positive", "trig-sincos"])].copy()
+                          "relative RMS error (unitless)", folder, "rel_rms_by_estimator", True)
+    smp = ent[ent["estimator"].isin(["positive", "trig-sincos"])].copy()
     smp["sampler "] = smp["sampler"].map(SAMPLER_LABEL)
-    smp["family "] = smp["family"]
-    paths += _facet_lines(smp, "sampler ", "family ",
-                          "Relative RMS error vs r: sampler = colour, family = marker; "
+    smp["estimator "] = smp["estimator"]
+    paths += _facet_lines(smp, "sampler ", "estimator ",
+                          "Relative RMS error vs r: sampler = colour, estimator = marker; "
                           "dashed = theory, bands = 95% CI",
                           "relative RMS error (unitless)", folder, "rel_rms_by_sampler", True)
     frob = rms_frame(df, "rel_mse_frob")
@@ -264,7 +264,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     paths += _facet_lines(frob, "label", None,
                           "Relative Frobenius error ‖K̂ − K‖_F / ‖K‖_F vs r; iid features, "
                           "dashed = theory", "relative Frobenius error (unitless)", folder,
-                          "rel_frob_by_family", True)
+                          "rel_frob_by_estimator", True)
 
     sl = slopes(df)
     if len(sl):
@@ -368,16 +368,16 @@ def _figure_notes(ent: pd.DataFrame, sl: pd.DataFrame) -> list[str]:
     if len(th):
         ratio = th["rms"] / th["theory_rms"]
         notes.append(
-            f"`rel_rms_by_family.png` vs the iid MSE formulas (Choromanski et al. 2021, Lemma 2; "
+            f"`rel_rms_by_estimator.png` vs the iid MSE formulas (Choromanski et al. 2021, Lemma 2; "
             f"Likhosherstov et al. 2022 for FAVOR++): agrees within [0.8, 1.25] at "
             f"{fmt(100 * ratio.between(0.8, 1.25).mean(), 2)}% of {len(th)} points; differs "
             f"(median ratio {fmt(ratio[ratio < 0.8].median())}) where the error is heavy-tailed "
             "(positive maps at large ‖q + k‖): S ≤ 64 draws miss the rare large errors that carry "
             "the MSE.")
-    pv = ent[ent["family"].isin(["positive", "trig-sincos"])
+    pv = ent[ent["estimator"].isin(["positive", "trig-sincos"])
              & ent["sampler"].isin(["gaussian", "orthogonal"])]
     if len(pv):
-        w = pv.pivot_table(index=["family", "d", "regime", "r"], columns="sampler", values="rms")
+        w = pv.pivot_table(index=["estimator", "d", "regime", "r"], columns="sampler", values="rms")
         w = w.dropna()
         if len(w):
             g = w["orthogonal"] / w["gaussian"]
@@ -388,7 +388,7 @@ def _figure_notes(ent: pd.DataFrame, sl: pd.DataFrame) -> list[str]:
                 "matched points (positive and sin/cos).")
     fr = ent[ent["sampler"] == "gaussian"]
     if len(fr):
-        notes.append("`rel_frob_by_family.png`: the same closed forms summed over pairs (dashed); "
+        notes.append("`rel_frob_by_estimator.png`: the same closed forms summed over pairs (dashed); "
                      "agrees and differs where the entrywise figure does.")
     if len(sl):
         iid = sl[sl["sampler"] == "gaussian"]
@@ -407,6 +407,6 @@ STUDY = Study(
     run_cell=run_cell,
     plot=plot,
     summarize=summarize,
-    headline="rel_rms_by_family.png",
+    headline="rel_rms_by_estimator.png",
     cache_version="3",
 )

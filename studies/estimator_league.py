@@ -130,7 +130,7 @@ BASE_SAMPLERS = ("gaussian", "orthogonal")
 FLOPS_SAMPLER = "orthogonal"  # equal-FLOPs runs: one sampler per random family (it does not change the cost)
 UNIFORM = "uniform"
 UNIFORM_LABEL = "uniform weights (baseline)"
-BASELINE_FAMILY = "elu"
+BASELINE_ESTIMATOR = "elu"
 FLOPS_N = N_TOKENS  # batch size over which data-dependent fits are amortised in the FLOP counts
 
 # Chefs' Random Tables reproduction (figure 4)
@@ -311,14 +311,14 @@ def grid(quick: bool) -> list[dict]:
     cells: list[dict] = []
     for regime, sigma in _regimes(quick):
         common = {"part": "league", "regime": regime, "sigma": sigma, "n": n, "draws": S, "d": D}
-        cells.append({**common, "estimator": UNIFORM})
+        cells.append({**common, "spec": UNIFORM})
         for spec in league_specs(quick):
             budgets = brs if not spec.is_random or spec.sampler == FLOPS_SAMPLER else []
-            cells.append({**common, "estimator": spec.key, "feature_dims": fds, "budget_rs": budgets,
+            cells.append({**common, "spec": spec.key, "feature_dims": fds, "budget_rs": budgets,
                           "theory_F": fds[len(fds) // 2],
                           "fit_steps": FIT_STEPS_QUICK if quick else FIT_STEPS,
                           "cal_tokens": CAL_TOKENS_QUICK if quick else CAL_TOKENS})
-    cells.append({"part": "crt", "d": D, "estimator": "crt"})
+    cells.append({"part": "crt", "d": D, "spec": "crt"})
     return cells
 
 
@@ -471,7 +471,7 @@ def _uniform_cell(cell: dict, ctx: Context) -> list[dict]:
     v, out = ref["v"], ref["out"]
     mean_v = v.mean(-2, keepdim=True).expand_as(out)
     err = mc.attention_relative_error(mean_v, out).reshape(-1).cpu()
-    extra = {"family": UNIFORM, "sampler": "none", "label": UNIFORM_LABEL, "mode": "baseline",
+    extra = {"estimator": UNIFORM, "sampler": "none", "label": UNIFORM_LABEL, "mode": "baseline",
              "r": 0, "feature_dim": 0, "flops_per_token": float(2 * DV), "flops_source": "formula"}
     n = int(cell["n"])
     return [
@@ -483,10 +483,10 @@ def _uniform_cell(cell: dict, ctx: Context) -> list[dict]:
 
 
 def _league_cell(cell: dict, ctx: Context) -> list[dict]:
-    spec = get(cell["estimator"])
+    spec = get(cell["spec"])
     est = spec.estimator
     ref = _ref_for(cell, ctx)
-    common = {"family": spec.family, "sampler": spec.sampler or "none", "label": spec.label,
+    common = {"estimator": spec.name, "sampler": spec.sampler or "none", "label": spec.label,
               "random": spec.is_random, "data_dependent": spec.data_dependent, "learned": spec.learned,
               "kernel_scale": "arbitrary (learned)" if spec.learned else "exp(q.k)"}
     rows: list[dict] = []
@@ -536,7 +536,7 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
     try:
         if cell["part"] == "crt":
             return _crt_cell(cell, ctx)
-        if cell["estimator"] == UNIFORM:
+        if cell["spec"] == UNIFORM:
             return _uniform_cell(cell, ctx)
         return _league_cell(cell, ctx)
     finally:
@@ -640,11 +640,11 @@ def _crt_cell(cell: dict, ctx: Context) -> list[dict]:
                   "xy_mean": float(lv["_xy"].mean()), "paper_scale": sigma / d**0.25}
         for fam in CRT_FAMILIES:
             a = lv[fam].reshape(-1)
-            rows.append(row("log_relvar", a, crt_family=fam, source=src[fam], kind="closed form",
+            rows.append(row("log_relvar", a, crt_estimator=fam, source=src[fam], kind="closed form",
                             q10=float(np.quantile(a, 0.1)), q90=float(np.quantile(a, 0.9)), **common))
         for num in ("positive", "trig-sincos"):
             a = (lv[num] - lv["oprf"]).reshape(-1)
-            rows.append(row("log_ratio", a, crt_family=f"{num}/oprf", kind="closed form",
+            rows.append(row("log_ratio", a, crt_estimator=f"{num}/oprf", kind="closed form",
                             q10=float(np.quantile(a, 0.1)), q90=float(np.quantile(a, 0.9)),
                             max_over_pairs=float(a.max()), **common))
     for sigma in mc_scales:  # Monte Carlo points on the diagonal pairs (x_i, y_i), i < CRT_MC_PAIRS
@@ -664,7 +664,7 @@ def _crt_cell(cell: dict, ctx: Context) -> list[dict]:
                 pred = _oprf_predicted_rel_se(t, d, A, M)
             half = 1.96 * math.sqrt(float((se**2).sum())) / len(se)
             m = float(logv.mean())
-            rows.append(row("log_relvar", m, crt_family=fam, kind="monte carlo", ci_low=m - half,
+            rows.append(row("log_relvar", m, crt_estimator=fam, kind="monte carlo", ci_low=m - half,
                             ci_high=m + half, n_draws=M * len(se), theory=float(theory.mean()),
                             predicted_rel_se=float(pred.max()),
                             mc_reliable=bool(pred.max() < CRT_MC_MAX_REL_SE), **common))
@@ -682,7 +682,7 @@ def _styles(labels: list[str], df: pd.DataFrame) -> dict[str, dict[str, Any]]:
     """Colour by family, line style by sampler (consistent across figures)."""
     import seaborn as sns
 
-    fam_of = df.drop_duplicates("label").set_index("label")["family"].to_dict()
+    fam_of = df.drop_duplicates("label").set_index("label")["estimator"].to_dict()
     smp_of = df.drop_duplicates("label").set_index("label")["sampler"].to_dict()
     fams = sorted({fam_of[lab] for lab in labels if lab in fam_of} - {UNIFORM})
     pal = dict(zip(fams, sns.color_palette("tab20", max(len(fams), 1)), strict=False))
@@ -715,7 +715,7 @@ def _sweep_figure(df: pd.DataFrame, metric: str, mode: str, ylabel: str, title: 
     refs = lg[(lg["metric"] == metric) & (lg["mode"].isin(["native", "baseline"]))]
     if not include_learned and "learned" in refs.columns:
         refs = refs[refs["learned"].astype(str) != "True"]
-    labels = list(dict.fromkeys(sub.sort_values(["family", "sampler"])["label"]))
+    labels = list(dict.fromkeys(sub.sort_values(["estimator", "sampler"])["label"]))
     ref_labels = list(dict.fromkeys(refs["label"]))
     sty = _styles(labels + ref_labels, lg)
     n_peak = max(len(labels) + len(ref_labels), 4)
@@ -791,7 +791,7 @@ def _crt_figure(df: pd.DataFrame) -> Any:
     zoom_max = float(mcp["crt_scale"].max()) * 1.15 if len(mcp) else 1.1
     for ax, zoom in ((axes[0], False), (axes[1], True)):
         for fam in CRT_FAMILIES:
-            g = lv[lv["crt_family"] == fam].sort_values("crt_scale")
+            g = lv[lv["crt_estimator"] == fam].sort_values("crt_scale")
             if zoom:
                 g = g[g["crt_scale"] <= zoom_max]
             if len(g):
@@ -799,7 +799,7 @@ def _crt_figure(df: pd.DataFrame) -> Any:
                 ax.fill_between(g["crt_scale"], g["q10"], g["q90"], color=pal[fam], alpha=0.15, lw=0)
             if not zoom:
                 continue
-            m = mcp[mcp["crt_family"] == fam]
+            m = mcp[mcp["crt_estimator"] == fam]
             for ok, mk in ((True, "o"), (False, "s")):
                 mm = m[m["mc_reliable"].astype(str) == str(ok)]
                 if len(mm):
@@ -822,7 +822,7 @@ def _crt_figure(df: pd.DataFrame) -> Any:
     axes[1].legend(fontsize=6)
     a2 = axes[2]
     for fam, claim in CRT_CLAIMS.items():
-        g = lr[lr["crt_family"] == fam].sort_values("crt_scale")
+        g = lr[lr["crt_estimator"] == fam].sort_values("crt_scale")
         if not len(g):
             continue
         col = pal[fam.split("/")[0]]
@@ -908,13 +908,13 @@ def _variance_vs_typical(lg: pd.DataFrame, F: float) -> str:
     """Closed-form variance gain of OPRF over FAVOR+ (orthogonal rows, equal F) against the measured
     typical (median) kernel error and the attention error, per sigma of the Gaussian regime."""
     sub = lg[(lg["mode"] == "equal_F") & (lg["target"] == F) & (lg["regime"] == "gaussian")
-             & (lg["sampler"] == "orthogonal") & lg["family"].isin(["positive", "oprf"])]
+             & (lg["sampler"] == "orthogonal") & lg["estimator"].isin(["positive", "oprf"])]
     parts = []
     for sigma in sorted(sub["sigma"].unique()):
         s = sub[np.isclose(sub["sigma"], sigma)]
 
         def get(fam: str, metric: str, col: str = "mean", s=s) -> float:
-            x = s[(s["family"] == fam) & (s["metric"] == metric)][col]
+            x = s[(s["estimator"] == fam) & (s["metric"] == metric)][col]
             return float(x.iloc[0]) if len(x) else math.nan
 
         gain = get("positive", "kernel_rel_mse", "theory") / get("oprf", "kernel_rel_mse", "theory")
@@ -993,9 +993,9 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
     # ---- findings per regime
     for name, regime, sigma in regs:
         s = _at(err, "attn_rel_err", regime, sigma)
-        uni = s[s["family"] == UNIFORM]
+        uni = s[s["estimator"] == UNIFORM]
         u = float(uni["mean"].iloc[0]) if len(uni) else math.nan
-        elu = s[(s["family"] == BASELINE_FAMILY)]
+        elu = s[(s["estimator"] == BASELINE_ESTIMATOR)]
         e = float(elu["mean"].iloc[0]) if len(elu) else math.nan
         parts = []
         for F in fds:
@@ -1051,7 +1051,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
     if len(lr):
         rows_t = []
         for fam in CRT_CLAIMS:
-            g = lr[lr["crt_family"] == fam].sort_values("crt_scale")
+            g = lr[lr["crt_estimator"] == fam].sort_values("crt_scale")
             for sc in (g["crt_scale"].iloc[np.argmin(np.abs(np.log(g["crt_scale"])))], g["crt_scale"].max()):
                 x = g[g["crt_scale"] == sc].iloc[0]
                 rows_t.append({"ratio": fam, "σ": sc, "E‖x+y‖²": x["t_mean"], "mean log ratio": x["mean"],
@@ -1060,7 +1060,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                 "OPRF near σ = 1 and at the largest σ:", "", df_to_markdown(pd.DataFrame(rows_t), digits=3), ""]
         cl = []
         for fam, claim in CRT_CLAIMS.items():
-            g = lr[lr["crt_family"] == fam].sort_values("crt_scale")
+            g = lr[lr["crt_estimator"] == fam].sort_values("crt_scale")
             xs, ys = g["crt_scale"].to_numpy(), g["mean"].to_numpy()
             x1 = _crossing(xs, ys, claim)
             near1 = g.iloc[int(np.argmin(np.abs(np.log(xs))))]
@@ -1071,11 +1071,11 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                           f"it is e^{fmt(near1['mean'], 3)}")
             else:
                 cl.append(f"{fam} stays below e^{int(claim)} up to σ = {fmt(xs.max(), 3)} (max e^{fmt(ys.max(), 3)})")
-        gp = lr[lr["crt_family"] == "positive/oprf"].set_index("crt_scale")["mean"]
-        gt = lr[lr["crt_family"] == "trig-sincos/oprf"].set_index("crt_scale")["mean"]
+        gp = lr[lr["crt_estimator"] == "positive/oprf"].set_index("crt_scale")["mean"]
+        gt = lr[lr["crt_estimator"] == "trig-sincos/oprf"].set_index("crt_scale")["mean"]
         gap = (gt - gp).dropna()
-        both = all(math.isfinite(_crossing(lr[lr["crt_family"] == f].sort_values("crt_scale")["crt_scale"].to_numpy(),
-                                           lr[lr["crt_family"] == f].sort_values("crt_scale")["mean"].to_numpy(), c))
+        both = all(math.isfinite(_crossing(lr[lr["crt_estimator"] == f].sort_values("crt_scale")["crt_scale"].to_numpy(),
+                                           lr[lr["crt_estimator"] == f].sort_values("crt_scale")["mean"].to_numpy(), c))
                    for f, c in CRT_CLAIMS.items())
         bullets.append(
             "Chefs' Random Tables:" + "".join(f"\n  - {c}" for c in cl) + "\n  - "

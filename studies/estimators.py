@@ -5,7 +5,7 @@ There is no second registry here. A study estimator (an :class:`EstimatorSpec`) 
 (:data:`kernelapprox.samplers.SAMPLERS`); deterministic maps take no sampler. The list is built
 anew at every :func:`select`, so an estimator registered with ``ka.register_estimator`` (in your
 own code, before running the studies) appears in every study whose selection matches it, by
-family (the estimator's name), sampler, randomness or closed form.
+estimator name, sampler, randomness or closed form.
 
 Keys: ``"<estimator>-<sampler>"`` for random maps (``"positive-orthogonal"``,
 ``"trig-sincos-gaussian"``), the estimator's name for deterministic ones (``"elu"``).
@@ -44,10 +44,10 @@ class EstimatorSpec:
     @property
     def key(self) -> str:
         """Unique id: ``"<estimator>-<sampler>"``, or the estimator's name if deterministic."""
-        return self.family if self.sampler is None else f"{self.family}-{self.sampler}"
+        return self.name if self.sampler is None else f"{self.name}-{self.sampler}"
 
     @property
-    def family(self) -> str:
+    def name(self) -> str:
         """The estimator's canonical name (``"trig-sincos"``, ``"positive"``, ``"elu"``, ...)."""
         return self.estimator.name
 
@@ -166,17 +166,17 @@ def _as_set(x: Iterable[Any] | Any | None) -> set | None:
 
 
 def select(
-    families: Iterable[str] | str | None = None,
+    estimators: Iterable[str] | str | None = None,
     samplers: Iterable[str | None] | str | None = None,
     random: bool | None = None,
     keys: Iterable[str] | None = None,
     closed_form: str | None = None,
 ) -> list[EstimatorSpec]:
-    """Specs filtered by family (estimator name), sampler, randomness, key and/or closed form."""
-    fam, smp, ks = _as_set(families), _as_set(samplers), _as_set(keys)
+    """Specs filtered by estimator name, sampler, randomness, key and/or closed form."""
+    fam, smp, ks = _as_set(estimators), _as_set(samplers), _as_set(keys)
     out = []
     for s in specs():
-        if fam is not None and s.family not in fam:
+        if fam is not None and s.name not in fam:
             continue
         if smp is not None and s.sampler not in smp:
             continue

@@ -44,13 +44,13 @@ R_OVER_D = [0.25, 0.5, 1, 2, 4, 8]
 NORMS = [0.25, 0.5, 1.0, 1.5, 2.0]
 FIXED = 1.0  # the other norm in each sweep
 DRAWS, DRAWS_QUICK = 1024, 256
-FAMILY_AXIS = {"positive": "sum", "trig-sincos": "diff"}  # the norm each family's MSE depends on
+ESTIMATOR_AXIS = {"positive": "sum", "trig-sincos": "diff"}  # the norm each estimator's MSE depends on
 AXIS_LABEL = {"sum": "‖q + k‖", "diff": "‖q − k‖"}
 RSE_MAX = 0.1  # largest closed-form relative SE of the S-draw mean of e^2 counted as converged
 SHARE_MAX = 0.1  # largest share of sum(e^2) one draw may carry in a converged cell
 
 
-def iid_sq_error_moments(family: str, norm: np.ndarray | float, r: int
+def iid_sq_error_moments(estimator: str, norm: np.ndarray | float, r: int
                          ) -> tuple[np.ndarray, np.ndarray]:
     r"""Mean and standard deviation of the squared relative error $e^2$ with ``r`` iid rows.
 
@@ -71,7 +71,7 @@ def iid_sq_error_moments(family: str, norm: np.ndarray | float, r: int
 
     Parameters
     ----------
-    family : {"positive", "trig-sincos"}
+    estimator : {"positive", "trig-sincos"}
     norm : float or numpy.ndarray, any shape
         $\|q+k\|$ for positive, $\|q-k\|$ for trig (input units).
     r : int
@@ -88,12 +88,12 @@ def iid_sq_error_moments(family: str, norm: np.ndarray | float, r: int
     >>> round(float(m), 4)  # (e - 1) / 4
     0.4296
     """
-    if family not in FAMILY_AXIS:
-        raise ValueError(f"family must be one of {sorted(FAMILY_AXIS)}, got {family!r}")
+    if estimator not in ESTIMATOR_AXIS:
+        raise ValueError(f"estimator must be one of {sorted(ESTIMATOR_AXIS)}, got {estimator!r}")
     if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 1:
         raise ValueError(f"r must be a positive int, got {r!r}")
     x = np.asarray(norm, dtype=np.float64) ** 2
-    if family == "positive":
+    if estimator == "positive":
         m2, m3, m4 = np.exp(x), np.exp(3 * x), np.exp(6 * x)
     else:
         c2 = (1 + np.exp(-2 * x)) / 2
@@ -108,10 +108,10 @@ def iid_sq_error_moments(family: str, norm: np.ndarray | float, r: int
 
 
 def grid(quick: bool) -> list[dict]:
-    """Cells: (family, d, r); samplers evaluated inside a cell on the same pairs."""
+    """Cells: (estimator, d, r); samplers evaluated inside a cell on the same pairs."""
     dims = DIMS[:1] if quick else DIMS
     rod = [0.25, 1, 4] if quick else R_OVER_D
-    return [{"family": f, "d": d, "r": max(1, int(round(x * d)))}
+    return [{"estimator": f, "d": d, "r": max(1, int(round(x * d)))}
             for f in FAMILIES for d in dims for x in rod]
 
 
@@ -137,7 +137,7 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
     """Squared errors of every sampler on the pairs; MSE ratios to iid with CIs, theory, flags."""
     import kernelapprox as ka
 
-    fam, d, r = cell["family"], int(cell["d"]), int(cell["r"])
+    fam, d, r = cell["estimator"], int(cell["d"]), int(cell["r"])
     S = DRAWS_QUICK if ctx.quick else DRAWS
     q, k, meta = make_pairs(d, ctx)
     K = torch.exp((q * k).sum(-1))  # (P,)
@@ -155,7 +155,7 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
             fm0 = spec.build(d, r, seed=0, dtype=ctx.dtype, device=ctx.device)
             theory[smp] = torch.diagonal(ka.theory.mse(fm0, q, k)).div(K**2).cpu().numpy()
     # convergence: closed-form relative SE of the S-draw mean of e^2 (iid rows), per pair
-    norm = np.where(FAMILY_AXIS[fam] == "sum", meta["sum_norm"], meta["diff_norm"])
+    norm = np.where(ESTIMATOR_AXIS[fam] == "sum", meta["sum_norm"], meta["diff_norm"])
     e2_mean, e2_sd = iid_sq_error_moments(fam, norm, r)
     rse = e2_sd / (math.sqrt(S) * e2_mean)  # (P,)
     share = {smp: x.max(axis=0) / x.sum(axis=0) for smp, x in sq.items()}  # (P,) each
@@ -190,8 +190,8 @@ def _ratio_frame(df: pd.DataFrame) -> pd.DataFrame:
     sub["sampler "] = sub["sampler"].map(SAMPLER_LABEL)
     sub["axis_norm"] = np.where(sub["sweep"] == "sum", sub["sum_norm"], sub["diff_norm"])
     sub["converged"] = sub["converged"].astype(str).str.lower().eq("true")
-    # keep, per family, the sweep along the norm that family's MSE depends on
-    keep = sub["sweep"] == sub["family"].map(FAMILY_AXIS)
+    # keep, per estimator, the sweep along the norm that estimator's MSE depends on
+    keep = sub["sweep"] == sub["estimator"].map(ESTIMATOR_AXIS)
     return sub[keep]
 
 
@@ -235,7 +235,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     # 1) against r/d at axis norm = 1 (headline)
     fig, axes = plt.subplots(1, len(FAMILIES), figsize=(5.2 * len(FAMILIES), 3.8), squeeze=False)
     for ax, fam in zip(axes[0], FAMILIES, strict=False):
-        g = sub[(sub["family"] == fam) & np.isclose(sub["axis_norm"], FIXED)]
+        g = sub[(sub["estimator"] == fam) & np.isclose(sub["axis_norm"], FIXED)]
         for (lab, d), gg in g.groupby(["sampler ", "d"], sort=False):
             _draw(ax, gg.sort_values("r_over_d"), "r_over_d", pal[lab], marks[d],
                   f"{lab}, d = {d}")
@@ -245,7 +245,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
         ax.set_yscale("log")
         ax.set_xlabel("r / d (projections per input dimension)")
         ax.set_ylabel("MSE ratio to iid features (unitless)")
-        ax.set_title(f"{fam}: {AXIS_LABEL[FAMILY_AXIS[fam]]} = {FIXED:g}", fontsize=10)
+        ax.set_title(f"{fam}: {AXIS_LABEL[ESTIMATOR_AXIS[fam]]} = {FIXED:g}", fontsize=10)
     _legend(fig, axes, 1.14)
     fig.suptitle("MSE of structured projections relative to iid (below 1 = better); "
                  "bars = 95% CI", y=1.18)
@@ -260,14 +260,14 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
         for i, x in enumerate(rods):
             for j, fam in enumerate(FAMILIES):
                 ax = axes[i][j]
-                g = sub[(sub["family"] == fam) & np.isclose(sub["r_over_d"], x)]
+                g = sub[(sub["estimator"] == fam) & np.isclose(sub["r_over_d"], x)]
                 for (lab, d), gg in g.groupby(["sampler ", "d"], sort=False):
                     _draw(ax, gg.sort_values("axis_norm"), "axis_norm", pal[lab], marks[d],
                           f"{lab}, d = {d}")
                 ax.axhline(1, color="k", lw=0.8)
                 ax.set_yscale("log")
-                other = "‖q − k‖" if FAMILY_AXIS[fam] == "sum" else "‖q + k‖"
-                ax.set_xlabel(f"{AXIS_LABEL[FAMILY_AXIS[fam]]} (input units; {other} = {FIXED:g})")
+                other = "‖q − k‖" if ESTIMATOR_AXIS[fam] == "sum" else "‖q + k‖"
+                ax.set_xlabel(f"{AXIS_LABEL[ESTIMATOR_AXIS[fam]]} (input units; {other} = {FIXED:g})")
                 ax.set_ylabel("MSE ratio to iid (unitless)")
                 ax.set_title(f"{fam}, r = {x:g}·d", fontsize=10)
         _legend(fig, axes, 1.08)
@@ -295,7 +295,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         for (_, m), c, t in zip(at1.iterrows(), at1["converged"], at1["theory"], strict=True)]
     rods = [x for x in (0.25, 1.0, 8.0) if np.isclose(at1["r_over_d"], x).any()]
     at1 = at1[np.isclose(at1["r_over_d"].to_numpy()[:, None], rods).any(axis=1)]
-    tab = at1.pivot_table(index=["family", "d", "sampler"], columns="r_over_d",
+    tab = at1.pivot_table(index=["estimator", "d", "sampler"], columns="r_over_d",
                           values="ratio (95% CI)", aggfunc="first").reset_index()
     tab.columns = [f"r = {c:g}d" if isinstance(c, float) else c for c in tab.columns]
     n_draws = int(sub["n_draws"].max()) if len(sub) else 0
@@ -310,7 +310,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
     f: list[str] = []
     orth = sub[sub["sampler"] == "orthogonal"]
     conv = orth[orth["converged"]]
-    trig = conv[conv["family"] == "trig-sincos"]
+    trig = conv[conv["estimator"] == "trig-sincos"]
     for d in sorted(trig["d"].unique()):
         g = trig[(trig["d"] == d) & np.isclose(trig["r_over_d"], 1.0)
                  & np.isclose(trig["axis_norm"], FIXED)]
@@ -324,7 +324,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                  f"{fmt(trig['mean'].min())}–{fmt(trig['mean'].max())}, below 1 with 95% "
                  f"confidence in {int((trig['ci_high'] < 1).sum())}; closed form inside the 95% "
                  f"CI in {int(_inside(trig).sum())} of {len(trig)} (≈ 95% expected).")
-    pos = orth[orth["family"] == "positive"]
+    pos = orth[orth["estimator"] == "positive"]
     pconv = pos[pos["converged"]]
     if len(pos):
         f.append(f"Positive, orthogonal rows: {len(pconv)} of {len(pos)} points converged; there "
@@ -337,13 +337,13 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                      f"{_ci(m)} (closed form {fmt(m['theory'])}).")
     bad = sub[~sub["converged"]]
     if len(bad):
-        by = bad.groupby("family")["axis_norm"]
-        where = "; ".join(f"{fam}: {int(len(v))} points at {AXIS_LABEL[FAMILY_AXIS[fam]]} ∈ "
+        by = bad.groupby("estimator")["axis_norm"]
+        where = "; ".join(f"{fam}: {int(len(v))} points at {AXIS_LABEL[ESTIMATOR_AXIS[fam]]} ∈ "
                           f"{{{', '.join(fmt(x) for x in sorted(v.unique()))}}}"
                           for fam, v in by)
         f.append(f"Unconverged (hollow markers, †, not headlined): {len(bad)} of {len(sub)} "
                  f"ratio points ({where}).")
-    rel = df[(df["metric"] == "rel_mse") & (df["family"] == "positive") & (df["sweep"] == "sum")]
+    rel = df[(df["metric"] == "rel_mse") & (df["estimator"] == "positive") & (df["sweep"] == "sum")]
     worst = rel[np.isclose(rel["sum_norm"], max(NORMS)) & (rel["r"] == rel["d"])
                 & rel["sampler"].isin(["gaussian", "orthogonal"])]
     for d in sorted(worst["d"].unique()):
@@ -360,8 +360,8 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                      f"{fmt(th_ratio)}.")
     if len(conv):
         for fam in FAMILIES:
-            g1 = conv[(conv["family"] == fam) & (conv["r_over_d"] <= 1)]
-            g4 = conv[(conv["family"] == fam) & (conv["r_over_d"] >= 4)]
+            g1 = conv[(conv["estimator"] == fam) & (conv["r_over_d"] <= 1)]
+            g4 = conv[(conv["estimator"] == fam) & (conv["r_over_d"] >= 4)]
             if len(g1) and len(g4):
                 f.append(f"{fam}, converged orthogonal points: median ratio "
                          f"{fmt(g1['mean'].median())} for r ≤ d (one block) and "

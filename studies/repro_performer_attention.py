@@ -98,7 +98,7 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
         if key.endswith("gaussian"):
             nrows = THEORY_ROWS_QUICK if ctx.quick else THEORY_ROWS
             theory = _theory_unit(key, scale, L, B, seed, nrows) / m
-        rows.append(row("output_mse", mse[ok], estimator=key, theory=theory,
+        rows.append(row("output_mse", mse[ok], spec=key, theory=theory,
                         sd=float(mse[ok].std()) if ok.sum() > 1 else float("nan"),
                         median=float(mse[ok].median()), n_nonfinite=int((~ok).sum()), L=L))
     return rows
@@ -106,7 +106,7 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
 
 def _frame(df: pd.DataFrame) -> pd.DataFrame:
     sub = df[df["metric"] == "output_mse"].copy()
-    sub["label"] = sub["estimator"].map(LABEL)
+    sub["label"] = sub["spec"].map(LABEL)
     return sub
 
 
@@ -123,7 +123,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     for ax, scale in zip(axes[0], SCALES, strict=True):
         g0 = sub[sub["scale"] == scale]
         for key in KEYS:
-            g = g0[g0["estimator"] == key].sort_values("m")
+            g = g0[g0["spec"] == key].sort_values("m")
             if g.empty:
                 continue
             lo = np.maximum(g["mean"] - g["sd"], g["mean"] * 1e-3)
@@ -168,10 +168,10 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         if g0.empty:
             continue
         mmax = g0["m"].max()
-        at = g0[g0["m"] == mmax].set_index("estimator")["mean"]
+        at = g0[g0["m"] == mmax].set_index("spec")["mean"]
         slopes = {}
         for key in KEYS:
-            g = g0[g0["estimator"] == key].sort_values("m")
+            g = g0[g0["spec"] == key].sort_values("m")
             slopes[key] = loglog_slope(g["m"], g["mean"])[0] if len(g) >= 3 else float("nan")
         order = " < ".join(LABEL[k] for k in at.sort_values().index)
         f.append(f"- {scale}: at m = {mmax} the ordering is {order} "
@@ -184,7 +184,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
             f.append(f"- {scale}: log-log slope of MSE in m: " + ", ".join(
                 f"{LABEL[k]} {fmt(v, 2)}" for k, v in slopes.items()) + " (−1 = the 1/m rate).")
         for fam in ("positive", "trig-sincos"):
-            th = g0[g0["theory"].notna() & g0["estimator"].str.startswith(fam)]
+            th = g0[g0["theory"].notna() & g0["spec"].str.startswith(fam)]
             if len(th):
                 rat = th["mean"] / th["theory"]
                 f.append(f"- {scale}, {fam} iid: measured MSE / delta-method variance between "
@@ -194,8 +194,8 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         # orthogonal vs iid: geometric mean over m of the MSE ratio (one m is noisy at 15 samples)
         gm = {}
         for fam in ("positive", "trig-sincos"):
-            o = g0[g0["estimator"] == f"{fam}-orthogonal"].set_index("m")["mean"]
-            i = g0[g0["estimator"] == f"{fam}-gaussian"].set_index("m")["mean"]
+            o = g0[g0["spec"] == f"{fam}-orthogonal"].set_index("m")["mean"]
+            i = g0[g0["spec"] == f"{fam}-gaussian"].set_index("m")["mean"]
             gm[fam] = float(np.exp(np.mean(np.log(o / i))))
         orth_wins = [fam for fam, v in gm.items() if v < 1]
         verdicts[scale] = pos_wins and len(orth_wins) == 2

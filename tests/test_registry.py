@@ -167,7 +167,7 @@ def test_user_estimator_enters_theory_and_monte_carlo(user_estimator):
 def test_user_estimator_appears_in_the_studies(user_estimator):
     from studies.estimators import get, select
 
-    keys = {s.key for s in select(families="my-positive")}
+    keys = {s.key for s in select(estimators="my-positive")}
     assert keys == {f"my-positive-{smp}" for smp in SAMPLERS}
     spec = get("my-positive-gaussian")
     assert spec.has_theory and spec.label == "my positive (iid)"
@@ -176,8 +176,8 @@ def test_user_estimator_appears_in_the_studies(user_estimator):
     # the error-vs-r study's grid selects every registered estimator
     import studies.error_vs_r as evr
 
-    assert any(c["estimator"] == "my-positive-orthogonal" for c in evr.grid(quick=False))
-    assert not any(s.family == "my-positive" for s in select(closed_form="bounded_terms"))
+    assert any(c["spec"] == "my-positive-orthogonal" for c in evr.grid(quick=False))
+    assert not any(s.name == "my-positive" for s in select(closed_form="bounded_terms"))
 
 
 def test_user_estimator_without_theory():

@@ -83,7 +83,7 @@ def test_every_registered_estimator_builds_batched() -> None:
             assert fm.sampler.name == spec.sampler
     assert {s.key for s in select(random=False)} == {
         "elu", "relu", "taylor", "nystrom", "hedgehog", "hedgehog-lolcats"}
-    assert len(select(families="positive")) == 6  # gaussian, orthogonal, structured, qmc, simplex, simplex+
+    assert len(select(estimators="positive")) == 6  # gaussian, orthogonal, structured, qmc, simplex, simplex+
 
 
 def test_list_cli() -> None:
@@ -177,7 +177,7 @@ def test_error_vs_r_iid_slope_is_minus_half(out_dir: Path) -> None:
     df = pd.read_csv(_quick("error-vs-r", out_dir) / "results.csv")
     sl = slopes(df)
     g = sl[(sl["sampler"] == "gaussian") & (sl["regime"] == "sphere-1")
-           & sl["family"].isin(["trig-sincos", "trig-offset"])]
+           & sl["estimator"].isin(["trig-sincos", "trig-offset"])]
     assert len(g) >= 2
     for _, x in g.iterrows():
         half = (x["slope_hi"] - x["slope_lo"]) / 2
@@ -193,7 +193,7 @@ def test_error_vs_r_iid_slope_is_minus_half(out_dir: Path) -> None:
 
 def test_error_vs_r_matches_closed_form(out_dir: Path) -> None:
     df = pd.read_csv(_quick("error-vs-r", out_dir) / "results.csv")
-    g = df[(df["metric"] == "rel_mse_entry") & (df["estimator"] == "trig-sincos-gaussian")
+    g = df[(df["metric"] == "rel_mse_entry") & (df["spec"] == "trig-sincos-gaussian")
            & (df["regime"] == "sphere-1")]
     assert len(g) >= 4 and g["theory"].notna().all()
     z = (g["mean"] - g["theory"]).abs() / _se(g)
@@ -212,12 +212,12 @@ def test_orthogonal_gain_trig_below_one_and_matches_theory(out_dir: Path) -> Non
     # heavy tails: positive features at ‖q+k‖ = 2 are flagged unconverged (closed-form
     # relative SE of the mean squared error >> 0.1) and the summary says so instead of
     # headlining them
-    pos2 = ratio[(ratio["family"] == "positive") & (ratio["sweep"] == "sum")
+    pos2 = ratio[(ratio["estimator"] == "positive") & (ratio["sweep"] == "sum")
                  & np.isclose(ratio["sum_norm"], 2.0)]
     assert len(pos2) > 0 and not pos2["converged"].astype(bool).any()
     assert (pos2["rse_theory"] > 1).all()
     assert "Unconverged" in (folder / "summary.md").read_text()
-    g = ratio[(ratio["family"] == "trig-sincos") & (ratio["sampler"] == "orthogonal")
+    g = ratio[(ratio["estimator"] == "trig-sincos") & (ratio["sampler"] == "orthogonal")
               & (ratio["sweep"] == "diff") & (ratio["r"] == ratio["d"])
               & ratio["converged"].astype(bool)]
     assert len(g) >= 4  # at 256 draws only ‖q-k‖ = 0.25 may miss the 0.1 relative-SE bar
@@ -249,7 +249,7 @@ def test_dlogd_adversarial_dominates_dense_and_pointwise_theory(out_dir: Path) -
     # at q = k ∥ ω_max the sup is e^{2R‖ω_max‖−2R²}/r (measured ratio 0.96-1.01 at r = 32d); a
     # search that missed that point, or a wrong formula (e.g. e^{R‖ω‖}), is off by > e^{0.5}
     assert ((big["ratio"] > 0.8) & (big["ratio"] < 1.25)).all(), big.to_dict("records")
-    pw = df[(df["metric"] == "pointwise_rel_mse") & (df["estimator"] == "trig-sincos-orthogonal")]
+    pw = df[(df["metric"] == "pointwise_rel_mse") & (df["spec"] == "trig-sincos-orthogonal")]
     assert len(pw) > 0
     z = (pw["mean"] - pw["theory"]).abs() / _se(pw)
     assert (z < 5).all(), z.to_list()
@@ -258,7 +258,7 @@ def test_dlogd_adversarial_dominates_dense_and_pointwise_theory(out_dir: Path) -
     # only require that the study reproduces it at that (stated) resolution.
     assert (_se(pw) < 0.12 * pw["theory"]).all()
     rst, _ = rstar_table(df, n_boot=50)
-    trig = rst[(rst["estimator"] == "trig-sincos-orthogonal") & (rst["eps"] == rst["eps"].max())]
+    trig = rst[(rst["spec"] == "trig-sincos-orthogonal") & (rst["eps"] == rst["eps"].max())]
     assert np.isfinite(trig["r_star"]).all() and (trig["censored"] == "").all()
     # r* grows with d at least linearly on the quick grid (Sudakov: r* ≳ d/ε²)
     rs = trig.sort_values("d")["r_star"].to_numpy()

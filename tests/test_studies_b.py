@@ -109,28 +109,28 @@ def test_attention_error_numbers(reports: dict[str, Path]) -> None:
     assert {"rel_err", "tv", "frac_den_nonpos", "rel_err_median", "rel_err_diff", "attn_entropy",
             "attn_max_weight", "t_bar", "rel_err_theory"} <= set(df.metric)
     gauss = df[df.data == "gaussian"]
-    pos = df[df.family.isin(["positive", "oprf"]) & (df.metric == "frac_den_nonpos")]
+    pos = df[df.estimator.isin(["positive", "oprf"]) & (df.metric == "frac_den_nonpos")]
     assert len(pos) and (pos["mean"] == 0).all()
-    trig = gauss[gauss.family.str.startswith("trig") & (gauss.metric == "frac_den_nonpos")]
+    trig = gauss[gauss.estimator.str.startswith("trig") & (gauss.metric == "frac_den_nonpos")]
     assert trig[trig.sigma == 1.0]["mean"].max() > 0.05  # standard regime: signed denominators
     # mild regime: FAVOR+ (iid) improves with r, separated 95% CIs (not just means); the orthogonal
     # sampler's means fall too (3 draws at n = 1024 are too few for separated CIs)
-    mild = gauss[(gauss.family == "positive") & (gauss.metric == "rel_err") & (gauss.sigma == 0.5)]
-    for (_, key), s in mild.groupby(["n", "estimator"]):
+    mild = gauss[(gauss.estimator == "positive") & (gauss.metric == "rel_err") & (gauss.sigma == 0.5)]
+    for (_, key), s in mild.groupby(["n", "spec"]):
         s = s.sort_values("r")
         assert s["mean"].iloc[-1] < s["mean"].iloc[0]
         if key == "positive-gaussian":
             assert s["ci_high"].iloc[-1] < s["ci_low"].iloc[0]
     # equal feature dimension: F = 2r for hyperbolic and sin/cos, r for positive and OPRF
     err = df[(df.metric == "rel_err") & (df.sampler != "none")]
-    two = err.family.isin(["trig-sincos", "hyperbolic"])
+    two = err.estimator.isin(["trig-sincos", "hyperbolic"])
     assert (err[two]["feature_dim"] == 2 * err[two]["r"]).all()
     assert (err[~two]["feature_dim"] == err[~two]["r"]).all()
     # the regimes are what the study says: near-uniform gaussian rows (entropy close to ln n),
     # peaked planted rows (own key carries most of the weight); these are exact-attention
     # statistics of the data, so the bounds hold by a wide margin (n = 256: 5.05 / 5.55 and
     # 1.33 / 5.55 nats; largest weight 0.82): a construction bug (k independent of q) fails them
-    uni = df[df.estimator == "uniform"].set_index(["metric", "n", "data", "sigma"])["mean"]
+    uni = df[df.spec == "uniform"].set_index(["metric", "n", "data", "sigma"])["mean"]
     for n in sorted(df.n.unique()):
         assert uni.loc[("attn_entropy", n, "gaussian", 0.5)] > 0.95 * math.log(n)
         assert uni.loc[("attn_entropy", n, "gaussian", 1.0)] > 0.85 * math.log(n)
@@ -145,21 +145,21 @@ def test_attention_error_numbers(reports: dict[str, Path]) -> None:
     for n in sorted(df.n.unique()):
         assert tv.loc[(n, "gaussian", 0.5)] < tv.loc[(n, "gaussian", 1.0)] < tv.loc[(n, "planted", 1.0)]
     # deterministic maps: one value per (n, regime), TV is a proper distance in [0, 1]
-    elu = df[(df.family == "elu") & (df.metric == "tv")]
+    elu = df[(df.estimator == "elu") & (df.metric == "tv")]
     assert len(elu) == elu.groupby(["n", "data", "sigma"]).ngroups
     assert ((elu["mean"] > 0) & (elu["mean"] <= 1)).all()
     # paired differences use the same draws: the mean of the per-draw differences is the
     # difference of the means (exact up to rounding; a sign or pairing bug breaks it)
-    means = df[df.metric == "rel_err"].set_index(["n", "data", "sigma", "estimator", "r"])["mean"]
+    means = df[df.metric == "rel_err"].set_index(["n", "data", "sigma", "spec", "r"])["mean"]
     diffs = df[df.metric == "rel_err_diff"]
     assert len(diffs)
     for x in diffs.itertuples():
-        a, b = x.estimator.split(" - ")
+        a, b = x.spec.split(" - ")
         want = means.loc[(x.n, x.data, x.sigma, a, x.r)] - means.loc[(x.n, x.data, x.sigma, b, x.r)]
         assert abs(x.mean - want) <= 1e-9 * (1 + abs(want))
     # delta-method theory of iid features scales exactly as 1/sqrt(r)
     th = df[df.metric == "rel_err_theory"]
-    scaled = (th["mean"] * np.sqrt(th["r"])).groupby([th.data, th.sigma, th.estimator])
+    scaled = (th["mean"] * np.sqrt(th["r"])).groupby([th.data, th.sigma, th.spec])
     assert ((scaled.max() / scaled.min() - 1).abs() < 1e-12).all()
     # FAVOR++ per-entry relative variance of the summary = the library's closed form
     import kernelapprox as ka

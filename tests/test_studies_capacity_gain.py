@@ -79,13 +79,13 @@ def test_orf_trig_mse_below_iid_far_from_diagonal_at_d6() -> None:
 # ---------------------------------------------------------------------------------------------
 # D3: orthogonal-gain convergence diagnostic
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family,norm", [("positive", 0.5), ("trig-sincos", 1.0)])
-def test_iid_sq_error_moments(family: str, norm: float) -> None:
+@pytest.mark.parametrize("estimator,norm", [("positive", 0.5), ("trig-sincos", 1.0)])
+def test_iid_sq_error_moments(estimator: str, norm: float) -> None:
     r, N = 4, 200_000
-    mean, sd = og.iid_sq_error_moments(family, norm, r)
+    mean, sd = og.iid_sq_error_moments(estimator, norm, r)
     # E e^2 is the library's iid relative MSE (Performer Lemma 2 / K^2), to rounding
     x = np.zeros((1, 8))
-    if family == "positive":  # ‖x + y‖ = norm, x = y
+    if estimator == "positive":  # ‖x + y‖ = norm, x = y
         x[0, 0] = norm / 2
         th = ka.theory.positive_mse(x, x, r)[0, 0] / math.exp(norm**2 / 4) ** 2
     else:  # ‖x - y‖ = norm, x = -y
@@ -95,7 +95,7 @@ def test_iid_sq_error_moments(family: str, norm: float) -> None:
     # Monte Carlo of e = mean of r iid terms (w.z ~ N(0, norm^2)); light tails at these norms
     rng = np.random.default_rng(7)
     g = rng.standard_normal((N, r)) * norm
-    y = np.exp(g - norm**2 / 2) if family == "positive" else np.exp(norm**2 / 2) * np.cos(g)
+    y = np.exp(g - norm**2 / 2) if estimator == "positive" else np.exp(norm**2 / 2) * np.cos(g)
     e2 = (y.mean(1) - 1.0) ** 2
     # z-scores: mean of e^2 with the formula's sd, mean of e^4 with its sample sd; |z| < 4 (two-
     # sided 6e-5 each). Power: replacing 3r(r-1) by 3r^2 in E e^4 moves it by 17% (positive) /
@@ -103,15 +103,15 @@ def test_iid_sq_error_moments(family: str, norm: float) -> None:
     assert abs(e2.mean() - mean) / (sd / math.sqrt(N)) < 4
     e4 = e2**2
     assert abs(e4.mean() - (sd**2 + mean**2)) / (e4.std(ddof=1) / math.sqrt(N)) < 4
-    with pytest.raises(ValueError, match="family"):
+    with pytest.raises(ValueError, match="estimator"):
         og.iid_sq_error_moments("elu", 1.0, 4)
     with pytest.raises(ValueError, match="r must"):
-        og.iid_sq_error_moments(family, 1.0, 0)
+        og.iid_sq_error_moments(estimator, 1.0, 0)
 
 
 def test_orthogonal_gain_flags_heavy_tails() -> None:
     ctx = Context(quick=True, study="orthogonal-gain")
-    rows = pd.DataFrame(og.run_cell({"family": "positive", "d": 16, "r": 16}, ctx))
+    rows = pd.DataFrame(og.run_cell({"estimator": "positive", "d": 16, "r": 16}, ctx))
     ratio = rows[(rows.metric == "mse_ratio") & (rows.sweep == "sum")].set_index(
         ["sampler", "sum_norm"])
     # ‖q+k‖ = 2: closed-form relative SE of the 256-draw mean of e^2 is ~47 (>> 0.1): flagged
@@ -120,7 +120,7 @@ def test_orthogonal_gain_flags_heavy_tails() -> None:
     # ‖q+k‖ = 0.25: light tail (rse ~ 0.09), flagged only if one draw dominates the sum
     assert ratio["rse_theory"].loc[("orthogonal", 0.25)] < og.RSE_MAX
     assert ratio["converged"].loc[("orthogonal", 0.25)]
-    trig = pd.DataFrame(og.run_cell({"family": "trig-sincos", "d": 16, "r": 16}, ctx))
+    trig = pd.DataFrame(og.run_cell({"estimator": "trig-sincos", "d": 16, "r": 16}, ctx))
     t = trig[(trig.metric == "mse_ratio") & (trig.sweep == "diff") & (trig.sampler == "orthogonal")]
     assert t.set_index("diff_norm")["converged"].loc[[0.5, 1.0, 1.5, 2.0]].all()
 

@@ -255,13 +255,13 @@ def test_the_cache_key_hashes_a_users_estimator(user_module: Path) -> None:
     import_user_modules([str(user_module)])
     study = get_study("error-vs-r")
     ctx = Context(study=study.name)
-    cell = {"estimator": "my-rf-gaussian", "d": 16}
+    cell = {"spec": "my-rf-gaussian", "d": 16}
     key = cache_mod.cell_key(study, cell, ctx)
     assert cache_mod.cell_key(study, cell, ctx) == key
     user_module.write_text(USER_MODULE.replace('"""Positive', '"""Edited: positive'))
     assert cache_mod.cell_key(study, cell, ctx) != key  # an edit of the user's code: recompute
     # a library estimator's key depends on the library's code only
-    lib = {"estimator": "positive-gaussian", "d": 16}
+    lib = {"spec": "positive-gaussian", "d": 16}
     assert cache_mod.cell_key(study, lib, ctx) == cache_mod.cell_key(study, lib, ctx)
 
 
@@ -281,7 +281,7 @@ def test_run_a_study_on_a_users_estimator(capsys, tmp_path: Path, user_module: P
             str(out), "--no-progress"]
     assert main(argv) == 0
     df = pd.read_csv(out / "error-vs-r" / "results.csv")
-    assert set(df["family"]) == {"my-rf"} and set(df["d"]) == {8}
+    assert set(df["estimator"]) == {"my-rf"} and set(df["d"]) == {8}
     prov = json.loads((out / "error-vs-r" / "provenance.json").read_text())
     assert "--estimators my-rf-gaussian" in prov["command"] and "--import" in prov["command"]
     assert prov["estimators"] == ["my-rf-gaussian"]

@@ -171,7 +171,7 @@ def _synthetic_frame(A: dict[int, float]) -> pd.DataFrame:
         for rod in (2, 4, 8, 16, 32):
             r = rod * d
             v = np.sqrt(a * d / r) * np.exp(rng.normal(0, 0.02, 64))
-            rows.append({"kind": "sup", "estimator": "trig-sincos-orthogonal", "R": 1.0, "d": d,
+            rows.append({"kind": "sup", "spec": "trig-sincos-orthogonal", "R": 1.0, "d": d,
                          "metric": "sup_adv", "r": r, "values": json.dumps(v.tolist()),
                          "mean": float(v.mean())})
     return pd.DataFrame(rows)

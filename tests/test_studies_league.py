@@ -77,9 +77,9 @@ def test_outputs(report: Path, df: pd.DataFrame) -> None:
 
 
 def test_csv_columns_and_intervals(df: pd.DataFrame, lg: pd.DataFrame) -> None:
-    need = {"part", "regime", "sigma", "estimator", "family", "sampler", "label", "mode", "target",
+    need = {"part", "regime", "sigma", "spec", "estimator", "sampler", "label", "mode", "target",
             "budget_r", "r", "feature_dim", "flops_per_token", "flops_source", "fit", "fit_steps",
-            "reason", "theory", "crt_family", "crt_scale", "kind"}
+            "reason", "theory", "crt_estimator", "crt_scale", "kind"}
     assert need <= set(df.columns), need - set(df.columns)
     fin = df[np.isfinite(df["mean"])]
     tol = 1e-9 * (1 + fin["mean"].abs())
@@ -96,11 +96,11 @@ def test_csv_columns_and_intervals(df: pd.DataFrame, lg: pd.DataFrame) -> None:
 # ---------------------------------------------------------------------------------------------
 def test_every_registered_estimator_is_in_the_league(lg: pd.DataFrame) -> None:
     specs = league.league_specs(quick=True)
-    assert {s.family for s in specs} == {e.name for e in ka.estimators()}
+    assert {s.name for s in specs} == {e.name for e in ka.estimators()}
     regimes = lg[["regime", "sigma"]].drop_duplicates()
     assert len(regimes) == len(league.SIGMAS_QUICK) + 1
     for spec in specs:
-        rows = lg[lg["estimator"] == spec.key]
+        rows = lg[lg["spec"] == spec.key]
         assert len(rows[["regime", "sigma"]].drop_duplicates()) == len(regimes), spec.key
         for F in league.FEATURE_DIMS_QUICK:  # each target: measured, or skipped with a reason
             at = rows[(rows["mode"] == "equal_F") & (rows["target"] == F)]
@@ -114,7 +114,7 @@ def test_equal_feature_dimension(lg: pd.DataFrame) -> None:
     ev = lg[(lg["mode"] == "equal_F") & (lg["metric"] == "attn_rel_err")]
     assert len(ev)
     assert (ev["feature_dim"] == ev["target"]).all()
-    for key, g in ev.groupby("estimator"):
+    for key, g in ev.groupby("spec"):
         est = get(key).estimator
         for r, F in zip(g["r"], g["target"], strict=True):
             assert est.feature_dim(int(r), D) == int(F), key
@@ -123,7 +123,7 @@ def test_equal_feature_dimension(lg: pd.DataFrame) -> None:
 def test_equal_flops(lg: pd.DataFrame) -> None:
     ev = lg[(lg["mode"] == "equal_flops") & (lg["metric"] == "attn_rel_err")]
     assert len(ev)
-    for (key, rb), g in ev.groupby(["estimator", "budget_r"]):
+    for (key, rb), g in ev.groupby(["spec", "budget_r"]):
         budget = league.flop_budget(int(rb))
         x = g.iloc[0]
         assert x["target"] == pytest.approx(budget)
@@ -131,7 +131,7 @@ def test_equal_flops(lg: pd.DataFrame) -> None:
         est = get(key).estimator
         if league.tunable(est, D):  # the largest r within the budget
             assert league.flops_per_token(est, int(x["r"]) + 1)[0] > budget, key
-    pos = ev[ev["family"] == "positive"]
+    pos = ev[ev["estimator"] == "positive"]
     assert len(pos) and (pos["r"] == pos["budget_r"]).all()  # FAVOR+ spends exactly its budget
     # equal FLOPs are evaluated with one sampler per random family
     assert set(ev.loc[_truthy(ev["random"]), "sampler"]) == {league.FLOPS_SAMPLER}
@@ -139,20 +139,20 @@ def test_equal_flops(lg: pd.DataFrame) -> None:
 
 def test_fitting_is_recorded(lg: pd.DataFrame) -> None:
     ev = lg[lg["metric"] == "attn_rel_err"]
-    ev = ev[ev["family"] != league.UNIFORM]
+    ev = ev[ev["estimator"] != league.UNIFORM]
     dd, lrn = _truthy(ev["data_dependent"]), _truthy(ev["learned"])
     assert ev.loc[dd, "fit"].str.startswith("batch").all()
     assert (ev.loc[lrn, "fit"] == "calibration").all()
     assert (ev.loc[lrn, "fit_steps"] == league.FIT_STEPS_QUICK).all()
     assert (ev.loc[~dd & ~lrn, "fit"] == "none").all()
     if lrn.any():  # the distillation loss went down on the calibration batch
-        first = lg[lg["metric"] == "fit_loss_first"].set_index(["estimator", "regime", "sigma", "mode", "target"])
-        last = lg[lg["metric"] == "fit_loss_last"].set_index(["estimator", "regime", "sigma", "mode", "target"])
+        first = lg[lg["metric"] == "fit_loss_first"].set_index(["spec", "regime", "sigma", "mode", "target"])
+        last = lg[lg["metric"] == "fit_loss_last"].set_index(["spec", "regime", "sigma", "mode", "target"])
         assert len(last) and (last["mean"] < first.loc[last.index, "mean"]).mean() >= 0.9
 
 
 def test_baselines_and_regimes(lg: pd.DataFrame) -> None:
-    uni = lg[(lg["family"] == league.UNIFORM) & (lg["metric"] == "attn_rel_err")]
+    uni = lg[(lg["estimator"] == league.UNIFORM) & (lg["metric"] == "attn_rel_err")]
     assert len(uni) == len(league.SIGMAS_QUICK) + 1
     assert (uni["mean"] > 0).all() and (uni["mean"] <= 1.0 + 1e-9).all()  # ||mean v - O|| <= ||O|| here
     g = uni[uni["regime"] == "gaussian"].sort_values("sigma")
@@ -162,11 +162,11 @@ def test_baselines_and_regimes(lg: pd.DataFrame) -> None:
     assert (ent["mean"] <= logn + 1e-9).all() and (ent["mean"] > 0).all()
     peaked = float(ent.loc[ent["regime"] == "peaked", "mean"].iloc[0])
     assert peaked < 0.5 * ent.loc[ent["regime"] == "gaussian", "mean"].min()
-    elu = lg[(lg["family"] == league.BASELINE_FAMILY) & (lg["metric"] == "attn_rel_err")]
+    elu = lg[(lg["estimator"] == league.BASELINE_ESTIMATOR) & (lg["metric"] == "attn_rel_err")]
     assert set(elu["mode"]) >= {"native"} and len(elu[elu["mode"] == "native"]) == len(uni)
     # positive maps never have non-positive denominators; only signed maps report them
     den = lg[lg["metric"] == "frac_den_nonpos"]
-    assert set(den["family"]) <= {s.family for s in select() if not s.positive}
+    assert set(den["estimator"]) <= {s.name for s in select() if not s.positive}
 
 
 def test_attention_is_exact_in_the_limit_it_should_be(lg: pd.DataFrame) -> None:
@@ -184,10 +184,10 @@ def test_attention_is_exact_in_the_limit_it_should_be(lg: pd.DataFrame) -> None:
 def test_crt_closed_forms(df: pd.DataFrame) -> None:
     crt = df[df["part"] == "crt"]
     cf = crt[(crt["metric"] == "log_relvar") & (crt["kind"] == "closed form")]
-    assert set(cf["crt_family"]) == set(league.CRT_FAMILIES)
+    assert set(cf["crt_estimator"]) == set(league.CRT_FAMILIES)
     assert len(cf) == 3 * len(league.CRT_SCALES_QUICK) and np.isfinite(cf["mean"]).all()
     lr = crt[crt["metric"] == "log_ratio"]
-    for fam, g in lr.groupby("crt_family"):
+    for fam, g in lr.groupby("crt_estimator"):
         g = g.sort_values("crt_scale")
         # OPRF at its optimal A is never worse than A = 0 (FAVOR+) for any pair
         if fam == "positive/oprf":
@@ -199,7 +199,7 @@ def test_crt_closed_forms(df: pd.DataFrame) -> None:
             assert g["mean"].iloc[0] < 0
         assert g["mean"].iloc[-1] > 60, fam  # large inputs: the paper's orders of magnitude
     # the t axis: E|x + y|^2 = 2 sigma^2 sqrt(d) for independent Gaussian points
-    x = cf[cf["crt_family"] == "positive"]
+    x = cf[cf["crt_estimator"] == "positive"]
     assert np.allclose(x["t_mean"], 2 * x["crt_scale"] ** 2 * math.sqrt(D), rtol=0.2)
 
 
@@ -295,7 +295,7 @@ def test_ready_fits_data_dependent_maps_and_leaves_others() -> None:
     fm = pos.build(D, 16, batch_shape=(2,), seed=0)
     W = fm.weight.clone()
     assert pos.ready(fm, q, k) is fm and torch.equal(fm.weight, W)
-    dd = [s for s in select(samplers="gaussian") if s.data_dependent and s.family == "oprf"]
+    dd = [s for s in select(samplers="gaussian") if s.data_dependent and s.name == "oprf"]
     if not dd:
         pytest.skip("oprf is not registered")
     fm = dd[0].build(D, 16, batch_shape=(2,), seed=0)

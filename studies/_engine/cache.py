@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from studies._engine import provenance as _prov
-from studies._engine.model import ESTIMATOR_AXIS, ROW_KEYS, Context, Study, jsonable
+from studies._engine.model import ROW_KEYS, Context, Study, cell_estimator, jsonable
 
 
 class CacheWarning(UserWarning):
@@ -82,12 +82,12 @@ def estimator_fingerprint(est: Any) -> str | None:
 
 def estimator_fingerprints(cell: dict) -> dict[str, str]:
     """``{name: fingerprint}`` of the estimators from outside ``kernelapprox`` that ``cell`` uses:
-    the one its ``estimator`` parameter names, or every registered one when it names none (a
+    the one its ``spec`` or ``estimator`` parameter names, or every registered one when it names none (a
     cell that may loop over the registry)."""
     import kernelapprox as ka
 
     ests = list(ka.estimators())
-    key = cell.get(ESTIMATOR_AXIS)
+    key = cell_estimator(cell)
     if isinstance(key, str):
         try:
             from studies.estimators import get

@@ -21,8 +21,17 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 ROW_KEYS = ("metric", "mean", "ci_low", "ci_high", "n_draws")
-#: The cell parameter that names the estimator a cell computes (a key of ``studies.estimators``).
-ESTIMATOR_AXIS = "estimator"
+#: The cell parameters that name the estimator a cell computes, in the order they are read: a
+#: study key of ``studies.estimators`` (``"positive-orthogonal"``) or a registered estimator's name.
+ESTIMATOR_AXES = ("spec", "estimator")
+
+
+def cell_estimator(cell: dict) -> Any:
+    """The value of the first of `ESTIMATOR_AXES` that ``cell`` has (``None`` without one)."""
+    for axis in ESTIMATOR_AXES:
+        if axis in cell:
+            return cell[axis]
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +314,7 @@ def _estimator_matches(value: Any, wanted: set[str]) -> bool:
     except ImportError:  # pragma: no cover
         return False
     try:
-        return get(value).family in wanted
+        return get(value).name in wanted
     except KeyError:
         return False
 
@@ -319,16 +328,16 @@ def restrict_estimators(study: Study, cells: list[dict], estimators: Sequence[st
     Raises
     ------
     ValueError
-        The study's grid has no estimator axis (no cell has an ``estimator`` parameter), or no
+        The study's grid has no estimator axis (no cell has a ``spec`` or ``estimator`` parameter), or no
         cell of the grid uses one of ``estimators`` (the message lists the grid's estimators).
     """
     wanted = {str(e) for e in estimators}
-    if not any(ESTIMATOR_AXIS in c for c in cells):
-        raise ValueError(f"study {study.name!r} has no estimator axis (its cells have no "
-                         f"{ESTIMATOR_AXIS!r} parameter): --estimators does not apply to it")
-    kept = [c for c in cells if _estimator_matches(c.get(ESTIMATOR_AXIS), wanted)]
+    if not any(cell_estimator(c) is not None for c in cells):
+        raise ValueError(f"study {study.name!r} has no estimator axis (its cells have none of the "
+                         f"parameters {ESTIMATOR_AXES}): --estimators does not apply to it")
+    kept = [c for c in cells if _estimator_matches(cell_estimator(c), wanted)]
     if not kept:
-        present = sorted({str(c[ESTIMATOR_AXIS]) for c in cells if ESTIMATOR_AXIS in c})
+        present = sorted({str(cell_estimator(c)) for c in cells if cell_estimator(c) is not None})
         raise ValueError(f"no cell of study {study.name!r} uses the estimator(s) {sorted(wanted)}; its grid "
                          f"has {present} (a --quick grid holds a subset: try without --quick)")
     return kept
