@@ -12,7 +12,8 @@ pairs; the library's ``trig-sincos``) and the phased map $\breve z = \sqrt{2/D}\
 $$\mathrm{Var}\,\tilde s(\Delta)=\frac1D\big[1+k(2\Delta)-2k(\Delta)^2\big],\qquad
 \mathrm{Var}\,\breve s(\Delta)=\frac1D\big[1+\tfrac12k(2\Delta)-k(\Delta)^2\big]$$
 
-(S&S §2; the formulas are re-derived here, the paper's exact typography was not checked), so the
+(S&S §2; the formulas are re-derived here and the paper's exact typography was not checked, so
+the report says *consistent with our re-derivation*), so the
 phased map is worse at every $\Delta$ for the Gaussian kernel. Plotted against $\|\Delta\|$: these
 formulas, the library's closed forms ``ka.theory.trig_sincos_mse`` / ``trig_offset_mse``
 (converted from the softmax kernel: Gaussian variance = MSE $\cdot e^{-\|x\|^2-\|y\|^2}$), and
@@ -57,6 +58,10 @@ SUP_R_QUICK = [16, 64]
 SUP_DRAWS, SUP_DRAWS_QUICK = 64, 24
 RADIUS = 1.0  # inputs in the ball of radius R = 1, so ‖Δ‖ <= 2
 FAIL = 0.1  # δ: the bound and the measured (1 − δ) quantile
+#: Whether the uniform bound's constants were checked against the paper's statement (they were
+#: not: ``ka.theory.sutherland_schneider_features`` marks them recalled). A holding bound is then
+#: reported as inconclusive, never as agreement.
+BOUND_CONSTANTS_VERIFIED = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,8 +450,8 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         inside = ((v["ci_low"] <= v["library"]) & (v["library"] <= v["ci_high"])).mean()
         ir = rat[rat["sampler"] == "gaussian"]
         orr = rat[rat["sampler"] == "orthogonal"]
-        f.append(f"- Library closed forms vs S&S formulas (iid): max relative difference "
-                 f"{fmt(agree_ss, 2)} over all ‖Δ‖ (identical formulas).")
+        f.append(f"- Library closed forms vs our re-derivation of the S&S formulas (iid): max "
+                 f"relative difference {fmt(agree_ss, 2)} over all ‖Δ‖.")
         f.append(f"- Monte Carlo vs library closed forms: inside the 95% CI at "
                  f"{fmt(100 * inside, 3)}% of {len(v)} (sampler, d, ‖Δ‖, map) points "
                  "(the ‖Δ‖ of one d share draws, so misses are correlated).")
@@ -461,40 +466,62 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                 "advantage persists and grows with d near ‖Δ‖ = 0, where ORF cancels most of the "
                 "paired variance but not the phase noise.")
         cov = float(((rat["ci_low"] <= rat["library"]) & (rat["library"] <= rat["ci_high"])).mean())
+        # Rule fixed in advance: what is compared is the library's closed forms with the study's own
+        # re-derivation of S&S's formulas (not the paper's typography), so the label says that.
         ok = agree_ss < 1e-8 and cov >= 0.8
-        f.append(f"- **{PAPER} §2 (paired vs phased): {'agrees' if ok else 'differs'}** — the "
-                 f"library's closed forms equal S&S's variances (max rel. difference "
-                 f"{fmt(agree_ss, 2)}), the MC ratio's 95% CI covers the closed-form ratio at "
-                 f"{fmt(100 * cov, 3)}% of {len(rat)} points, and phased > paired with 95% "
-                 f"confidence at {fmt(100 * (ir['ci_low'] > 1).mean(), 3)}% of the iid points "
-                 "(the rest are at large ‖Δ‖, where the ratio → 1).")
+        worse = float((ir["ci_low"] > 1).mean())
+        better = float((ir["ci_high"] < 1).mean())
+        f.append(f"- **{'consistent with our re-derivation' if ok else 'inconsistent with our re-derivation'}"
+                 f"** ({PAPER} §2, paired vs phased) — the library's closed forms against the "
+                 f"re-derived S&S variances: max rel. difference {fmt(agree_ss, 2)}; the MC ratio's "
+                 f"95% CI covers the closed-form ratio at {fmt(100 * cov, 3)}% of {len(rat)} points "
+                 "(rule: difference < 1e-8 and coverage ≥ 80%).")
+        big = ir[ir["library"] > 1.1]  # where the closed-form ratio is large enough to resolve
+        big_ok = float((big["ci_low"] > 1).mean()) if len(big) else math.nan
+        claim = ("differs" if better > 0 else "agrees" if len(big) and big_ok == 1.0
+                 else "inconclusive")
+        f.append(f"- **{claim}** (S&S's claim: the phased map is worse than the paired one for the "
+                 f"Gaussian kernel) — phased > paired with 95% confidence at {fmt(100 * worse, 3)}% "
+                 f"of the iid points and at {fmt(100 * big_ok, 3)}% of the {len(big)} where the "
+                 f"closed-form ratio exceeds 1.1; phased < paired at {fmt(100 * better, 3)}% (rule: "
+                 "*differs* if any point is significantly below 1, *agrees* if every point with a "
+                 "closed-form ratio above 1.1 is significantly above 1, else *inconclusive*).")
     sup = df[df["panel"] == "sup"]
     if len(sup):
         t = sup.copy()
         t["ratio bound / measured"] = t["ss_bound"] / t["quantile"]
+        vacuous = ~np.isfinite(t["ss_bound"]) | (t["ss_bound"] >= 2.0)  # |s - k| <= 2 always
+        n_vac = int(vacuous.sum())
+        t = t[~vacuous]
         tab = t[["d", "D", "sampler", "quantile", "ss_bound", "ratio bound / measured"]].rename(
             columns={"quantile": f"measured {int(100 * (1 - FAIL))}% quantile",
-                     "ss_bound": "S&S bound (RECALLED)"})
+                     "ss_bound": "S&S bound (recalled constants)"})
         how = ", ".join(sorted(sup["sup_method"].unique()))
         lines += [f"Sup error over ‖Δ‖ ≤ {2 * RADIUS:g} (Gaussian kernel units), measured by: "
-                  f"{how}:", "", df_to_markdown(tab.sort_values(["d", "sampler", "D"])), ""]
-        gi = t[(t["sampler"] == "gaussian") & np.isfinite(t["ss_bound"])]
+                  f"{how}; the {n_vac} (d, D) points where the bound is vacuous (∞ or ≥ 2, the "
+                  "trivial value) are left out:", "",
+                  df_to_markdown(tab.sort_values(["d", "sampler", "D"])), ""]
+        gi = t[t["sampler"] == "gaussian"]
         from studies._engine import loglog_slope
 
         slopes = {int(d): loglog_slope(g["D"], g["quantile"])[0]
-                  for d, g in t[t["sampler"] == "gaussian"].groupby("d")}
+                  for d, g in sup[sup["sampler"] == "gaussian"].groupby("d")}
         f.append("- Measured sup error falls like D^p with p = " + ", ".join(
             f"{fmt(s, 2)} (d = {d})" for d, s in slopes.items()) + " (−0.5 = the 1/√D rate).")
         if len(gi):
-            f.append(f"- The S&S bound (RECALLED constants) is {fmt(gi['ratio bound / measured'].min(), 2)}"
+            f.append(f"- The S&S bound (recalled constants) is {fmt(gi['ratio bound / measured'].min(), 2)}"
                      f"–{fmt(gi['ratio bound / measured'].max(), 2)}× the measured "
-                     f"{int(100 * (1 - FAIL))}% quantile where it is below the trivial value 2 "
-                     f"({len(gi)} of {int((t['sampler'] == 'gaussian').sum())} (d, D) points).")
-        valid = bool((gi["ss_bound"] >= gi["quantile"]).all()) if len(gi) else True
-        f.append(f"- **{PAPER} uniform bound: {'agrees' if valid else 'differs'}** — the bound "
-                 f"{'holds at every' if valid else 'fails at some'} (d, D) point, "
-                 "loose by the factor above (ε-net constants and a log factor the chaining rate "
-                 "does not have); its constants are recalled, not verified against the paper.")
+                     f"{int(100 * (1 - FAIL))}% quantile at the {len(gi)} iid points where it is "
+                     "not vacuous.")
+        fails = int((gi["ss_bound"] < gi["quantile"]).sum())
+        # Rule: a violated bound differs; a bound that holds agrees only if its constants were read
+        # in the paper (BOUND_CONSTANTS_VERIFIED), else the check is inconclusive.
+        label = ("differs" if fails else "agrees" if BOUND_CONSTANTS_VERIFIED and len(gi)
+                 else "inconclusive")
+        why = ("read in the paper" if BOUND_CONSTANTS_VERIFIED else
+               "recalled, not verified against the paper, so a bound that holds is no evidence for it")
+        f.append(f"- **{label}** ({PAPER} uniform bound) — the bound is below the measured quantile "
+                 f"at {fails} of {len(gi)} non-vacuous iid (d, D) points; its constants are {why}.")
         f.append(f"- sup search: {how}.")
     lines += ["## Finding", "", *f, ""]
     return "\n".join(lines)

@@ -164,3 +164,81 @@ def test_bandwidth_rule() -> None:
     assert bandwidth_gamma(X, k=2) == pytest.approx(1 / (2 * 1.02**2))
     with pytest.raises(ValueError, match="k must be"):
         bandwidth_gamma(X, k=0)
+
+
+def _yu_table(orf_shift: float, noise: float, seeds: int = 5) -> "pd.DataFrame":
+    """A synthetic results frame of repro-yu-table2: RFF, ORF, SORF per (data set, D) cell, with
+    per-seed values paired through a shared seed effect; ORF and SORF shifted by ``orf_shift``."""
+    import json
+
+    import pandas as pd
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for ds in ("digits", "breast_cancer"):
+        for mult in (2, 4):
+            seed_effect = rng.normal(0, 1.0, seeds)  # shared by the methods: what pairing removes
+            for method, shift in (("RFF", 0.0), ("ORF", orf_shift), ("SORF", orf_shift)):
+                v = 10 + seed_effect + shift + rng.normal(0, noise, seeds)
+                rows.append({"dataset": ds, "mult": mult, "method": method, "mean": v.mean(),
+                             "draw_values": json.dumps(v.tolist())})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize(("shift", "noise", "better", "label"), [
+    (-1.0, 0.05, "lower", "agrees"),       # ORF clearly below RFF in every cell
+    (+1.0, 0.05, "lower", "differs"),      # the same data with the sign flipped
+    (-0.02, 0.5, "lower", "inconclusive"),  # a difference far below the paired noise: ties
+    (+1.0, 0.05, "higher", "agrees"),      # an accuracy claim "ORF at least as good"
+    (-1.0, 0.05, "higher", "differs"),
+])
+def test_yu_table2_claims_flip_with_the_data(shift, noise, better, label) -> None:
+    from studies.repro_yu_table2 import _claim
+
+    df = _yu_table(shift, noise)
+    v = _claim(df, [("ORF", "RFF"), ("SORF", "RFF")], better=better, what="claim")
+    assert v.label == label, v.statement
+    assert v.evidence["pairs"] == 8  # 4 cells x 2 pairs, one Holm family
+
+
+def _ss_frame() -> "pd.DataFrame":
+    import pathlib
+
+    import pandas as pd
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "reports" / "repro-sutherland-schneider" / "results.csv"
+    return pd.read_csv(path)
+
+
+def _ss_labels(df) -> dict[str, str]:
+    from studies._engine import Context
+
+    text = ss.summarize(df, Context(quick=False, seed=0))
+    out = {}
+    for line in text.splitlines():
+        for key in ("re-derivation", "S&S's claim", "uniform bound"):
+            if key in line and line.startswith("- **"):
+                out[key] = line[4:line.index("**", 4)]
+    return out
+
+
+def test_sutherland_schneider_verdicts_flip_with_the_data() -> None:
+    df = _ss_frame()
+    base = _ss_labels(df)
+    assert base == {"re-derivation": "consistent with our re-derivation", "S&S's claim": "agrees",
+                    "uniform bound": "inconclusive"}
+    # one iid point where the phased map is significantly better: the claim is contradicted
+    bad = df.copy()
+    i = bad.index[(bad["metric"] == "ratio_phased_paired") & (bad["sampler"] == "gaussian")][0]
+    bad.loc[i, ["mean", "ci_low", "ci_high"]] = [0.5, 0.4, 0.6]
+    assert _ss_labels(bad)["S&S's claim"] == "differs"
+    # a recalled bound below the measured quantile at one non-vacuous point: differs
+    low = df.copy()
+    j = low.index[(low["panel"] == "sup") & (low["sampler"] == "gaussian") & (low["ss_bound"] < 2)][0]
+    low.loc[j, "ss_bound"] = 0.5 * low.loc[j, "quantile"]
+    assert _ss_labels(low)["uniform bound"] == "differs"
+    # the library's closed form off the re-derivation: inconsistent
+    off = df.copy()
+    k = off.index[off["metric"] == "var_paired"][0]
+    off.loc[k, "library"] = off.loc[k, "library"] * 1.01
+    assert _ss_labels(off)["re-derivation"] == "inconsistent with our re-derivation"
