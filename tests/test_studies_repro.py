@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -166,12 +167,11 @@ def test_bandwidth_rule() -> None:
         bandwidth_gamma(X, k=0)
 
 
-def _yu_table(orf_shift: float, noise: float, seeds: int = 5) -> "pd.DataFrame":
+def _yu_table(orf_shift: float, noise: float, seeds: int = 5) -> pd.DataFrame:
     """A synthetic results frame of repro-yu-table2: RFF, ORF, SORF per (data set, D) cell, with
     per-seed values paired through a shared seed effect; ORF and SORF shifted by ``orf_shift``."""
     import json
 
-    import pandas as pd
 
     rng = np.random.default_rng(3)
     rows = []
@@ -201,10 +201,9 @@ def test_yu_table2_claims_flip_with_the_data(shift, noise, better, label) -> Non
     assert v.evidence["pairs"] == 8  # 4 cells x 2 pairs, one Holm family
 
 
-def _ss_frame() -> "pd.DataFrame":
+def _ss_frame() -> pd.DataFrame:
     import pathlib
 
-    import pandas as pd
 
     path = pathlib.Path(__file__).resolve().parents[1] / "reports" / "repro-sutherland-schneider" / "results.csv"
     return pd.read_csv(path)
@@ -242,3 +241,41 @@ def test_sutherland_schneider_verdicts_flip_with_the_data() -> None:
     k = off.index[off["metric"] == "var_paired"][0]
     off.loc[k, "library"] = off.loc[k, "library"] * 1.01
     assert _ss_labels(off)["re-derivation"] == "inconsistent with our re-derivation"
+
+
+def _performer_frame(slope: float = -1.0, flip: str | None = None) -> pd.DataFrame:
+    """Synthetic per-sample MSEs of the four Performer estimators at one scale: MSE = c * m^slope
+    with lognormal sample noise; positive iid < sin/cos iid, orthogonal < iid (unless ``flip``
+    names an estimator whose level is raised above its comparison)."""
+    import json
+
+    from studies import repro_performer_attention as pa
+
+    rng = np.random.default_rng(5)
+    level = {"positive-orthogonal": 0.5, "positive-gaussian": 1.0,
+             "trig-sincos-orthogonal": 2.0, "trig-sincos-gaussian": 4.0}
+    if flip is not None:
+        level[flip] = 8.0
+    rows = []
+    for m in pa.M_FULL:
+        base = rng.normal(0, 0.3, 15)  # the input sample's own difficulty, shared by the maps
+        for key in pa.KEYS:
+            v = level[key] * m**slope * np.exp(base + rng.normal(0, 0.05, 15))
+            rows.append({"metric": "output_mse", "scale": "norm=1", "m": m, "spec": key,
+                         "mean": v.mean(), "sd": v.std(), "theory": np.nan, "n_draws": 15,
+                         "L": 4096, "draw_values": json.dumps(v.tolist())})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize(("slope", "flip", "reproduced"), [
+    (-1.0, None, True),
+    (-0.5, None, False),                    # no 1/m decay
+    (-1.0, "positive-orthogonal", False),   # orthogonal above iid
+    (-1.0, "positive-gaussian", False),     # positive above sin/cos
+])
+def test_performer_verdict_flips_with_the_data(slope, flip, reproduced) -> None:
+    from studies import repro_performer_attention as pa
+
+    sub = pa._frame(_performer_frame(slope, flip))
+    ok, lines = pa._figure_verdicts(sub)
+    assert (ok == ["norm=1"]) is reproduced, lines
