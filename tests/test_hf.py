@@ -509,7 +509,8 @@ def test_data_dependent_maps_are_fitted_on_the_batch(name):
     model = build("gpt2")
     nf = 4 if name == "nystrom" else 16
     with hf.linearize(model, name, num_features=nf) as lin:
-        assert lin.feature_maps == {}  # built on first use
+        assert set(lin.feature_maps) == set(range(LAYERS))  # built at the call, fitted on first use
+        assert not any(fm.fitted for fm in lin.feature_maps.values())
         out = hidden(model, **inputs(pad=True))  # n = 9 >= 4 tokens in every sequence
     assert set(lin.feature_maps) == set(range(LAYERS))
     assert all(fm.fitted for fm in lin.feature_maps.values())
