@@ -293,6 +293,11 @@ def _check_model(model: object) -> Any:
     if not isinstance(model, tf.PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     impl = model.config._attn_implementation
+    if isinstance(impl, str) and impl.startswith("kernelapprox_linear"):
+        raise ValueError(
+            f"the model is already linearised (attention implementation {impl!r}); call .restore() on its "
+            "Linearized first"
+        )
     if impl not in _SUPPORTED_ORIGINALS:
         raise ValueError(
             f"model's attention implementation must be one of {_SUPPORTED_ORIGINALS} (capture and "
@@ -1254,7 +1259,7 @@ def linearize(
             continue
         shape = _module_shape(modules[layer], model.config)
         if shape is not None:
-            map_for(layer, *shape)
+            map_for(layer, *shape, modules[layer])
 
     # Learned maps: fit per head on the calibration text before switching.
     if isinstance(feature_map, str):
@@ -1273,7 +1278,7 @@ def linearize(
         for lc in cal.layers:
             if keep_layers is not None and lc.layer not in keep_layers:
                 continue
-            fm = map_for(lc.layer, lc.q.shape[1], lc.q.shape[-1])
+            fm = map_for(lc.layer, lc.q.shape[1], lc.q.shape[-1], modules.get(lc.layer))
             if fm.learned and not isinstance(feature_map, FeatureMap):  # one shared map: fitted by the user
                 qc, kc = lc.kernel_inputs()
                 fit_feature_map(
