@@ -32,11 +32,11 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_hf import ARCHS, CAUSAL, DH, HEADS, LAYERS, N, attn_module, build, hidden, inputs, project  # noqa: E402
+
 import kernelapprox as ka  # noqa: E402
 from kernelapprox import hf  # noqa: E402
 from kernelapprox.attention.hybrid import hybrid_attention  # noqa: E402
-
-from test_hf import ARCHS, CAUSAL, DH, HEADS, LAYERS, N, attn_module, build, hidden, inputs, project  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
