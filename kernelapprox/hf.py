@@ -1178,6 +1178,8 @@ def linearize(
     """
     from .attention import linear_attention
     from .attention.hybrid import check_window, hybrid_attention
+    from .attention.hybrid_recurrent import RecurrentHybridAttention
+    from .attention.recurrent import RecurrentLinearAttention
     from .maps.hedgehog import fit_feature_map
 
     impl = _check_model(model)
@@ -1319,7 +1321,17 @@ def linearize(
 
     def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None, fm: FeatureMap,
              state: Any) -> tuple[torch.Tensor, Any]:
-        """Causal attention of n queries on the n new keys after ``state``: output and new state."""
+        """Causal attention of n queries on the n new keys after ``state``: output and new state
+        (one token after a state: the recurrent form, the chunked one otherwise)."""
+        if q.shape[-2] == 1 and state is not None:
+            rnn: Any
+            if hybrid:
+                rnn = RecurrentHybridAttention(fm, window=w, sinks=_causal_sinks(sink_spec), state=state)
+                o = rnn.step(q[..., 0, :], k[..., 0, :], v[..., 0, :])
+            else:
+                rnn = RecurrentLinearAttention(fm, state=state)
+                o = rnn.step(q[..., 0, :], k[..., 0, :], v[..., 0, :], key_padding_mask=pad)
+            return o.unsqueeze(-2), rnn.state
         if hybrid:
             return cast(tuple[torch.Tensor, Any], hybrid_attention(
                 q, k, v, fm, window=w, sinks=_causal_sinks(sink_spec), causal=True, chunk_size=chunk_size,
@@ -1336,40 +1348,61 @@ def linearize(
         return cast(tuple[torch.Tensor, Any], linear_attention(
             q[..., :1, :], k, v, fm, return_state=True, check=False, key_padding_mask=pad))[1]
 
-    def causal_attention(layer: int, key: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, v_: torch.Tensor,
+    def causal_attention(layer: int, key: torch.Tensor, value: torch.Tensor, qs: torch.Tensor, r: float,
                          fm: FeatureMap, fit: bool, valid: torch.Tensor | None, store: bool) -> torch.Tensor:
-        b, _, n, _ = qs.shape
-        m = ks.shape[2]
+        """Causal (hybrid) attention of the n queries ``qs`` (scaled) on the m keys ``key`` (kv heads,
+        unscaled): the n new ones continue the layer's stored state where the call continues it, the
+        state is rebuilt from the m - n cached ones otherwise."""
+        b, h, n, _ = qs.shape
+        m = key.shape[2]
         p = m - n  # cached keys
         per_sequence = valid is not None and (fit or hybrid)
         prev = streams.pop(layer, None)
         cont = prev is not None and prev.follows(key, valid, p, per_sequence)
-        out = qs.new_zeros(b, qs.shape[1], n, v_.shape[-1], dtype=torch.promote_types(qs.dtype, v_.dtype))
+        full: dict[str, torch.Tensor] = {}
+
+        def keys_values(sel: Any = slice(None), rows: Any = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+            """Scaled keys and values repeated to the query heads, of batch ``rows`` and positions ``sel``
+            (the whole cache is repeated once per call, and only where it is read)."""
+            if isinstance(sel, slice) and sel == slice(None) or "k" in full:
+                if "k" not in full:
+                    full["k"], full["v"] = _repeat(key, h) * r, _repeat(value, h)
+                return full["k"][rows][:, :, sel], full["v"][rows][:, :, sel]
+            return _repeat(key[rows][:, :, sel], h) * r, _repeat(value[rows][:, :, sel], h)
+
+        dv = value.shape[-1]
+        out = qs.new_zeros(b, h, n, dv, dtype=torch.promote_types(qs.dtype, value.dtype))
         groups: list[_Group] = []
         for g in range(b if per_sequence else 1):
+            rows: Any = slice(g, g + 1) if per_sequence else slice(None)
+            new: Any
             if per_sequence:
                 assert valid is not None
                 kidx = valid[g].nonzero().squeeze(-1)
-                qrows = kidx[kidx >= p] - p  # valid queries: the last of the sequence's valid keys
-                qg, kg, vg, pad = qs[g:g + 1, :, qrows], ks[g:g + 1, :, kidx], v_[g:g + 1, :, kidx], None
+                new = kidx[kidx >= p]
+                qrows = new - p  # valid queries: the sequence's valid new keys
+                qg, pad, cached = qs[g:g + 1, :, qrows], None, kidx.numel() - new.numel()
             else:
-                qg, kg, vg = qs, ks, v_
+                kidx = qrows = torch.arange(0)  # unused: the whole batch is one group
+                new, qg, cached = slice(p, m), qs, p
                 pad = None if valid is None else ~valid
-            nq, mk = qg.shape[2], kg.shape[2]
+            nq = qg.shape[2]
             old = prev.groups[g] if cont and prev is not None else None
-            if old is not None and old.count != mk - nq:
+            if old is not None and old.count != cached:
                 old = None
-            if old is not None:
+            if old is not None:  # continue: only the new keys are read
                 fm_g, state = old.fm, old.state
-            else:
-                fm_g = _fit_map(fm, qg, kg) if fit and mk else fm
+                kn, vn = keys_values(new, rows)
+            else:  # rebuild from the cache
+                kg, vg = keys_values(kidx if per_sequence else slice(None), rows)
+                fm_g = _fit_map(fm, qg, kg) if fit and kg.shape[2] else fm
                 state = None
-                if mk > nq:
-                    state = prefix_state(qg if nq else kg, kg[..., :mk - nq, :], vg[..., :mk - nq, :],
-                                         None if pad is None else pad[..., :mk - nq], fm_g)
+                if cached:
+                    state = prefix_state(qg if nq else kg, kg[..., :cached, :], vg[..., :cached, :],
+                                         None if pad is None else pad[..., :cached], fm_g)
+                kn, vn = kg[..., cached:, :], vg[..., cached:, :]
             if nq:
-                o, state = step(qg, kg[..., mk - nq:, :], vg[..., mk - nq:, :],
-                                None if pad is None else pad[..., mk - nq:], fm_g, state)
+                o, state = step(qg, kn, vn, None if pad is None else pad[..., p:], fm_g, state)
                 if per_sequence:
                     out[g][:, qrows] = o[0].to(out.dtype)
                 else:
@@ -1377,15 +1410,16 @@ def linearize(
             if per_sequence and nq < n:
                 # padded queries see the valid keys up to their position (feature map alone)
                 assert valid is not None
+                kg, vg = keys_values(kidx, rows)
                 rest = (~valid[g, p:]).nonzero().squeeze(-1) + p
                 seen = torch.searchsorted(kidx, rest, right=True)
                 for c in seen.unique().tolist():
                     if c:
-                        rows = rest[seen == c] - p
-                        out[g][:, rows] = la(qs[g][:, rows], kg[0, :, :c], vg[0, :, :c], fm_g, False).to(out.dtype)
+                        sel = rest[seen == c] - p
+                        out[g][:, sel] = la(qs[g][:, sel], kg[0, :, :c], vg[0, :, :c], fm_g, False).to(out.dtype)
             if store:
                 keep_fm = copy.deepcopy(fm_g) if fit and per_sequence and fm_g is fm else fm_g
-                groups.append(_Group(keep_fm, None if state is None else state.detach(), mk))
+                groups.append(_Group(keep_fm, None if state is None else state.detach(), cached + nq))
         if store:
             streams[layer] = _Stream(b, m, key[:, :, :1].detach().clone(), key[:, :, -1:].detach().clone(),
                                      None if valid is None else valid.clone(), per_sequence, groups)
@@ -1431,29 +1465,29 @@ def linearize(
         fm = map_for(layer, h, d, module)
         if fm.dim != d:
             raise ValueError(f"the feature map of layer {layer} has dim={fm.dim}, but the layer's heads have d_head={d}")
-        k_, v_ = _repeat(key, h), _repeat(value, h)
         r = math.sqrt(s)
-        qs, ks = query * r, k_ * r
+        qs = query * r
         fit = bool(fm.data_dependent and not fm.learned)
         if check and layer not in checked:
             from .diagnose import warn_if_hopeless
 
             checked.add(layer)
             if fm.is_random:  # only random maps have the closed form the check evaluates
+                ks = _repeat(key, h) * r
                 # judged as fitted (the attention below fits it again on its valid keys)
                 warn_if_hopeless(_fit_map(fm, qs, ks) if fit else fm, qs, ks)
         allowed = _allowed(attention_mask, b, n, m, causal, query.device)
         valid = _valid_keys(allowed, causal)
         if causal:
-            store = not (torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, v_)))
-            out = causal_attention(layer, key, qs, ks, v_, fm, fit, valid, store)
+            store = not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+            out = causal_attention(layer, key, value, qs, r, fm, fit, valid, store)
         elif hybrid:
-            out = bidirectional_hybrid(qs, ks, v_, fm, fit, valid)
+            out = bidirectional_hybrid(qs, _repeat(key, h) * r, _repeat(value, h), fm, fit, valid)
         else:
-            out = bidirectional(qs, ks, v_, fm, fit, valid)
+            out = bidirectional(qs, _repeat(key, h) * r, _repeat(value, h), fm, fit, valid)
         heads = resolved_heads.get(layer)
         if heads:
-            exact = _exact_softmax(query[:, heads], k_[:, heads], v_[:, heads], allowed, s)
+            exact = _exact_softmax(query[:, heads], _repeat(key, h)[:, heads], _repeat(value, h)[:, heads], allowed, s)
             out = out.clone()
             out[:, heads] = exact.to(out.dtype)
         return out.transpose(1, 2).contiguous(), None
