@@ -340,17 +340,22 @@ def _allowed(mask: torch.Tensor | None, b: int, n: int, m: int, causal: bool, de
 
 
 class _Switch:
-    """Register ``fn`` (and transformers' explicit eager mask) under a fresh name and switch to it."""
+    """Register ``fn`` (and a mask function) under a fresh name and switch to it.
 
-    def __init__(self, model: Any, fn: Callable[..., Any], kind: str) -> None:
+    The mask is transformers' explicit eager mask (every pattern recorded, never skipped), or with
+    ``skip_plain=True`` its SDPA mask, which is ``None`` exactly where SDPA itself skips it (no
+    padding, and a plain causal or full pattern: no window, no packed sequences), read as that
+    plain pattern (this saves building an O(m) mask per decoding step)."""
+
+    def __init__(self, model: Any, fn: Callable[..., Any], kind: str, *, skip_plain: bool = False) -> None:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
         self.model = model
         self.original = _check_model(model)
         self.name = f"kernelapprox_{kind}_{next(_counter)}"
         AttentionInterface.register(self.name, fn)
-        AttentionMaskInterface.register(self.name, eager_mask)
+        AttentionMaskInterface.register(self.name, sdpa_mask if skip_plain else eager_mask)
         self.active = False
 
     def __enter__(self) -> _Switch:
@@ -1507,7 +1512,8 @@ def linearize(
                 out[i] = la(qs[i], ki, vi, _fit_map(fm, qs[i], ki), False).to(out.dtype)
         return out
 
-    switch = _Switch(model, attend, "linear")
+    # SDPA models: the SDPA mask (the layers left as they were receive what SDPA receives)
+    switch = _Switch(model, attend, "linear", skip_plain=impl == "sdpa")
     switch.__enter__()
     return Linearized(model=model, feature_maps=maps, layers=keep_layers, _switch=switch, window=window,
                       sinks=sink_spec, exact_heads=resolved_heads, head_errors=head_errors,

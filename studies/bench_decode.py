@@ -13,11 +13,13 @@ bookkeeping are a visible part of a step. Modes:
 - ``hybrid``: the same map with ``window=64, sinks=1``: a step reads the ring buffer of the last
   64 keys and the state, O(1) in ``t``.
 
-Per-token time: for a prompt of ``t`` random tokens, greedy ``generate`` of 1 and of
-``1 + new`` tokens, timed separately (``time.perf_counter``); the difference divided by ``new``
-is the time of one decoding step with the prefill cancelled out. The median over ``repeats``
-runs is printed, with ``ratio``, the per-token time at the longest length over that at the
-shortest (1 for a cost that does not grow with the prompt).
+Per-token time: for a prompt of ``t`` random tokens, greedy ``generate`` of ``1 + new`` tokens;
+a stopping criterion stamps ``time.perf_counter()`` after every token, and the intervals after
+the first token are the decoding steps (the prefill excluded). The median over all steps of
+``repeats`` runs is printed (robust to the spikes of a shared machine; the runs alternate
+between the lengths, so that a change of load reaches all of them), with ``ratio``, the
+per-token time at the longest length over that at the shortest (1 for a cost that does not grow
+with the prompt).
 
 The model's own KV cache still grows (transformers' ``DynamicCache`` appends to it each step, and
 the attention mask has ``t`` entries), so a linearised step keeps an O(t) memory copy; at these
@@ -46,21 +48,24 @@ def build_model(max_positions: int) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).eval()
 
 
-def generate_seconds(model: torch.nn.Module, ids: torch.Tensor, new: int) -> float:
-    start = time.perf_counter()
+def step_seconds(model: torch.nn.Module, ids: torch.Tensor, new: int) -> list[float]:
+    """Wall-clock seconds of each decoding step of one greedy ``generate`` of ``1 + new`` tokens
+    (the prefill excluded): the intervals between consecutive calls of a stopping criterion, which
+    ``generate`` calls once after every token."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stamps: list[float] = []
+
+    class Stamp(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, pad_token_id=0, eos_token_id=None)
-    return time.perf_counter() - start
-
-
-def per_token_seconds(model: torch.nn.Module, ids: torch.Tensor, new: int, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        short = generate_seconds(model, ids, 1)
-        long = generate_seconds(model, ids, 1 + new)
-        times.append((long - short) / new)
-    return statistics.median(times)
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1 + new,
+                       min_new_tokens=1 + new, do_sample=False, pad_token_id=0, eos_token_id=None,
+                       stopping_criteria=StoppingCriteriaList([Stamp()]))
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
 def run(lengths: Sequence[int], new: int, repeats: int) -> list[dict[str, object]]:
@@ -74,8 +79,12 @@ def run(lengths: Sequence[int], new: int, repeats: int) -> list[dict[str, object
     for mode, kw in modes.items():
         lin = None if kw is None else hf.linearize(model, "positive", num_features=32, check=False, **kw)
         try:
-            generate_seconds(model, prompts[min(lengths)], 2)  # warm-up
-            per = {t: per_token_seconds(model, prompts[t], new, repeats) for t in lengths}
+            step_seconds(model, prompts[min(lengths)], 2)  # warm-up
+            steps: dict[int, list[float]] = {t: [] for t in lengths}
+            for _ in range(repeats):  # the lengths alternate, so that a change of load hits both
+                for t in lengths:
+                    steps[t] += step_seconds(model, prompts[t], new)
+            per = {t: statistics.median(v) for t, v in steps.items()}
         finally:
             if lin is not None:
                 lin.restore()
