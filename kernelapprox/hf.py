@@ -1481,8 +1481,9 @@ def linearize(
                 ks = _repeat(key, h) * r
                 # judged as fitted (the attention below fits it again on its valid keys)
                 warn_if_hopeless(_fit_map(fm, qs, ks) if fit else fm, qs, ks)
-        allowed = _allowed(attention_mask, b, n, m, causal, query.device)
-        valid = _valid_keys(allowed, causal)
+        # no mask: the plain causal (or full) pattern without padding
+        allowed = None if attention_mask is None else _allowed(attention_mask, b, n, m, causal, query.device)
+        valid = None if allowed is None else _valid_keys(allowed, causal)
         if causal:
             store = not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
             out = causal_attention(layer, key, value, qs, r, fm, fit, valid, store)
@@ -1492,6 +1493,8 @@ def linearize(
             out = bidirectional(qs, _repeat(key, h) * r, _repeat(value, h), fm, fit, valid)
         heads = resolved_heads.get(layer)
         if heads:
+            if allowed is None:
+                allowed = _allowed(None, b, n, m, causal, query.device)
             exact = _exact_softmax(query[:, heads], _repeat(key, h)[:, heads], _repeat(value, h)[:, heads], allowed, s)
             out = out.clone()
             out[:, heads] = exact.to(out.dtype)
