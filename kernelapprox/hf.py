@@ -846,16 +846,20 @@ class _Stream:
     valid: torch.Tensor | None  # (batch, consumed) or None where every key was valid
     per_sequence: bool
     groups: list[_Group]
+    keys: torch.Tensor | None = None  # the first layer: every consumed key
 
     def follows(self, key: torch.Tensor, valid: torch.Tensor | None, p: int, per_sequence: bool) -> bool:
         """Whether a call with keys ``key`` (batch, kv_heads, m, d), of which the first ``p`` are cached,
         continues the consumed sequence: same batch, same count, same first and last cached key
-        (bit for bit), same padding of the prefix."""
+        (bit for bit; the first layer: every cached key, since its keys depend on their token and
+        position only, not on the context), same padding of the prefix."""
         if key.shape[0] != self.batch or p != self.consumed or p == 0 or per_sequence != self.per_sequence:
             return False
         if self.first_key.shape != key[:, :, :1].shape or self.first_key.device != key.device:
             return False
         if not (torch.equal(key[:, :, :1], self.first_key) and torch.equal(key[:, :, p - 1:p], self.last_key)):
+            return False
+        if self.keys is not None and not torch.equal(key[:, :, :p], self.keys):
             return False
         prefix = None if valid is None else valid[:, :p]
         if self.valid is None:
@@ -1081,11 +1085,12 @@ def linearize(
     window the ring buffer of the last $w$ keys and values plus that state
     (`kernelapprox.attention.hybrid.HybridAttentionState`). A call with a KV cache ($n < m$
     queries) that continues the previous call of the layer (same batch size, $m - n$ equal to the
-    keys consumed, the same first and last cached key bit for bit, the same padding) advances the
-    state by the ``n`` new tokens only: O(1) in the length per generated token (exact heads
-    excepted: their softmax reads the cache), so ``model.generate()`` runs at a constant cost
-    per token and equals a full forward. Any other call rebuilds the state from the cached prefix
-    (O(m)). States are kept only without autograd (``torch.no_grad()``, as ``generate`` runs);
+    keys consumed, the same padding, the same first and last cached key bit for bit, and in the
+    first layer, whose keys depend on their token and position only, every cached key: reordered
+    beams are seen) advances the state by the ``n`` new tokens only, with no arithmetic on the
+    cache (one comparison of the first layer's cached keys), so ``model.generate()`` runs at a
+    nearly constant cost per token and equals a full forward; exact heads read the cache (their
+    softmax is O(m)). Any other call rebuilds the state from the cached prefix (O(m)). States are kept only without autograd (``torch.no_grad()``, as ``generate`` runs);
     with gradients every call recomputes from the keys it receives. Data-dependent maps keep the
     fit of the prefill while decoding (a full forward of the longer sequence fits them on all its
     keys, so the two then differ by the refit).
@@ -1426,8 +1431,10 @@ def linearize(
                 keep_fm = copy.deepcopy(fm_g) if fit and per_sequence and fm_g is fm else fm_g
                 groups.append(_Group(keep_fm, None if state is None else state.detach(), cached + nq))
         if store:
+            # the first layer keeps a copy of the call's keys (a cache may change its tensors in place)
+            first = key.detach().clone() if layer == 0 else None
             streams[layer] = _Stream(b, m, key[:, :, :1].detach().clone(), key[:, :, -1:].detach().clone(),
-                                     None if valid is None else valid.clone(), per_sequence, groups)
+                                     None if valid is None else valid.clone(), per_sequence, groups, first)
         return out
 
     def bidirectional_hybrid(qs: torch.Tensor, ks: torch.Tensor, v_: torch.Tensor, fm: FeatureMap, fit: bool,

@@ -7,10 +7,12 @@ heads) language models built from configs:
   linearised model: the generated tokens are the full forward's argmax, the logits agree to
   1e-5; unpadded and left-padded prompts, the feature map alone, a hybrid window with a sink,
   and exact heads;
-* a decoding step continues the stored state: it reads none of the cached keys but the first and
-  the last (corrupting the others changes nothing), while a call that does not continue the
-  stored state (another prompt in between, another batch size) rebuilds it from the cache and
-  still equals the full forward;
+* a decoding step continues the stored state: past the first layer it reads none of the cached
+  keys but the first and the last (corrupting the others changes nothing); the first layer
+  compares its whole cached prefix (its keys carry no context), so reordered beams that share
+  their first and last tokens are seen; a call that does not continue the stored state (another
+  prompt in between, another batch size, reordered beams) rebuilds it from the cache and still
+  equals the full forward;
 * no state is kept with autograd; data-dependent maps keep the fit of the prefill while decoding.
 
 Tolerances. Float32 models; logits O(0.1-1); the recurrent and the parallel forms sum the same
@@ -109,15 +111,14 @@ def last_step(model, ids, mask, cache):
                  position_ids=positions(mask)[:, -1:]).logits[:, -1]
 
 
-def steps(model, ids, mask, corrupt=False):
-    """Prefill all but the last token, then one decoding step; optionally corrupt the cached keys
-    between the first and the last one first."""
+def steps(model, ids, mask, corrupt=()):
+    """Prefill all but the last token, then one decoding step; first corrupt the cached keys and
+    values between the first and the last one in the layers ``corrupt``."""
     with torch.no_grad():
         cache = prefill(model, ids, mask)
-        if corrupt:
-            for layer in cache.layers:
-                layer.keys[:, :, 1:-1] += 1.0
-                layer.values[:, :, 1:-1] += 1.0
+        for i in corrupt:
+            cache.layers[i].keys[:, :, 1:-1] += 1.0
+            cache.layers[i].values[:, :, 1:-1] += 1.0
         return last_step(model, ids, mask, cache), cache
 
 
@@ -129,11 +130,15 @@ def test_a_decoding_step_continues_the_state_and_reads_no_cached_key(arch, kw):
     with hf.linearize(model, "positive", num_features=16, **kw) as lin:
         ref = full_logits(model, ids, mask)[:, -1]
         clean, _ = steps(model, ids, mask)
-        # the cached keys 1 .. p-2 are never read: the state already holds them
-        # (the window's keys are in its ring buffer)
-        corrupted, cache = steps(model, ids, mask, corrupt=True)
+        # layer 1's cached keys 1 .. p-2 are never read: the state already holds them (the
+        # window's keys are in its ring buffer)
+        corrupted, cache = steps(model, ids, mask, corrupt=[1])
         assert (clean - ref).abs().max() <= 1e-5
         assert (corrupted - ref).abs().max() <= 1e-5
+        # layer 0 compares its whole cached prefix with the keys it consumed: a change is seen
+        # and the state is rebuilt from the (corrupted) cache
+        seen, _ = steps(model, ids, mask, corrupt=[0])
+        assert (seen - ref).abs().max() > 1e-3
         # the check can fail: with the state forgotten, the step rebuilds it from the corrupted cache
         lin._streams.clear()
         with torch.no_grad():
@@ -187,3 +192,22 @@ def test_data_dependent_maps_keep_the_fit_of_the_prefill():
         assert torch.isfinite(step).all()
         seq, logits = generate(model, ids, mask)
         assert seq.shape == (B, P + NEW) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_reordered_beams_sharing_their_last_token_are_recognised(arch):
+    """Beam search reorders the cache between steps. Two rows that differ early but end with the
+    same token have the same first and last layer-0 keys (a layer-0 key depends on its token and
+    position only), so the first layer compares its whole cached prefix: swapped rows rebuild."""
+    model = build(arch)
+    ids, mask = prompt(pad=False)
+    ids[:, 0] = ids[0, 0]
+    ids[:, -2] = ids[0, -2]  # the same first and last cached tokens, different ones between
+    swap = torch.tensor([1, 0])
+    with hf.linearize(model, "positive", num_features=16):
+        ref = full_logits(model, ids[swap], mask)[:, -1]
+        with torch.no_grad():
+            cache = prefill(model, ids, mask)
+            cache.reorder_cache(swap)
+            step = last_step(model, ids[swap], mask, cache)
+    assert (step - ref).abs().max() <= 1e-5
