@@ -45,6 +45,7 @@ References
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import queue
@@ -292,6 +293,11 @@ def _check_model(model: object) -> Any:
     if not isinstance(model, tf.PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     impl = model.config._attn_implementation
+    if isinstance(impl, str) and impl.startswith("kernelapprox_linear"):
+        raise ValueError(
+            f"the model is already linearised (attention implementation {impl!r}); call .restore() on its "
+            "Linearized first"
+        )
     if impl not in _SUPPORTED_ORIGINALS:
         raise ValueError(
             f"model's attention implementation must be one of {_SUPPORTED_ORIGINALS} (capture and "
@@ -334,17 +340,22 @@ def _allowed(mask: torch.Tensor | None, b: int, n: int, m: int, causal: bool, de
 
 
 class _Switch:
-    """Register ``fn`` (and transformers' explicit eager mask) under a fresh name and switch to it."""
+    """Register ``fn`` (and a mask function) under a fresh name and switch to it.
 
-    def __init__(self, model: Any, fn: Callable[..., Any], kind: str) -> None:
+    The mask is transformers' explicit eager mask (every pattern recorded, never skipped), or with
+    ``skip_plain=True`` its SDPA mask, which is ``None`` exactly where SDPA itself skips it (no
+    padding, and a plain causal or full pattern: no window, no packed sequences), read as that
+    plain pattern (this saves building an O(m) mask per decoding step)."""
+
+    def __init__(self, model: Any, fn: Callable[..., Any], kind: str, *, skip_plain: bool = False) -> None:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
         self.model = model
         self.original = _check_model(model)
         self.name = f"kernelapprox_{kind}_{next(_counter)}"
         AttentionInterface.register(self.name, fn)
-        AttentionMaskInterface.register(self.name, eager_mask)
+        AttentionMaskInterface.register(self.name, sdpa_mask if skip_plain else eager_mask)
         self.active = False
 
     def __enter__(self) -> _Switch:
@@ -715,18 +726,244 @@ def _fit_map(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> FeatureMap:
     return fm
 
 
+_MAP_ATTR = "kernelapprox_feature_map"
+SinkSpec = int | Sequence[int]
+
+
+def _check_sinks(sinks: object) -> int | tuple[int, ...]:
+    """``sinks`` as a count (int >= 0) or a tuple of positions, else a clear error naming it."""
+    from ._validation import _as_int
+
+    c = _as_int(sinks)
+    if c is not None:
+        if c < 0:
+            raise ValueError(f"sinks as a count of leading tokens must be >= 0, got {c}")
+        return c
+    if isinstance(sinks, torch.Tensor):
+        if sinks.dim() != 1 or sinks.is_floating_point() or sinks.is_complex() or sinks.dtype == torch.bool:
+            raise TypeError(f"sinks as a tensor must be 1-d of integers, got {sinks.dtype} of shape {tuple(sinks.shape)}")
+        sinks = sinks.tolist()
+    if not isinstance(sinks, Sequence) or isinstance(sinks, str):
+        raise TypeError(f"sinks must be an int (a count of leading tokens) or a sequence of positions, got {sinks!r}")
+    out = []
+    for s in sinks:
+        p = _as_int(s)
+        if p is None:
+            raise TypeError(f"sinks must contain ints (positions), got {s!r}")
+        out.append(p)
+    return tuple(sorted(set(out)))
+
+
+def _sequence_sinks(sinks: int | tuple[int, ...], length: int) -> tuple[int, ...]:
+    """Sinks of one bidirectional sequence of ``length`` valid tokens: a count is clipped to the
+    length, negative positions count from its end, positions outside it are dropped."""
+    if isinstance(sinks, int):
+        return tuple(range(min(sinks, length)))
+    return tuple(sorted({p + length if p < 0 else p for p in sinks if -length <= p < length}))
+
+
+def _causal_sinks(sinks: int | tuple[int, ...]) -> int | tuple[int, ...]:
+    if isinstance(sinks, tuple) and any(p < 0 for p in sinks):
+        raise ValueError(
+            f"sinks of a causal model must be non-negative positions (a decoder does not know where its "
+            f"sequence ends), got {list(sinks)}"
+        )
+    return sinks
+
+
+def _attention_modules(model: Any) -> dict[int, torch.nn.Module]:
+    """Self-attention modules by ``layer_idx`` (the first one of each index), where the model has them."""
+    found: dict[int, torch.nn.Module] = {}
+    for mod in model.modules():
+        idx = getattr(mod, "layer_idx", None)
+        if (isinstance(idx, int) and not isinstance(idx, bool) and "Attention" in type(mod).__name__
+                and not getattr(mod, "is_cross_attention", False) and idx not in found):
+            found[idx] = mod
+    return found
+
+
+def _module_shape(mod: torch.nn.Module, cfg: Any) -> tuple[int, int] | None:
+    """(heads, d_head) of an attention module, from its attributes or the config."""
+
+    def first_int(obj: Any, names: tuple[str, ...]) -> int | None:
+        for name in names:
+            val = getattr(obj, name, None)
+            if isinstance(val, int) and not isinstance(val, bool) and val > 0:
+                return val
+        return None
+
+    heads = first_int(mod, ("num_heads", "num_attention_heads")) or first_int(cfg, ("num_attention_heads",))
+    dim = first_int(mod, ("head_dim", "attention_head_size")) or first_int(cfg, ("head_dim",))
+    hidden = first_int(cfg, ("hidden_size",))
+    if dim is None and heads is not None and hidden is not None:
+        dim = hidden // heads
+    return None if heads is None or dim is None else (heads, dim)
+
+
+def _check_exact_heads(exact_heads: object) -> int | dict[int, list[int]]:
+    if exact_heads is None:
+        return {}
+    if isinstance(exact_heads, int) and not isinstance(exact_heads, bool):
+        if exact_heads < 0:
+            raise ValueError(f"exact_heads as a count of heads must be >= 0, got {exact_heads}")
+        return exact_heads
+    if not isinstance(exact_heads, Mapping):
+        raise TypeError(
+            f"exact_heads must be None, an int (how many heads to keep exact) or a dict layer -> [head, ...], "
+            f"got {type(exact_heads).__name__}"
+        )
+    out: dict[int, list[int]] = {}
+    for layer, heads in exact_heads.items():
+        if isinstance(heads, int) and not isinstance(heads, bool):
+            heads = [heads]
+        if (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0 or not isinstance(heads, Sequence)
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in heads)):
+            raise TypeError(
+                f"exact_heads must map a layer (int >= 0) to a list of head indices (ints >= 0), got {layer!r}: {heads!r}"
+            )
+        if heads:
+            out[layer] = sorted(set(heads))
+    return out
+
+
+@dataclass
+class _Group:
+    """Decoding state of one group of sequences in one layer."""
+
+    fm: FeatureMap
+    state: Any  # LinearAttentionState | HybridAttentionState | None
+    count: int  # valid keys consumed
+
+
+@dataclass
+class _Stream:
+    """Decoding state of one layer: what the last call consumed, to recognise its continuation."""
+
+    batch: int
+    consumed: int
+    first_key: torch.Tensor
+    last_key: torch.Tensor
+    valid: torch.Tensor | None  # (batch, consumed) or None where every key was valid
+    per_sequence: bool
+    groups: list[_Group]
+    keys: torch.Tensor | None = None  # the first layer: every consumed key
+
+    def follows(self, key: torch.Tensor, valid: torch.Tensor | None, p: int, per_sequence: bool) -> bool:
+        """Whether a call with keys ``key`` (batch, kv_heads, m, d), of which the first ``p`` are cached,
+        continues the consumed sequence: same batch, same count, same first and last cached key
+        (bit for bit; the first layer: every cached key, since its keys depend on their token and
+        position only, not on the context), same padding of the prefix."""
+        if key.shape[0] != self.batch or p != self.consumed or p == 0 or per_sequence != self.per_sequence:
+            return False
+        if self.first_key.shape != key[:, :, :1].shape or self.first_key.device != key.device:
+            return False
+        if not (torch.equal(key[:, :, :1], self.first_key) and torch.equal(key[:, :, p - 1:p], self.last_key)):
+            return False
+        if self.keys is not None and not torch.equal(key[:, :, :p], self.keys):
+            return False
+        prefix = None if valid is None else valid[:, :p]
+        if self.valid is None:
+            return prefix is None or bool(prefix.all())
+        return prefix is not None and torch.equal(prefix, self.valid)
+
+
+def _exact_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention with the boolean mask ``allowed`` (b, 1, n, m), in at least float32;
+    a row with no allowed key gives 0."""
+    dt = torch.promote_types(q.dtype, torch.float32)
+    some = allowed.any(-1, keepdim=True)
+    out = torch.nn.functional.scaled_dot_product_attention(  # an empty row reads every key, then is zeroed
+        q.to(dt), k.to(dt), v.to(dt), attn_mask=allowed | ~some, scale=scale
+    )
+    return torch.where(some, out, torch.zeros((), dtype=dt, device=out.device))
+
+
+def _head_errors(
+    lc: LayerCapture, fm: FeatureMap, fit: bool, window: int | None, sinks: int | tuple[int, ...],
+    chunk_size: int, predict: bool = True,
+) -> tuple[torch.Tensor, str]:
+    r"""Error of each head of one calibration record: ``(heads,)`` float64 and how it was obtained.
+
+    Per sequence (its valid tokens), the relative output error $\|\hat O - O\|_F / \|O\|_F$:
+    predicted, $\sqrt{\sum \mathrm{Var}(\hat o)}/\|O\|_F$ by the delta method
+    (`kernelapprox.theory.attention_variance`, or
+    `kernelapprox.theory.hybrid_attention.hybrid_attention_variance` with a window or sinks), for
+    random maps with a closed form (iid Gaussian rows); measured against softmax attention for
+    every other map; summed over the sequences.
+    """
+    from .attention import linear_attention
+    from .attention.hybrid import hybrid_attention
+    from .theory import attention_variance
+    from .theory.hybrid_attention import hybrid_attention_variance
+
+    qs, ks = lc.kernel_inputs()
+    hybrid = window is not None or sinks != 0
+    w = 0 if window is None else window
+    valid = lc.allowed[:, 0].any(1)
+    err = torch.zeros(qs.shape[1], dtype=torch.float64)
+    predict = predict and fm.is_random
+    for i in range(qs.shape[0]):
+        idx = valid[i].nonzero().squeeze(-1)
+        if idx.numel() == 0 or lc.q.shape[2] != lc.k.shape[2]:
+            continue
+        q, k, v = qs[i][:, idx].double(), ks[i][:, idx].double(), lc.v[i][:, idx].double()
+        logits = q @ k.mT
+        if lc.causal:
+            logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool).triu(1), float("-inf"))
+        exact = torch.softmax(logits, -1) @ v
+        norm = exact.norm(dim=(-2, -1)).clamp_min(1e-300)
+        fm_i = _fit_map(fm, q.float(), k.float()) if fit else fm
+        sk = _causal_sinks(sinks) if lc.causal else _sequence_sinks(sinks, idx.numel())
+        if predict:
+            try:
+                if hybrid:
+                    var = hybrid_attention_variance(fm_i, q, k, v, window=w, sinks=sk, causal=lc.causal)
+                else:
+                    var = attention_variance(fm_i, q, k, v, causal=lc.causal)
+            except NotImplementedError:  # no closed form for these rows: measured, for every sequence
+                return _head_errors(lc, fm, fit, window, sinks, chunk_size, predict=False)
+            err += var.sum((-2, -1)).sqrt() / norm
+            continue
+        with torch.no_grad():
+            approx: Any
+            if hybrid:
+                approx = hybrid_attention(q.float(), k.float(), v.float(), fm_i, window=w, sinks=sk, causal=lc.causal,
+                                          chunk_size=chunk_size)
+            else:
+                approx = linear_attention(q.float(), k.float(), v.float(), fm_i, causal=lc.causal,
+                                          chunk_size=chunk_size, check=False)
+        err += (cast(torch.Tensor, approx).double() - exact).norm(dim=(-2, -1)) / norm
+    return err, "predicted" if predict else "measured"
+
+
 @dataclass
 class Linearized:
-    """Handle returned by `linearize`: the swapped model, its maps, and ``restore()``.
+    r"""Handle returned by `linearize`: the swapped model, its maps, and ``restore()``.
+
+    While the model is linearised, each layer's map is a submodule of its attention module,
+    ``module.kernelapprox_feature_map``: ``model.state_dict()``, ``save_pretrained``,
+    ``model.parameters()`` and ``model.to(...)`` include it. ``restore()`` detaches the maps and
+    switches the attention implementation back, giving the original model (outputs and
+    ``state_dict`` keys).
 
     Attributes
     ----------
     model : transformers.PreTrainedModel
     feature_maps : dict of int to FeatureMap
-        The map of each linearised layer (built on first use for estimator names, or at
-        calibration time for learned maps).
+        The map of each linearised layer (built at the call where the model's attention modules
+        carry a ``layer_idx``, else on first use).
     layers : set of int or None
         Linearised attention calls (``None``: all).
+    window : int or None
+        The exact window of hybrid attention (``None``: feature map alone).
+    sinks : int or tuple of int
+        Sink tokens of hybrid attention (a count of leading tokens, or positions).
+    exact_heads : dict of int to list of int
+        Heads that keep softmax attention, per layer (sorted).
+    head_errors : dict of int to Tensor
+        With ``exact_heads=k``: each layer's per-head error on the calibration inputs, shape
+        (heads,), float64, that chose the exact heads (``head_error_kind`` says whether predicted
+        or measured).
 
     Examples
     --------
@@ -736,21 +973,31 @@ class Linearized:
     >>> _ = torch.manual_seed(0)
     >>> model = GPT2Model(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99)).eval()
     >>> ids = torch.randint(0, 99, (1, 9))
+    >>> keys = set(model.state_dict())
     >>> with torch.no_grad():
     ...     exact = model(input_ids=ids).last_hidden_state
     ...     with hf.linearize(model, "positive", num_features=64, layers=[1]) as lin:
     ...         approx = model(input_ids=ids).last_hidden_state
     ...         print(lin.active, lin.layers, {i: type(fm).__name__ for i, fm in lin.feature_maps.items()})
+    ...         print(sorted(set(model.state_dict()) - keys))
     ...     restored = model(input_ids=ids).last_hidden_state
     True {1} {1: 'PositiveRF'}
-    >>> lin.active, torch.equal(restored, exact), approx.shape
-    (False, True, torch.Size([1, 9, 32]))
+    ['h.1.attn.kernelapprox_feature_map.projection._weight']
+    >>> lin.active, torch.equal(restored, exact), set(model.state_dict()) == keys
+    (False, True, True)
     """
 
     model: Any
     feature_maps: dict[int, FeatureMap]
     layers: set[int] | None
     _switch: _Switch
+    window: int | None = None
+    sinks: int | tuple[int, ...] = 0
+    exact_heads: dict[int, list[int]] = field(default_factory=dict)
+    head_errors: dict[int, torch.Tensor] = field(default_factory=dict)
+    head_error_kind: str | None = None
+    _attached: list[torch.nn.Module] = field(default_factory=list, repr=False)
+    _streams: dict[int, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.feature_maps, dict):
@@ -764,8 +1011,12 @@ class Linearized:
         return self._switch.active
 
     def restore(self) -> None:
-        """Switch the model back to its original attention implementation (idempotent)."""
+        """Switch the model back to its original attention and detach the maps (idempotent)."""
         self._switch.close()
+        for mod in self._attached:
+            mod._modules.pop(_MAP_ATTR, None)
+        self._attached.clear()
+        self._streams.clear()
 
     def __enter__(self) -> Linearized:
         return self
@@ -782,6 +1033,9 @@ def linearize(
     num_features: int | None = None,
     sampler: str | None = None,
     seed: int | None = 0,
+    window: int | None = None,
+    sinks: SinkSpec = 0,
+    exact_heads: int | Mapping[int, Sequence[int]] | None = None,
     calibration: Mapping[str, Any] | Capture | None = None,
     fit_steps: int = 300,
     fit_batch_size: int | None = 128,
@@ -791,29 +1045,55 @@ def linearize(
     check: bool = True,
     **options: Any,
 ) -> Linearized:
-    r"""Swap the model's softmax attention for `kernelapprox.linear_attention`, reversibly.
+    r"""Swap the model's softmax attention for linear (or hybrid) attention, reversibly.
 
-    In every linearised layer, head $h$ computes
+    In every linearised layer, head $h$ computes, with $\tilde q = \sqrt s\,q$,
+    $\tilde k = \sqrt s\,k$ ($s$ the model's own scaling) and $J_i$ the keys its mask allows
+    ($j \le i$ where the model is causal; padded keys excluded),
 
     $$
-    o_i = \frac{\varphi_h(\tilde q_i)^\top \sum_{j \in J_i} \varphi_h(\tilde k_j) v_j^\top}
-    {\varphi_h(\tilde q_i)^\top \sum_{j \in J_i} \varphi_h(\tilde k_j)},
-    \qquad \tilde q = \sqrt s\,q,\ \tilde k = \sqrt s\,k,
+    o_i = \frac{\sum_{j \in S_i} e^{\tilde q_i^\top \tilde k_j} v_j
+    + \varphi_h(\tilde q_i)^\top \sum_{j \in J_i \setminus S_i} \varphi_h(\tilde k_j) v_j^\top}
+    {\sum_{j \in S_i} e^{\tilde q_i^\top \tilde k_j}
+    + \varphi_h(\tilde q_i)^\top \sum_{j \in J_i \setminus S_i} \varphi_h(\tilde k_j)},
     $$
 
-    where $s$ is the model's own scaling and $J_i$ the keys its mask allows
-    ($j \le i$ where the model is causal; padded keys excluded). Random maps get an
-    independent draw per head (``batch_shape=(heads,)``) and per layer; data-dependent maps
-    (``fm.data_dependent``: FAVOR++, FAVOR#, Nyström) are fitted on every batch they see, as in
-    use (Nyström: per sequence on its valid keys, with ``min(num_features, valid keys)`` landmarks,
-    so a sequence of at most ``num_features`` tokens gets exact softmax attention); learned maps
-    (Hedgehog) are fitted per head on ``calibration`` inputs by
-    `kernelapprox.fit_feature_map` before the swap. Dropout on attention weights is not
-    applied (use the model in eval mode). Decoding with a KV cache (``n < m`` queries) summarises
-    the cached prefix into a linear-attention state and continues causally: equal to a full
-    forward, at O(m) per step (the prefix's state is recomputed, not cached). Masks other than
+    where the exact set $S_i$ is empty by default (`kernelapprox.linear_attention`), and with
+    ``window``/``sinks`` the window ($0 \le i - j < w$ causal, $|i - j| < w$ bidirectional)
+    plus the sink tokens, as in `kernelapprox.hybrid_attention` [Che21]_ [Zha25]_. Heads in
+    ``exact_heads`` keep softmax attention ($S_i = J_i$). Random maps get an independent draw
+    per head (``batch_shape=(heads,)``) and per layer; data-dependent maps (``fm.data_dependent``:
+    FAVOR++, FAVOR#, Nyström) are fitted on every batch they see, as in use (Nyström: per
+    sequence on its valid keys, with ``min(num_features, valid keys)`` landmarks, so a sequence
+    of at most ``num_features`` tokens gets exact softmax attention); learned maps (Hedgehog) are
+    fitted per head on ``calibration`` inputs by `kernelapprox.fit_feature_map` before the swap.
+    Dropout on attention weights is not applied (use the model in eval mode). Masks other than
     causal/bidirectional with key padding (sliding windows, packed sequences) raise
     ``NotImplementedError``.
+
+    **Padding.** Padded keys are never in any sum, window or sink. With a window or sinks,
+    positions are those of each sequence's own (non-padded) tokens: the window of a token is the
+    $w - 1$ valid tokens before it (and after it, bidirectional), ``sinks=1`` is each sequence's
+    first valid token (a BOS), and for bidirectional encoders negative positions count from each
+    sequence's last valid token (``sinks=[0, -1]``: BERT's [CLS] and [SEP] at whatever position
+    padding leaves them); positions beyond a sequence are ignored. The outputs at padded query
+    positions (read by no valid token) use the feature map alone over the keys the model's mask
+    gives them.
+
+    **Decoding.** Causal layers keep, per layer, the state of what they have consumed: the
+    $F \times (d_v + 1)$ linear-attention state (`kernelapprox.LinearAttentionState`), or with a
+    window the ring buffer of the last $w$ keys and values plus that state
+    (`kernelapprox.attention.hybrid.HybridAttentionState`). A call with a KV cache ($n < m$
+    queries) that continues the previous call of the layer (same batch size, $m - n$ equal to the
+    keys consumed, the same padding, the same first and last cached key bit for bit, and in the
+    first layer, whose keys depend on their token and position only, every cached key: reordered
+    beams are seen) advances the state by the ``n`` new tokens only, with no arithmetic on the
+    cache (one comparison of the first layer's cached keys), so ``model.generate()`` runs at a
+    nearly constant cost per token and equals a full forward; exact heads read the cache (their
+    softmax is O(m)). Any other call rebuilds the state from the cached prefix (O(m)). States are kept only without autograd (``torch.no_grad()``, as ``generate`` runs);
+    with gradients every call recomputes from the keys it receives. Data-dependent maps keep the
+    fit of the prefill while decoding (a full forward of the longer sequence fits them on all its
+    keys, so the two then differ by the refit).
 
     Parameters
     ----------
@@ -833,8 +1113,24 @@ def linearize(
     seed : int or None, default 0
         Seed of the maps built from a name (layer ``l`` uses ``seed * 1000003 + l``); ``None``
         follows torch's global RNG.
+    window : int, optional
+        Hybrid attention: keys in this window of each query are exact (see above; ``window >= n``
+        is the model's softmax attention, ``0`` an empty window). ``None``: no window.
+    sinks : int or sequence of int, default 0
+        Hybrid attention: sink tokens, exact for every query that attends to them; a count of
+        leading tokens or positions (non-negative for causal models). Non-zero sinks without a
+        window use ``window=0``.
+    exact_heads : int or dict of int to list of int, optional
+        Heads that keep softmax attention: ``{layer: [head, ...]}``, or an int ``k``: the ``k``
+        heads (over all linearised layers) with the largest error on ``calibration``, predicted
+        by the delta method (`kernelapprox.theory.attention_variance`,
+        `kernelapprox.theory.hybrid_attention.hybrid_attention_variance`) for random maps with a
+        closed form (iid Gaussian rows), measured against softmax attention on the calibration
+        capture for every other map (orthogonal rows, deterministic, fitted and learned maps);
+        ``Linearized.head_errors`` holds the errors.
     calibration : dict of model inputs or Capture, optional
-        Text the learned maps are fitted on (required for learned maps; never the evaluation text).
+        Text the learned maps are fitted on and ``exact_heads=k`` is chosen on (required for
+        those; never the evaluation text).
     fit_steps, fit_batch_size, fit_lr : int, int or None, float
         Distillation settings of `kernelapprox.fit_feature_map` for learned maps.
     chunk_size : int, default 64
@@ -852,15 +1148,48 @@ def linearize(
     Returns
     -------
     Linearized
-        ``.restore()`` (or ``with``) switches the model back; ``.feature_maps`` holds the maps.
+        ``.restore()`` (or ``with``) switches the model back; ``.feature_maps``, ``.window``,
+        ``.sinks``, ``.exact_heads``, ``.layers`` describe the swap.
+
+    Notes
+    -----
+    Each linearised attention call receives q (batch, heads, n, d_head), k and v
+    (batch, kv_heads, m, d_head) with ``heads`` a multiple of ``kv_heads`` (grouped-query
+    attention: k, v repeated to the query heads) and returns (batch, n, heads, d_v), as the
+    model's own implementation; ``n < m`` when decoding with a KV cache.
+
+    References
+    ----------
+    .. [Che21] B. Chen et al., "Scatterbrain: unifying sparse and low-rank attention
+       approximation", NeurIPS 2021.
+    .. [Zha25] M. Zhang et al., "LoLCATs: on low-rank linearizing of large language models",
+       ICLR 2025.
 
     Examples
     --------
-    >>> with linearize(model, "positive", num_features=256, sampler="orthogonal") as lin:  # doctest: +SKIP
-    ...     approx = model(**inputs).last_hidden_state
-    >>> exact = model(**inputs).last_hidden_state                                          # doctest: +SKIP
+    A tiny LLaMA with grouped-query attention, a window of 4 tokens and one sink, one head kept
+    exact; greedy generation runs on the recurrent state:
+
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from kernelapprox import hf
+    >>> _ = torch.manual_seed(0)
+    >>> cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                   num_key_value_heads=2, intermediate_size=37, vocab_size=99)
+    >>> model = LlamaForCausalLM(cfg).eval()
+    >>> ids = torch.randint(1, 99, (1, 12))
+    >>> with hf.linearize(model, "positive", num_features=32, window=4, sinks=1,
+    ...                   exact_heads={1: [0]}) as lin:
+    ...     out = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    ...     print(lin.window, lin.sinks, lin.exact_heads, sorted(lin.feature_maps))
+    4 1 {1: [0]} [0, 1]
+    >>> out.shape
+    torch.Size([1, 17])
     """
     from .attention import linear_attention
+    from .attention.hybrid import check_window, hybrid_attention
+    from .attention.hybrid_recurrent import RecurrentHybridAttention
+    from .attention.recurrent import RecurrentLinearAttention
     from .maps.hedgehog import fit_feature_map
 
     impl = _check_model(model)
@@ -878,22 +1207,71 @@ def linearize(
     seed = check_seed("seed", seed)
     if sampler is not None and not isinstance(sampler, str):
         raise TypeError(f"sampler must be a sampler name or None, got {sampler!r} ({type(sampler).__name__})")
+    if window is not None:
+        window = check_window(window)
+    sink_spec = _check_sinks(sinks)
+    hybrid = window is not None or sink_spec != 0
+    w = 0 if window is None else window
+    exact_spec = _check_exact_heads(exact_heads)
     if calibration is not None and not isinstance(calibration, Capture | Mapping):
         raise TypeError(
             f"calibration must be a dict of model inputs, a Capture or None, got {type(calibration).__name__}"
+        )
+    if isinstance(exact_spec, int) and exact_spec > 0 and calibration is None:
+        raise ValueError(
+            f"exact_heads={exact_spec} chooses the heads on calibration inputs: pass calibration=dict(input_ids=...)"
         )
     _check_map_spec(feature_map, keep_layers, model)
     if isinstance(feature_map, str):
         _check_named_map(feature_map, model, num_features, sampler, seed, options)
     elif options:
         raise TypeError(f"options {sorted(options)} only apply to maps built from a name, got feature_map={feature_map!r}")
+    modules = _attention_modules(model)
+    for mod in modules.values():
+        if _MAP_ATTR in mod._modules:
+            raise ValueError(
+                f"{type(mod).__name__} already holds a {_MAP_ATTR}: the model is linearised; call .restore() "
+                "on that Linearized first"
+            )
+    n_calls = _num_attention_calls(model)
+    heads_of: dict[int, int] = {}
+    for layer, mod in modules.items():
+        shape = _module_shape(mod, model.config)
+        if shape is not None:
+            heads_of[layer] = shape[0]
+    if isinstance(exact_spec, dict):
+        for layer, hs in exact_spec.items():
+            if (keep_layers is not None and layer not in keep_layers) or (n_calls is not None and layer >= n_calls):
+                raise ValueError(
+                    f"exact_heads names layer {layer}, which is not linearised (layers={sorted(keep_layers or [])} "
+                    f"of {n_calls})"
+                )
+            if layer in heads_of and hs[-1] >= heads_of[layer]:
+                raise ValueError(f"exact_heads[{layer}] must be head indices in [0, {heads_of[layer]}), got {hs}")
+
     maps: dict[int, FeatureMap] = {}
+    attached: list[torch.nn.Module] = []
     checked: set[int] = set()
 
-    def map_for(layer: int, heads: int, dim: int) -> FeatureMap:
+    def attach(layer: int, module: torch.nn.Module | None) -> None:
+        if module is not None and _MAP_ATTR not in module._modules:
+            module.add_module(_MAP_ATTR, maps[layer])
+            attached.append(module)
+
+    def map_for(layer: int, heads: int, dim: int, module: torch.nn.Module | None = None) -> FeatureMap:
         if layer not in maps:
             maps[layer] = _build_map(feature_map, layer, heads, dim, num_features, sampler, seed, options)
+        attach(layer, module)
         return maps[layer]
+
+    # Maps built now (in layer order) and attached to their attention modules, so that the
+    # model's state_dict holds them from the start.
+    for layer in sorted(modules):
+        if keep_layers is not None and layer not in keep_layers:
+            continue
+        shape = _module_shape(modules[layer], model.config)
+        if shape is not None:
+            map_for(layer, *shape, modules[layer])
 
     # Learned maps: fit per head on the calibration text before switching.
     if isinstance(feature_map, str):
@@ -904,12 +1282,15 @@ def linearize(
         learned = False
     if learned and calibration is None:
         raise ValueError("learned feature maps need calibration inputs: pass calibration=dict(input_ids=...)")
+    resolved_heads: dict[int, list[int]] = exact_spec if isinstance(exact_spec, dict) else {}
+    head_errors: dict[int, torch.Tensor] = {}
+    head_error_kind: str | None = None
     if calibration is not None:
         cal = calibration if isinstance(calibration, Capture) else capture(model, layers=layers, **calibration)
         for lc in cal.layers:
             if keep_layers is not None and lc.layer not in keep_layers:
                 continue
-            fm = map_for(lc.layer, lc.q.shape[1], lc.q.shape[-1])
+            fm = map_for(lc.layer, lc.q.shape[1], lc.q.shape[-1], modules.get(lc.layer))
             if fm.learned and not isinstance(feature_map, FeatureMap):  # one shared map: fitted by the user
                 qc, kc = lc.kernel_inputs()
                 fit_feature_map(
@@ -917,21 +1298,162 @@ def linearize(
                     causal=lc.causal, seed=seed, progress=progress,
                 )
                 fm.requires_grad_(False)
+        if isinstance(exact_spec, int) and exact_spec > 0:
+            scores: list[tuple[float, int, int]] = []
+            kinds = set()
+            for lc in cal.layers:
+                if keep_layers is not None and lc.layer not in keep_layers:
+                    continue
+                fm = maps[lc.layer]
+                fit = bool(fm.data_dependent and not fm.learned)
+                err, kind = _head_errors(lc, fm, fit, window, sink_spec, chunk_size)
+                kinds.add(kind)
+                head_errors[lc.layer] = err
+                scores += [(float(e), lc.layer, hd) for hd, e in enumerate(err.tolist())]
+            if exact_spec > len(scores):
+                raise ValueError(f"exact_heads={exact_spec} is more than the {len(scores)} linearised heads")
+            for _, layer, hd in sorted(scores, key=lambda t: (-t[0], t[1], t[2]))[:exact_spec]:
+                resolved_heads.setdefault(layer, []).append(hd)
+            resolved_heads = {layer: sorted(hs) for layer, hs in sorted(resolved_heads.items())}
+            head_error_kind = kinds.pop() if len(kinds) == 1 else "mixed"
 
     order: dict[int, int] = {}
+    streams: dict[int, _Stream] = {}
 
-    def la(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, causal: bool, fit: bool,
-           state: Any = None, pad: torch.Tensor | None = None) -> torch.Tensor:
-        out = linear_attention(q, k, v, fm, causal=causal, chunk_size=chunk_size, fit=fit, check=False,
-                               initial_state=state, key_padding_mask=pad)
+    def la(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, causal: bool,
+           pad: torch.Tensor | None = None) -> torch.Tensor:
+        out = linear_attention(q, k, v, fm, causal=causal, chunk_size=chunk_size, check=False,
+                               key_padding_mask=pad)
         return cast(torch.Tensor, out)  # no state was requested
 
-    def la_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap) -> torch.Tensor:
-        """Causal with a cached prefix: query i (of n) sees keys j <= m - n + i (decoding)."""
-        p = k.shape[-2] - q.shape[-2]
-        _, state = linear_attention(q[..., :1, :], k[..., :p, :], v[..., :p, :], fm, return_state=True,
-                                    check=False)  # the prefix's state (it does not depend on q)
-        return la(q, k[..., p:, :], v[..., p:, :], fm, True, False, state)
+    def hyb(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, sk: Any) -> torch.Tensor:
+        return cast(torch.Tensor, hybrid_attention(q, k, v, fm, window=w, sinks=sk, chunk_size=chunk_size))
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None, fm: FeatureMap,
+             state: Any) -> tuple[torch.Tensor, Any]:
+        """Causal attention of n queries on the n new keys after ``state``: output and new state
+        (one token after a state: the recurrent form, the chunked one otherwise)."""
+        if q.shape[-2] == 1 and state is not None:
+            rnn: Any
+            if hybrid:
+                rnn = RecurrentHybridAttention(fm, window=w, sinks=_causal_sinks(sink_spec), state=state)
+                o = rnn.step(q[..., 0, :], k[..., 0, :], v[..., 0, :])
+            else:
+                rnn = RecurrentLinearAttention(fm, state=state)
+                o = rnn.step(q[..., 0, :], k[..., 0, :], v[..., 0, :], key_padding_mask=pad)
+            return o.unsqueeze(-2), rnn.state
+        if hybrid:
+            return cast(tuple[torch.Tensor, Any], hybrid_attention(
+                q, k, v, fm, window=w, sinks=_causal_sinks(sink_spec), causal=True, chunk_size=chunk_size,
+                initial_state=state, return_state=True))
+        return cast(tuple[torch.Tensor, Any], linear_attention(
+            q, k, v, fm, causal=True, chunk_size=chunk_size, check=False, initial_state=state,
+            return_state=True, key_padding_mask=pad))
+
+    def prefix_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None,
+                     fm: FeatureMap) -> Any:
+        """The state after the cached keys ``k`` (it does not depend on the queries)."""
+        if hybrid:
+            return step(k, k, v, None, fm, None)[1]
+        return cast(tuple[torch.Tensor, Any], linear_attention(
+            q[..., :1, :], k, v, fm, return_state=True, check=False, key_padding_mask=pad))[1]
+
+    def causal_attention(layer: int, key: torch.Tensor, value: torch.Tensor, qs: torch.Tensor, r: float,
+                         fm: FeatureMap, fit: bool, valid: torch.Tensor | None, store: bool) -> torch.Tensor:
+        """Causal (hybrid) attention of the n queries ``qs`` (scaled) on the m keys ``key`` (kv heads,
+        unscaled): the n new ones continue the layer's stored state where the call continues it, the
+        state is rebuilt from the m - n cached ones otherwise."""
+        b, h, n, _ = qs.shape
+        m = key.shape[2]
+        p = m - n  # cached keys
+        per_sequence = valid is not None and (fit or hybrid)
+        prev = streams.pop(layer, None)
+        cont = prev is not None and prev.follows(key, valid, p, per_sequence)
+        full: dict[str, torch.Tensor] = {}
+
+        def keys_values(sel: Any = slice(None), rows: Any = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+            """Scaled keys and values repeated to the query heads, of batch ``rows`` and positions ``sel``
+            (the whole cache is repeated once per call, and only where it is read)."""
+            if isinstance(sel, slice) and sel == slice(None) or "k" in full:
+                if "k" not in full:
+                    full["k"], full["v"] = _repeat(key, h) * r, _repeat(value, h)
+                return full["k"][rows][:, :, sel], full["v"][rows][:, :, sel]
+            return _repeat(key[rows][:, :, sel], h) * r, _repeat(value[rows][:, :, sel], h)
+
+        dv = value.shape[-1]
+        out = qs.new_zeros(b, h, n, dv, dtype=torch.promote_types(qs.dtype, value.dtype))
+        groups: list[_Group] = []
+        for g in range(b if per_sequence else 1):
+            rows: Any = slice(g, g + 1) if per_sequence else slice(None)
+            new: Any
+            if per_sequence:
+                assert valid is not None
+                kidx = valid[g].nonzero().squeeze(-1)
+                new = kidx[kidx >= p]
+                qrows = new - p  # valid queries: the sequence's valid new keys
+                qg, pad, cached = qs[g:g + 1, :, qrows], None, kidx.numel() - new.numel()
+            else:
+                kidx = qrows = torch.arange(0)  # unused: the whole batch is one group
+                new, qg, cached = slice(p, m), qs, p
+                pad = None if valid is None else ~valid
+            nq = qg.shape[2]
+            old = prev.groups[g] if cont and prev is not None else None
+            if old is not None and old.count != cached:
+                old = None
+            if old is not None:  # continue: only the new keys are read
+                fm_g, state = old.fm, old.state
+                kn, vn = keys_values(new, rows)
+            else:  # rebuild from the cache
+                kg, vg = keys_values(kidx if per_sequence else slice(None), rows)
+                fm_g = _fit_map(fm, qg, kg) if fit and kg.shape[2] else fm
+                state = None
+                if cached:
+                    state = prefix_state(qg if nq else kg, kg[..., :cached, :], vg[..., :cached, :],
+                                         None if pad is None else pad[..., :cached], fm_g)
+                kn, vn = kg[..., cached:, :], vg[..., cached:, :]
+            if nq:
+                o, state = step(qg, kn, vn, None if pad is None else pad[..., p:], fm_g, state)
+                if per_sequence:
+                    out[g][:, qrows] = o[0].to(out.dtype)
+                else:
+                    out = o.to(out.dtype)
+            if per_sequence and nq < n:
+                # padded queries see the valid keys up to their position (feature map alone)
+                assert valid is not None
+                kg, vg = keys_values(kidx, rows)
+                rest = (~valid[g, p:]).nonzero().squeeze(-1) + p
+                seen = torch.searchsorted(kidx, rest, right=True)
+                for c in seen.unique().tolist():
+                    if c:
+                        sel = rest[seen == c] - p
+                        out[g][:, sel] = la(qs[g][:, sel], kg[0, :, :c], vg[0, :, :c], fm_g, False).to(out.dtype)
+            if store:
+                keep_fm = copy.deepcopy(fm_g) if fit and per_sequence and fm_g is fm else fm_g
+                groups.append(_Group(keep_fm, None if state is None else state.detach(), cached + nq))
+        if store:
+            # the first layer keeps a copy of the call's keys (a cache may change its tensors in place)
+            first = key.detach().clone() if layer == 0 else None
+            streams[layer] = _Stream(b, m, key[:, :, :1].detach().clone(), key[:, :, -1:].detach().clone(),
+                                     None if valid is None else valid.clone(), per_sequence, groups, first)
+        return out
+
+    def bidirectional_hybrid(qs: torch.Tensor, ks: torch.Tensor, v_: torch.Tensor, fm: FeatureMap, fit: bool,
+                             valid: torch.Tensor | None) -> torch.Tensor:
+        b, _, n, _ = qs.shape
+        if valid is None:
+            fm_ = _fit_map(fm, qs, ks) if fit else fm
+            return hyb(qs, ks, v_, fm_, _sequence_sinks(sink_spec, n))
+        out = qs.new_zeros(b, qs.shape[1], n, v_.shape[-1], dtype=torch.promote_types(qs.dtype, v_.dtype))
+        for i in range(b):
+            idx = valid[i].nonzero().squeeze(-1)
+            if idx.numel() == 0:
+                continue
+            qi, ki, vi = qs[i][:, idx], ks[i][:, idx], v_[i][:, idx]
+            fm_i = _fit_map(fm, qi, ki) if fit else fm
+            if idx.numel() < n:  # padded queries: every valid key, feature map alone
+                out[i] = la(qs[i], ki, vi, fm_i, False).to(out.dtype)
+            out[i][:, idx] = hyb(qi, ki, vi, fm_i, _sequence_sinks(sink_spec, idx.numel())).to(out.dtype)
+        return out
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layer = getattr(module, "layer_idx", None)
@@ -946,60 +1468,66 @@ def linearize(
         causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
         if causal and n > m:
             raise ValueError(f"causal attention with more queries ({n}) than keys ({m})")
+        if not causal and hybrid and n != m:
+            raise NotImplementedError(
+                f"bidirectional hybrid attention needs as many queries as keys (a window is a set of positions), "
+                f"got {n} queries and {m} keys"
+            )
         s = float(scaling) if scaling is not None else d**-0.5
-        fm = map_for(layer, h, d)
-        k_, v_ = _repeat(key, h), _repeat(value, h)
+        fm = map_for(layer, h, d, module)
+        if fm.dim != d:
+            raise ValueError(f"the feature map of layer {layer} has dim={fm.dim}, but the layer's heads have d_head={d}")
         r = math.sqrt(s)
-        qs, ks = query * r, k_ * r
+        qs = query * r
         fit = bool(fm.data_dependent and not fm.learned)
         if check and layer not in checked:
             from .diagnose import warn_if_hopeless
 
             checked.add(layer)
             if fm.is_random:  # only random maps have the closed form the check evaluates
+                ks = _repeat(key, h) * r
                 # judged as fitted (the attention below fits it again on its valid keys)
                 warn_if_hopeless(_fit_map(fm, qs, ks) if fit else fm, qs, ks)
-        valid = _valid_keys(_allowed(attention_mask, b, n, m, causal, query.device), causal)
-        if valid is None:
-            fm_ = _fit_map(fm, qs, ks) if fit else fm
-            if causal and n < m:  # decoding with a KV cache
-                out = la_offset(qs, ks, v_, fm_)
-            else:
-                out = la(qs, ks, v_, fm_, causal, False)
-            return out.transpose(1, 2).contiguous(), None
-        if not fit and n == m:
-            # one call with the key padding mask: every query sees the valid keys (j <= i if
-            # causal), a row without any gives 0 -- the model's own mask (checked above)
-            out = la(qs, ks, v_, fm, causal, False, pad=~valid)
-            return out.transpose(1, 2).contiguous(), None
-        out = torch.zeros(b, h, n, v_.shape[-1], dtype=torch.promote_types(query.dtype, value.dtype),
-                          device=query.device)
-        positions = torch.arange(m - n, m, device=query.device)  # absolute positions of the queries
-        for i in range(b):
-            idx = valid[i].nonzero().squeeze(-1)
-            if idx.numel() == 0:
-                continue
-            ki, vi = ks[i][:, idx], v_[i][:, idx]
-            fm_i = _fit_map(fm, qs[i], ki) if fit else fm  # per sequence, on its valid keys
-            if not causal:
-                out[i] = la(qs[i], ki, vi, fm_i, False, False).to(out.dtype)
-                continue
-            rest = positions
-            if n == m:  # valid queries: causal attention on the compacted sequence (order is kept)
-                out[i][:, idx] = la(qs[i][:, idx], ki, vi, fm_i, True, False).to(out.dtype)
-                rest = (~valid[i]).nonzero().squeeze(-1)
-            # the other queries see the valid keys up to their position: grouped by that count
-            seen = torch.searchsorted(idx, rest, right=True)
-            for c in seen.unique().tolist():
-                if c == 0:
-                    continue  # no allowed key: the row is left at zero
-                rows = rest[seen == c] - (m - n)
-                out[i][:, rows] = la(qs[i][:, rows], ki[:, :c], vi[:, :c], fm_i, False, False).to(out.dtype)
+        # no mask: the plain causal (or full) pattern without padding
+        allowed = None if attention_mask is None else _allowed(attention_mask, b, n, m, causal, query.device)
+        valid = None if allowed is None else _valid_keys(allowed, causal)
+        if causal:
+            store = not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+            out = causal_attention(layer, key, value, qs, r, fm, fit, valid, store)
+        elif hybrid:
+            out = bidirectional_hybrid(qs, _repeat(key, h) * r, _repeat(value, h), fm, fit, valid)
+        else:
+            out = bidirectional(qs, _repeat(key, h) * r, _repeat(value, h), fm, fit, valid)
+        heads = resolved_heads.get(layer)
+        if heads:
+            if allowed is None:
+                allowed = _allowed(None, b, n, m, causal, query.device)
+            exact = _exact_softmax(query[:, heads], _repeat(key, h)[:, heads], _repeat(value, h)[:, heads], allowed, s)
+            out = out.clone()
+            out[:, heads] = exact.to(out.dtype)
         return out.transpose(1, 2).contiguous(), None
 
-    switch = _Switch(model, attend, "linear")
+    def bidirectional(qs: torch.Tensor, ks: torch.Tensor, v_: torch.Tensor, fm: FeatureMap, fit: bool,
+                      valid: torch.Tensor | None) -> torch.Tensor:
+        if valid is None:
+            return la(qs, ks, v_, _fit_map(fm, qs, ks) if fit else fm, False)
+        if not fit:  # one call with the key padding mask: every query sees the valid keys
+            return la(qs, ks, v_, fm, False, pad=~valid)
+        b, _, n, _ = qs.shape
+        out = qs.new_zeros(b, qs.shape[1], n, v_.shape[-1], dtype=torch.promote_types(qs.dtype, v_.dtype))
+        for i in range(b):
+            idx = valid[i].nonzero().squeeze(-1)
+            if idx.numel():
+                ki, vi = ks[i][:, idx], v_[i][:, idx]
+                out[i] = la(qs[i], ki, vi, _fit_map(fm, qs[i], ki), False).to(out.dtype)
+        return out
+
+    # SDPA models: the SDPA mask (the layers left as they were receive what SDPA receives)
+    switch = _Switch(model, attend, "linear", skip_plain=impl == "sdpa")
     switch.__enter__()
-    return Linearized(model=model, feature_maps=maps, layers=keep_layers, _switch=switch)
+    return Linearized(model=model, feature_maps=maps, layers=keep_layers, _switch=switch, window=window,
+                      sinks=sink_spec, exact_heads=resolved_heads, head_errors=head_errors,
+                      head_error_kind=head_error_kind, _attached=attached, _streams=streams)
 
 
 # --------------------------------------------------------------------------------------------

@@ -384,10 +384,14 @@ def test_linearize_layer0_equals_linear_attention_by_hand(arch):
         assert (by_hand(r, False) - ref).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_linearize_only_the_chosen_layers(arch):
-    model = build(arch)
-    inp = inputs(pad=True)
+def test_linearize_only_the_chosen_layers(arch, impl, pad):
+    """The layers left as they were get the mask their implementation needs (SDPA models: the SDPA
+    mask, None without padding; eager models: the explicit one)."""
+    model = build(arch, impl)
+    inp = inputs(pad=pad)
     plain = hf.capture(model, record_output=True, **inp)
     outs = {}
     hook = attn_module(model, arch, 0).register_forward_hook(lambda m, a, out: outs.setdefault(0, out[0]))
@@ -509,7 +513,8 @@ def test_data_dependent_maps_are_fitted_on_the_batch(name):
     model = build("gpt2")
     nf = 4 if name == "nystrom" else 16
     with hf.linearize(model, name, num_features=nf) as lin:
-        assert lin.feature_maps == {}  # built on first use
+        assert set(lin.feature_maps) == set(range(LAYERS))  # built at the call, fitted on first use
+        assert not any(fm.fitted for fm in lin.feature_maps.values())
         out = hidden(model, **inputs(pad=True))  # n = 9 >= 4 tokens in every sequence
     assert set(lin.feature_maps) == set(range(LAYERS))
     assert all(fm.fitted for fm in lin.feature_maps.values())
