@@ -281,3 +281,47 @@ def test_lengths_that_fill_the_blocks_equal_naive(window, chunk_size):
     for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v)),
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal, chunk_size", [(False, 4), (False, 64), (True, 1), (True, 6), (True, 64)])
+@pytest.mark.parametrize("window, sinks", [(0, [0, 3]), (5, [0, 7, 25]), (9, 2), (29, 0)])
+def test_key_padding_equals_naive(causal, chunk_size, window, sinks):
+    """Padded keys (a tail, and holes inside windows and at a sink) are in neither the window, nor
+    the sinks, nor the remainder: the reference zeroes their columns. Forward and backward; no
+    gradient reaches a padded key or value."""
+    fm = ka.PositiveRF(D, 16, seed=0, dtype=F64)
+    q, k, v = _inputs()
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[0, 20:] = True
+    pad[1, [3, 7, 12]] = True
+    out = hybrid_attention(q, k, v, fm, window=window, sinks=sinks, causal=causal, chunk_size=chunk_size,
+                           key_padding_mask=pad)
+    ref = naive_hybrid_attention(q, k, v, fm, window=window, sinks=sinks, causal=causal,
+                                 key_padding_mask=pad.unsqueeze(1))
+    torch.testing.assert_close(out, ref, **TOL)
+    w = randn(*out.shape, seed=5)
+    g_fast = torch.autograd.grad((out * w).sum(), (q, k, v))
+    g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(g_fast, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+    assert (g_fast[1][0, :, 20:] == 0).all() and (g_fast[2][1, :, [3, 7, 12]] == 0).all()
+
+
+def test_key_padding_with_initial_state_and_float_masks():
+    fm = ka.PositiveRF(D, 16, seed=0, dtype=F64)
+    q, k, v = _inputs(grad=False)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[0, 15:] = True
+    _, st = hybrid_attention(q[..., :9, :], k[..., :9, :], v[..., :9, :], fm, window=4, sinks=1, causal=True,
+                             return_state=True)
+    out = hybrid_attention(q[..., 9:, :], k[..., 9:, :], v[..., 9:, :], fm, window=4, sinks=1, causal=True,
+                           initial_state=st, key_padding_mask=pad[:, 9:])
+    ref = naive_hybrid_attention(q, k, v, fm, window=4, sinks=1, causal=True, key_padding_mask=pad.unsqueeze(1))
+    torch.testing.assert_close(out, ref[..., 9:, :], **TOL)
+    additive = torch.zeros(B, N, dtype=F64).masked_fill(pad, float("-inf"))
+    torch.testing.assert_close(hybrid_attention(q, k, v, fm, window=4, key_padding_mask=additive),
+                               hybrid_attention(q, k, v, fm, window=4, key_padding_mask=pad), **TOL)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        hybrid_attention(q, k, v, fm, window=4, key_padding_mask=pad[:, :5])
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        hybrid_attention(q, k, v, fm, window=4, key_padding_mask=pad.long())

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from .._validation import _as_int, check_tensor_fields, inputs_validated, no_autocast
 from ..maps.base import FeatureMap
-from ._common import normalise, prepare, with_ones
+from ._common import apply_padding, normalise, padding_mask, prepare, with_ones
 
 __all__ = [
     "hybrid_attention",
@@ -260,7 +260,7 @@ def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- forms
-def _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal):
+def _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal, key_padding_mask=None):
     w = check_window(window)
     C = _check_chunk(chunk_size)
     q, k, v, out_dtype, cdt = prepare(q, k, v, feature_map, causal, None)
@@ -269,7 +269,11 @@ def _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal):
             f"hybrid attention needs as many queries as keys (the window is a set of positions), "
             f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
-    return q, k, v, out_dtype, cdt, w, C
+    pad = padding_mask(key_padding_mask, k.shape)
+    if pad is not None:
+        pad = pad.to(q.device)
+        k, v = apply_padding(pad, k, v)  # finite content; the forms give padded keys weight 0
+    return q, k, v, out_dtype, cdt, w, C, pad
 
 
 @no_autocast
@@ -283,6 +287,7 @@ def parallel_hybrid_attention(
     sinks: int | Sequence[int] = 0,
     chunk_size: int = 64,
     eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Non-causal hybrid attention: exact on $|i - j| < w$ and the sinks, $\varphi$ elsewhere.
 
@@ -316,6 +321,9 @@ def parallel_hybrid_attention(
         Queries per block of the window term.
     eps : float, default 1e-6
         Denominator guard for signed maps (see `kernelapprox.linear_attention`).
+    key_padding_mask : Tensor, shape (batch, n), optional
+        ``True`` (or ``-inf``) where the key is padding, as in `kernelapprox.linear_attention`:
+        padded keys are left out of the window, the sinks and the remainder.
 
     Returns
     -------
@@ -329,7 +337,8 @@ def parallel_hybrid_attention(
     >>> parallel_hybrid_attention(q / 2, k / 2, v, fm, window=5, sinks=[0, -1]).shape
     torch.Size([2, 50, 8])
     """
-    q, k, v, out_dtype, cdt, w, C = _prepare(q, k, v, feature_map, window, sinks, chunk_size, False)
+    q, k, v, out_dtype, cdt, w, C, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, False,
+                                                   key_padding_mask)
     n = q.shape[-2]
     sink_idx = resolve_sinks(sinks, n, causal=False)
     with inputs_validated():
@@ -351,6 +360,9 @@ def parallel_hybrid_attention(
     if sink_idx:
         is_sink[list(sink_idx)] = True
     s_rem = sk.masked_fill(is_sink, _NEG_INF)
+    if kpad is not None:
+        kpad = kpad.expand(*lead, n)
+        s_rem = s_rem.masked_fill(kpad, _NEG_INF)
     with torch.no_grad():
         G = _finite_or_zero(s_rem.amax(dim=-1, keepdim=True))  # (..., 1)
     wk = exp_diff(s_rem, G, cdt)  # (..., n): 0 for sinks
@@ -398,6 +410,8 @@ def parallel_hybrid_attention(
         col = torch.arange(L, device=dev)[None, :]
         pos = torch.arange(nb, device=dev)[:, None] * Cb - h + torch.arange(L, device=dev)[None, :]
         outside = ~(((col >= t) & (col <= t + 2 * h))[None] & ((pos >= 0) & (pos < n))[:, None, :])  # (nb, Cb, L)
+        if kpad is not None:  # padded keys out of the window too: (..., nb, Cb, L)
+            outside = outside | (windows(kpad.unsqueeze(-1).to(cdt))[..., 0] > 0).unsqueeze(-2)
         logits = torch.matmul(blocks(q), windows(k).mT)  # (..., nb, Cb, L)
         logits = logits.masked_fill_(outside, _NEG_INF) if inplace else logits.masked_fill(outside, _NEG_INF)
         wmax = logits.detach().amax(-1).reshape(*lead, nb * Cb)[..., :n].double()
@@ -407,6 +421,8 @@ def parallel_hybrid_attention(
         slog = torch.matmul(q, k[..., sidx, :].mT)  # (..., n, s)
         i = torch.arange(n, device=dev)[:, None]
         active = (i - sidx[None, :]).abs() >= w  # (n, s): outside the window
+        if kpad is not None:
+            active = active & ~kpad[..., sidx].unsqueeze(-2)  # (..., n, s)
         slog = slog.masked_fill(~active, _NEG_INF)
         shifts.append(slog.detach().amax(-1).double())
     m = shifts[0]
@@ -454,10 +470,10 @@ def parallel_hybrid_attention(
 def _causal_core(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: FeatureMap, w: int, C: int,
     sink_idx: tuple[int, ...], eps: float, out_dtype: torch.dtype, cdt: torch.dtype,
-    initial_state: HybridAttentionState | None, return_state: bool,
+    initial_state: HybridAttentionState | None, return_state: bool, kpad: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, HybridAttentionState]:
     """Causal hybrid attention on the extended sequence [state's buffer, new tokens] (see
-    `chunk_hybrid_attention`)."""
+    `chunk_hybrid_attention`); ``kpad`` (..., n) True = padded new key."""
     n, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
     dev = q.device
     t0 = 0
@@ -507,6 +523,9 @@ def _causal_core(
     if ext_sinks:
         is_sink[ext_sinks] = True
     s_rem = sk.masked_fill(is_sink, _NEG_INF)
+    if kpad is not None:
+        kpad = F.pad(kpad.expand(*lead, n), (b, 0), value=False)  # (..., ne): buffered keys are real
+        s_rem = s_rem.masked_fill(kpad, _NEG_INF)
     wl = min(w, ne)  # lag of the remainder
     # Remainder of query e = b + t: keys e' <= e - w (extended coordinates), i.e. causal linear
     # attention against the key sequence delayed by w.
@@ -578,6 +597,10 @@ def _causal_core(
         col = torch.arange(L, device=dev)[None, :]
         epos = b + torch.arange(nc, device=dev)[:, None] * C - P + col  # extended key positions
         mask = ((col >= t) & (col <= t + P))[None] & ((epos >= 0) & (epos < ne))[:, None, :]
+        if kpad is not None:  # padded keys out of the window: (..., nc, C, L)
+            kpp = F.pad(kpad, (front, 0), value=False)[..., start + front:]
+            kpp = F.pad(kpp, (0, max(0, need - kpp.shape[-1])), value=False)[..., :need]
+            mask = mask & ~kpp.unfold(-1, L, C).unsqueeze(-2)
         logits = torch.matmul(qc, kw.mT).masked_fill(~mask, _NEG_INF)
         shifts.append(logits.detach().amax(-1).reshape(*lead, nc * C)[..., :n].double())
     # sinks outside the window: those among the keys (e' <= e - w) and those before this call
@@ -587,7 +610,8 @@ def _causal_core(
         e = b + torch.arange(n, device=dev)[:, None]
         sk_keys.append(k[..., sidx, :])
         sk_vals.append(v1[..., sidx, :])
-        sk_mask.append(e - sidx[None, :] >= max(wl, 1) if wl >= 1 else e - sidx[None, :] >= 0)
+        act = e - sidx[None, :] >= max(wl, 1) if wl >= 1 else e - sidx[None, :] >= 0
+        sk_mask.append(act if kpad is None else act & ~kpad[..., sidx].unsqueeze(-2))
     if out_sk is not None and out_sv is not None:
         sk_keys.append(out_sk.expand(*lead, *out_sk.shape[-2:]))
         sv = out_sv.expand(*lead, *out_sv.shape[-2:])
@@ -596,6 +620,7 @@ def _causal_core(
     if sk_keys:
         skk = torch.cat(sk_keys, dim=-2)
         skv = torch.cat(sk_vals, dim=-2)
+        sk_mask = [a.expand(*lead, n, a.shape[-1]) for a in sk_mask] if kpad is not None else sk_mask
         active = torch.cat(sk_mask, dim=-1)
         slog = torch.matmul(q, skk.mT).masked_fill(~active, _NEG_INF)
         shifts.append(slog.detach().amax(-1).double())
@@ -668,6 +693,7 @@ def chunk_hybrid_attention(
     initial_state: HybridAttentionState | None = None,
     return_state: bool = False,
     eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, HybridAttentionState]:
     r"""Causal hybrid attention, chunked: exact on $0 \le i - j < w$ and the sinks, $\varphi$ on $j \le i - w$.
 
@@ -704,8 +730,12 @@ def chunk_hybrid_attention(
         State after a preceding segment (from ``return_state=True`` or
         `RecurrentHybridAttention`), continued here; built with the same ``window`` and sinks.
     return_state : bool, default False
-        Also return the state after the last token.
+        Also return the state after the last token (not with ``key_padding_mask``: the state's
+        window buffer would hold the padded keys).
     eps : float, default 1e-6
+    key_padding_mask : Tensor, shape (batch, n), optional
+        ``True`` (or ``-inf``) where a key of this segment is padding: left out of the window,
+        the sinks and the remainder.
 
     Returns
     -------
@@ -721,13 +751,20 @@ def chunk_hybrid_attention(
     >>> bool(out[0, :30].isfinite().all()), bool(out[0, 30:, 0].isnan().all())
     (True, True)
     """
-    q, k, v, out_dtype, cdt, w, C = _prepare(q, k, v, feature_map, window, sinks, chunk_size, True)
+    q, k, v, out_dtype, cdt, w, C, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, True,
+                                                   key_padding_mask)
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be a bool, got {return_state!r}")
+    if return_state and kpad is not None:
+        raise ValueError(
+            "return_state=True with a key_padding_mask: the state's window buffer would hold padded keys; "
+            "decode unpadded sequences (or drop return_state)"
+        )
     if initial_state is not None:
         check_hybrid_state(initial_state, feature_map, w, q.shape[-1], v.shape[-1])
     sink_idx = resolve_sinks(sinks, None, causal=True)  # absolute; later ones apply to later segments
-    return _causal_core(q, k, v, feature_map, w, C, sink_idx, eps, out_dtype, cdt, initial_state, return_state)
+    return _causal_core(q, k, v, feature_map, w, C, sink_idx, eps, out_dtype, cdt, initial_state, return_state,
+                        kpad)
 
 
 @no_autocast
@@ -744,6 +781,7 @@ def hybrid_attention(
     initial_state: HybridAttentionState | None = None,
     return_state: bool = False,
     eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, HybridAttentionState]:
     r"""Hybrid attention: exact softmax on a window and sinks, the feature map $\varphi$ elsewhere, one normaliser.
 
@@ -784,6 +822,10 @@ def hybrid_attention(
         Causal only: also return the state after the last token.
     eps : float, default 1e-6
         Denominator guard for signed (trigonometric) maps, see `kernelapprox.linear_attention`.
+    key_padding_mask : Tensor, shape (batch, n), optional
+        ``True`` (or ``-inf``) where the key is padding, as in `kernelapprox.linear_attention`:
+        padded keys are in neither the window, nor the sinks, nor the remainder, so the real
+        tokens' outputs are those of the unpadded sequence (for right padding).
 
     Returns
     -------
@@ -808,12 +850,13 @@ def hybrid_attention(
     if causal:
         return chunk_hybrid_attention(
             q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size,
-            initial_state=initial_state, return_state=return_state, eps=eps,
+            initial_state=initial_state, return_state=return_state, eps=eps, key_padding_mask=key_padding_mask,
         )
     if initial_state is not None or return_state:
         raise ValueError(
             "initial_state and return_state need causal=True (a non-causal window has no state to carry), "
             f"got initial_state={type(initial_state).__name__}, return_state={return_state!r}"
         )
-    return parallel_hybrid_attention(q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size, eps=eps)
+    return parallel_hybrid_attention(q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size, eps=eps,
+                                     key_padding_mask=key_padding_mask)
 

@@ -16,6 +16,7 @@ import torch
 from .._validation import compute_dtype, no_autocast
 from ..exact import check_qkv
 from ..maps.base import FeatureMap
+from ._common import padding_mask
 from .hybrid import exact_set_mask
 
 __all__ = ["naive_hybrid_attention"]
@@ -31,6 +32,7 @@ def naive_hybrid_attention(
     window: int,
     sinks: int | Sequence[int] = 0,
     causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Materialise $\hat A_{ij} = e^{q_i^\top k_j}$ on the exact set, $\varphi(q_i)^\top\varphi(k_j)$
     elsewhere (zero for $j > i$ if causal), and normalise its rows.
@@ -49,6 +51,8 @@ def naive_hybrid_attention(
     window : int
     sinks : int or sequence of int, default 0
     causal : bool, default False
+    key_padding_mask : Tensor, shape (batch, n), optional
+        ``True`` where the key is padding: its column of $\hat A$ is zero.
 
     Returns
     -------
@@ -74,4 +78,7 @@ def naive_hybrid_attention(
     A = torch.where(S, torch.exp(q @ k.mT), approx)
     if causal:
         A = A.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), 0.0)
+    pad = padding_mask(key_padding_mask, k.shape)
+    if pad is not None:
+        A = A.masked_fill(pad.unsqueeze(-2), 0.0)
     return ((A @ v) / A.sum(-1, keepdim=True)).to(out_dtype)
