@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-import kernelapprox as ka
 from kernelapprox.attention.hybrid import HybridAttentionState
 from kernelapprox.attention.hybrid_naive import naive_hybrid_attention
 from kernelapprox.nn import LinearAttention, LinearAttentionHeads, MultiheadLinearAttention
