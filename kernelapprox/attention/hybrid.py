@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from .._validation import _as_int, check_tensor_fields, inputs_validated, no_autocast
 from ..maps.base import FeatureMap
-from ._common import apply_padding, normalise, padding_mask, prepare, with_ones
+from ._common import apply_padding, check_eps, normalise, padding_mask, prepare, with_ones
 
 __all__ = [
     "hybrid_attention",
@@ -136,14 +136,24 @@ def _check_chunk(chunk_size: object) -> int:
     return c
 
 
+def check_window_mode(window_mode: object) -> str:
+    """``window_mode`` as ``"token"`` or ``"block"``, else ``ValueError`` naming it."""
+    if window_mode not in ("token", "block"):
+        raise ValueError(f"window_mode must be 'token' or 'block', got {window_mode!r}")
+    return str(window_mode)
+
+
 def exact_set_mask(
-    n: int, *, window: int, sinks: object = 0, causal: bool = False, device: torch.device | str | None = None
+    n: int, *, window: int, sinks: object = 0, causal: bool = False, device: torch.device | str | None = None,
+    window_mode: str = "token",
 ) -> torch.Tensor:
     r"""The exact sets $S_i$ as a boolean matrix: ``mask[i, j]`` is whether key ``j`` is exact for query ``i``.
 
     Window $0 \le i - j < w$ (causal) or $|i - j| < w$, union the sinks (causal: those
     $\le i$); see the module docstring. Keys ``j > i`` are never in the set when causal (they
-    are outside the attention altogether).
+    are outside the attention altogether). ``window_mode="block"``: with blocks
+    $b(i) = \lfloor i / w\rfloor$, the window is $|b(i) - b(j)| \le 1$ (non-causal) or
+    $0 \le b(i) - b(j) \le 1,\ j \le i$ (causal).
 
     Parameters
     ----------
@@ -154,6 +164,7 @@ def exact_set_mask(
         See `resolve_sinks`.
     causal : bool, default False
     device : torch.device, optional
+    window_mode : {"token", "block"}, default "token"
 
     Returns
     -------
@@ -166,13 +177,20 @@ def exact_set_mask(
             [1, 1, 0, 0],
             [1, 1, 1, 0],
             [1, 0, 1, 1]], dtype=torch.int32)
+    >>> exact_set_mask(6, window=2, causal=True, window_mode="block").int()[5]
+    tensor([0, 0, 1, 1, 1, 1], dtype=torch.int32)
     """
     w = check_window(window)
+    mode = check_window_mode(window_mode)
     idx = resolve_sinks(sinks, n, causal=causal)
     i = torch.arange(n, device=device)[:, None]
     j = torch.arange(n, device=device)[None, :]
     diff = i - j
-    mask = (diff >= 0) & (diff < w) if causal else diff.abs() < w
+    if mode == "block" and w > 0:
+        bd = i // w - j // w
+        mask = (bd >= 0) & (bd <= 1) & (diff >= 0) if causal else bd.abs() <= 1
+    else:
+        mask = (diff >= 0) & (diff < w) if causal else diff.abs() < w
     if idx:
         is_sink = torch.zeros(n, dtype=torch.bool, device=device)
         is_sink[list(idx)] = True
@@ -428,6 +446,7 @@ def parallel_hybrid_attention(
     m = shifts[0]
     for s_ in shifts[1:]:
         m = torch.maximum(m, s_)
+    m = _finite_or_zero(m)  # a row without any key (all padded): weights 0, not NaN
     # a window that covers every key leaves no remainder: the feature part (global sum minus the
     # window, zero up to rounding) is skipped, so that the result is softmax attention to rounding
     full = h >= n - 1
@@ -465,6 +484,148 @@ def parallel_hybrid_attention(
     if sink_idx:
         out = out + torch.matmul(torch.exp(slog - m.unsqueeze(-1).to(cdt)), v1[..., sidx, :])
     return normalise(out[..., :dv], out[..., dv:], feature_map.positive, eps).to(out_dtype)
+
+
+def _block_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: FeatureMap, c: int, sink_idx: tuple[int, ...],
+    causal: bool, eps: float, out_dtype: torch.dtype, cdt: torch.dtype, kpad: torch.Tensor | None,
+) -> torch.Tensor:
+    r"""Hybrid attention with a block-aligned window (``window_mode="block"``, block size ``c``; see
+    `hybrid_attention`). The remainder of block $b$ is a sum of the per-block feature sums $T_{b'}$
+    (`_block_remainder`): non-causal over $|b - b'| \ge 2$, the global sum minus three block sums at
+    one global scale; causal over $b' \le b - 2$, a running sum at the running maximum of the
+    blocks' key scales (so that output $i$ depends on positions $\le i$ only)."""
+    n, dv = q.shape[-2], v.shape[-1]
+    dev = q.device
+    with inputs_validated():
+        fq, sq = feature_map.log_features(q)
+        fk, sk = feature_map.key_log_features(k)
+    lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
+    dv1 = dv + 1
+    nb = -(-n // c)
+    N = nb * c
+    tail = N - n
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, fq, fk))
+    poison = None
+    if causal:  # non-finite values: finite products only, rows from the first bad value on set to NaN
+        v = v.expand(*lead, n, dv)
+        v_bad = ~torch.isfinite(v)
+        poison = torch.cumsum(v_bad.to(torch.int32), dim=-2) > 0
+        v = v.masked_fill(v_bad, 0.0)
+
+    def aligned(x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:  # (..., n, e) -> (*lead, nb, c, e)
+        if tail:
+            x = F.pad(x, (0, 0, 0, tail), value=fill)
+        return x.expand(*lead, N, x.shape[-1]).reshape(*lead, nb, c, x.shape[-1])
+
+    is_sink = torch.zeros(n, dtype=torch.bool, device=dev)
+    if sink_idx:
+        is_sink[list(sink_idx)] = True
+    s_rem = sk.expand(*lead, n).double().masked_fill(is_sink, _NEG_INF)
+    if kpad is not None:
+        kpad = kpad.expand(*lead, n)
+        s_rem = s_rem.masked_fill(kpad, _NEG_INF)
+    s_b = aligned(s_rem.unsqueeze(-1), _NEG_INF)[..., 0]  # (*lead, nb, c)
+    with torch.no_grad():
+        g = s_b.detach().amax(-1)  # (*lead, nb): largest remainder key scale of each block
+        if causal:
+            Gk = torch.cummax(g, dim=-1).values  # scale of the running sum after block b
+            G_read = F.pad(Gk, (2, 0), value=_NEG_INF)[..., :nb]  # block b reads the sum after b - 2
+        else:
+            Gk = _finite_or_zero(g.amax(-1, keepdim=True)).expand(*lead, nb)
+            G_read = Gk
+    v1b = aligned(with_ones(v))  # (*lead, nb, c, dv1)
+    wk = exp_diff(s_b, Gk.unsqueeze(-1), cdt).unsqueeze(-1)  # key weights at their block's scale
+    T = torch.matmul(aligned(fk).mT, v1b * wk)  # (*lead, nb, F, dv1)
+    R = _block_remainder(T, Gk, causal, grad, cdt) if nb > 2 else None
+    # exact part: one dense product per block against the block and its neighbours (causal: the
+    # previous block), the neighbours written once into a contiguous buffer
+    L = (2 if causal else 3) * c
+
+    def neighbours(x: torch.Tensor) -> torch.Tensor:  # (*lead, nb, c, e) -> (*lead, nb, L, e)
+        out = x.new_empty(*lead, nb, L, x.shape[-1])
+        out[..., c:2 * c, :] = x
+        out[..., 1:, :c, :] = x[..., :-1, :, :]
+        out[..., 0, :c, :] = 0
+        if not causal:
+            out[..., :-1, 2 * c:, :] = x[..., 1:, :, :]
+            out[..., -1, 2 * c:, :] = 0
+        return out
+
+    qb = aligned(q)
+    logits = torch.matmul(qb, neighbours(aligned(k)).mT)  # (*lead, nb, c, L)
+    t = torch.arange(c, device=dev)[:, None]
+    col = torch.arange(L, device=dev)[None, :]
+    pos = torch.arange(nb, device=dev)[:, None] * c - c + torch.arange(L, device=dev)[None, :]  # (nb, L)
+    outside = ~((pos >= 0) & (pos < n))[:, None, :]
+    if causal:
+        outside = outside | (col > t + c)[None]
+    if kpad is not None:
+        kp = aligned(kpad.unsqueeze(-1).to(cdt))
+        outside = outside | (neighbours(kp)[..., 0] > 0).unsqueeze(-2)
+    logits = logits.masked_fill(outside, _NEG_INF) if grad else logits.masked_fill_(outside, _NEG_INF)
+    base = aligned(sq.expand(*lead, n).double().unsqueeze(-1))[..., 0] + G_read.unsqueeze(-1)  # (*lead, nb, c)
+    m = torch.maximum(base, logits.detach().amax(-1).double())
+    if sink_idx:
+        sidx = torch.tensor(sink_idx, device=dev)
+        slog = torch.matmul(q, k[..., sidx, :].mT)  # (..., n, s)
+        bdist = torch.arange(n, device=dev)[:, None] // c - sidx[None, :] // c
+        active = bdist >= 2 if causal else bdist.abs() >= 2  # outside the block window
+        if kpad is not None:
+            active = active & ~kpad[..., sidx].unsqueeze(-2)
+        slog = slog.masked_fill(~active, _NEG_INF).expand(*lead, n, len(sink_idx))
+        m = torch.maximum(m, aligned(slog.detach().amax(-1, keepdim=True).double(), _NEG_INF)[..., 0])
+    m = _finite_or_zero(m)  # a row without any key (all padded): weights 0, not NaN
+    mc = m.to(cdt).unsqueeze(-1)
+    A = torch.exp(logits - mc) if grad else logits.sub_(mc).exp_()
+    out = torch.matmul(A, neighbours(v1b))  # (*lead, nb, c, dv1)
+    if R is not None:
+        lin = torch.matmul(aligned(fq), R) * exp_diff(base, m, cdt).unsqueeze(-1)
+        out = out + lin if grad else out.add_(lin)
+    out = out.reshape(*lead, N, dv1)[..., :n, :]
+    if sink_idx:
+        ms = m.reshape(*lead, N)[..., :n].to(cdt).unsqueeze(-1)
+        out = out + torch.matmul(torch.exp(slog - ms), with_ones(v).expand(*lead, n, dv1)[..., sidx, :])
+    num = out[..., :dv]
+    if poison is not None:
+        num = num.masked_fill(poison, float("nan"))
+    return normalise(num, out[..., dv:], feature_map.positive, eps).to(out_dtype)
+
+
+def _block_remainder(T: torch.Tensor, Gk: torch.Tensor, causal: bool, grad: bool, cdt: torch.dtype) -> torch.Tensor:
+    r"""Remainder sums of the blocks, (..., nb, F, dv1), from the block sums ``T`` (..., nb, F, dv1)
+    at the scales ``Gk`` (..., nb).
+
+    Non-causal (one scale): $\sum_b T_b - T_{b-1} - T_b - T_{b+1}$, whole-tensor operations (the
+    subtraction leaves a rounding of order $\epsilon\,\varphi(q_i)^\top\sum_j\varphi(k_j)/\hat D_i$,
+    as the token window's). Causal: $\sum_{b' \le b - 2} T_{b'}$ at the scale ``Gk[b - 2]``, a
+    running sum (the sum after block $b$ is that after $b - 1$ rescaled by $e^{G_{b-1} - G_b}$, plus
+    $T_b$), no cancellation.
+    """
+    nb = T.shape[-3]
+    if not causal:
+        total = T.sum(dim=-3, keepdim=True)
+        if grad:
+            return (total - T - F.pad(T[..., :-1, :, :], (0, 0, 0, 0, 1, 0))
+                    - F.pad(T[..., 1:, :, :], (0, 0, 0, 0, 0, 1)))
+        R = torch.sub(total, T)
+        R[..., 1:, :, :] -= T[..., :-1, :, :]
+        R[..., :-1, :, :] -= T[..., 1:, :, :]
+        return R
+    decay = exp_diff(Gk[..., :-1], Gk[..., 1:], cdt)[..., None, None]  # (..., nb - 1, 1, 1)
+    if grad:  # out-of-place, for autograd
+        zero = torch.zeros_like(T[..., 0, :, :])
+        acc, pre = zero, [zero, zero]
+        for b in range(nb - 2):
+            acc = T[..., 0, :, :] if b == 0 else acc * decay[..., b - 1, :, :] + T[..., b, :, :]
+            pre.append(acc)
+        return torch.stack(pre, dim=-3)
+    R = torch.empty_like(T)  # the same running sum written in place, one operation per block
+    R[..., :2, :, :] = 0
+    R[..., 2, :, :] = T[..., 0, :, :]
+    for b in range(3, nb):
+        torch.addcmul(T[..., b - 2, :, :], R[..., b - 1, :, :], decay[..., b - 3, :, :], out=R[..., b, :, :])
+    return R
 
 
 def _causal_core(
@@ -627,6 +788,7 @@ def _causal_core(
     m = shifts[0]
     for s_ in shifts[1:]:
         m = torch.maximum(m, s_)
+    m = _finite_or_zero(m)  # a row without any key (all padded): weights 0, not NaN
     out = lin * exp_diff(base, m, cdt).unsqueeze(-1)
     if wl >= 1:
         mc = F.pad(m, (0, pad)).reshape(*lead, nc, C, 1).to(cdt)
@@ -782,6 +944,7 @@ def hybrid_attention(
     return_state: bool = False,
     eps: float = 1e-6,
     key_padding_mask: torch.Tensor | None = None,
+    window_mode: str = "token",
 ) -> torch.Tensor | tuple[torch.Tensor, HybridAttentionState]:
     r"""Hybrid attention: exact softmax on a window and sinks, the feature map $\varphi$ elsewhere, one normaliser.
 
@@ -826,6 +989,21 @@ def hybrid_attention(
         ``True`` (or ``-inf``) where the key is padding, as in `kernelapprox.linear_attention`:
         padded keys are in neither the window, nor the sinks, nor the remainder, so the real
         tokens' outputs are those of the unpadded sequence (for right padding).
+    window_mode : {"token", "block"}, default "token"
+        ``"token"``: the sliding window above. ``"block"``: a block-aligned window, LoLCATs'
+        "terrace" [Zha25]_: the sequence is cut into blocks of ``window`` tokens, $b(i) =
+        \lfloor i / w \rfloor$, and query $i$ is exact on its own block and the neighbouring
+        ones, $|b(i) - b(j)| \le 1$ (non-causal, between $2w$ and $3w - 1$ keys), or on its block
+        up to itself and the previous block, $0 \le b(i) - b(j) \le 1,\ j \le i$ (causal,
+        between $w$ and $2w$ keys). Every query of a block then shares one remainder, the sum of
+        the per-block feature sums $T_b = \sum_{j\in b}\varphi(k_j)[v_j, 1]^\top$ over
+        $|b - b'| \ge 2$ (the global sum minus three block sums; a rounding as in
+        `parallel_hybrid_attention`) or $b' \le b - 2$ (a running sum): no per-token feature
+        scores on the window, and the exact part is one dense $w \times 3w$ (causal
+        $w \times 2w$) product per block. Cost
+        $O(nF(d + d_v) + nw(d + d_v))$, memory $O(nF d_v / w)$ for the block sums; ``chunk_size``
+        is not used. ``window >= n`` (one block, or two when causal) is softmax attention. No
+        ``initial_state``/``return_state`` (the recurrent form has a sliding window).
 
     Returns
     -------
@@ -847,6 +1025,17 @@ def hybrid_attention(
     """
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
+    if check_window_mode(window_mode) == "block" and check_window(window) > 0:
+        if initial_state is not None or return_state:
+            raise ValueError(
+                "window_mode='block' has no state to carry (the recurrent form slides its window): use "
+                f"window_mode='token', got initial_state={type(initial_state).__name__}, return_state={return_state!r}"
+            )
+        q, k, v, out_dtype, cdt, w, _, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal,
+                                                      key_padding_mask)
+        n = q.shape[-2]
+        sink_idx = tuple(p for p in resolve_sinks(sinks, None if causal else n, causal=causal) if p < n)
+        return _block_core(q, k, v, feature_map, w, sink_idx, causal, check_eps(eps), out_dtype, cdt, kpad)
     if causal:
         return chunk_hybrid_attention(
             q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size,

@@ -33,6 +33,7 @@ def naive_hybrid_attention(
     sinks: int | Sequence[int] = 0,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
+    window_mode: str = "token",
 ) -> torch.Tensor:
     r"""Materialise $\hat A_{ij} = e^{q_i^\top k_j}$ on the exact set, $\varphi(q_i)^\top\varphi(k_j)$
     elsewhere (zero for $j > i$ if causal), and normalise its rows.
@@ -53,6 +54,8 @@ def naive_hybrid_attention(
     causal : bool, default False
     key_padding_mask : Tensor, shape (batch, n), optional
         ``True`` where the key is padding: its column of $\hat A$ is zero.
+    window_mode : {"token", "block"}, default "token"
+        The exact sets of `kernelapprox.attention.hybrid.exact_set_mask`.
 
     Returns
     -------
@@ -73,7 +76,7 @@ def naive_hybrid_attention(
     cdt = compute_dtype(out_dtype, feature_map.param_dtype)
     q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
     n = q.shape[-2]
-    S = exact_set_mask(n, window=window, sinks=sinks, causal=causal, device=q.device)
+    S = exact_set_mask(n, window=window, sinks=sinks, causal=causal, device=q.device, window_mode=window_mode)
     approx = feature_map(q) @ feature_map.key_features(k).mT
     A = torch.where(S, torch.exp(q @ k.mT), approx)
     if causal:
