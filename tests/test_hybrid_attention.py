@@ -423,3 +423,21 @@ def test_block_window_large_norms_and_16_bit():
         got = hybrid_attention(qb, kb, vb, fm, window=4, causal=causal, window_mode="block")
         want = hybrid_attention(qb.float(), kb.float(), vb.float(), fm, window=4, causal=causal, window_mode="block")
         assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+
+
+def test_bench_core_hybrid_rows_on_a_small_shape():
+    """The hybrid rows of studies.bench_core at a shape that runs in seconds: every time and ratio
+    positive and finite, and the memory rows measured in fresh subprocesses."""
+    from studies import bench_core
+
+    res = bench_core.bench_hybrid(1, 2, 256, 8, 16, torch.device("cpu"), torch.float32, repeats=1, window=16,
+                                  rounds=1)
+    for kind in ("parallel", "causal"):
+        for mode in ("token", "block"):
+            val = res[f"hybrid/{kind}_{mode}/linear"]
+            assert 0 < val < float("inf")
+    mem = bench_core.bench_hybrid_memory(torch.device("cpu"), ns=(512, 2048), B=1, H=2, d=8, r=16, window=16,
+                                         tries=1, modes=("block",), causals=(False,))
+    assert set(mem) == {"hybrid_mem/parallel_block_peak_mib_n512", "hybrid_mem/parallel_block_peak_mib_n2048",
+                        "hybrid_mem/parallel_block_ratio_n2048/n512"}
+    assert all(v >= 0 for k, v in mem.items() if "peak" in k)
