@@ -47,8 +47,10 @@ References
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -538,34 +540,48 @@ def _block_core(
     wk = exp_diff(s_b, Gk.unsqueeze(-1), cdt).unsqueeze(-1)  # key weights at their block's scale
     T = torch.matmul(aligned(fk).mT, v1b * wk)  # (*lead, nb, F, dv1)
     R = _block_remainder(T, Gk, causal, grad, cdt) if nb > 2 else None
-    # exact part: one dense product per block against the block and its neighbours (causal: the
-    # previous block), the neighbours written once into a contiguous buffer
-    L = (2 if causal else 3) * c
-
-    def neighbours(x: torch.Tensor) -> torch.Tensor:  # (*lead, nb, c, e) -> (*lead, nb, L, e)
-        out = x.new_empty(*lead, nb, L, x.shape[-1])
-        out[..., c:2 * c, :] = x
-        out[..., 1:, :c, :] = x[..., :-1, :, :]
-        out[..., 0, :c, :] = 0
-        if not causal:
-            out[..., :-1, 2 * c:, :] = x[..., 1:, :, :]
-            out[..., -1, 2 * c:, :] = 0
-        return out
-
-    qb = aligned(q)
-    logits = torch.matmul(qb, neighbours(aligned(k)).mT)  # (*lead, nb, c, L)
-    t = torch.arange(c, device=dev)[:, None]
-    col = torch.arange(L, device=dev)[None, :]
-    pos = torch.arange(nb, device=dev)[:, None] * c - c + torch.arange(L, device=dev)[None, :]  # (nb, L)
-    outside = ~((pos >= 0) & (pos < n))[:, None, :]
-    if causal:
-        outside = outside | (col > t + c)[None]
+    # exact part: per block, dense products against the block itself, the previous block and (non-causal)
+    # the next one. In the flattened batch of blocks the neighbours are one entry away, so each is one
+    # GEMM on views (no copy of the keys or values); pairs that cross from one sequence to the next
+    # are masked.
+    nf = math.prod(lead) * nb
+    q3 = aligned(q).reshape(nf, c, -1)
+    k3 = aligned(k).reshape(nf, c, -1)
+    v3 = v1b.reshape(nf, c, dv1)
+    kpos = torch.arange(N, device=dev).reshape(nb, c) < n  # keys inside the sequence
+    valid = kpos.expand(*lead, nb, c)
     if kpad is not None:
-        kp = aligned(kpad.unsqueeze(-1).to(cdt))
-        outside = outside | (neighbours(kp)[..., 0] > 0).unsqueeze(-2)
-    logits = logits.masked_fill(outside, _NEG_INF) if grad else logits.masked_fill_(outside, _NEG_INF)
+        valid = valid & ~aligned(kpad.unsqueeze(-1), True)[..., 0]
+    valid = valid.reshape(nf, 1, c)
+    first = (torch.arange(nf, device=dev) % nb == 0).reshape(nf, 1, 1)  # blocks without a previous one
+    cur = torch.bmm(q3, k3.mT)
+    cur_out = ~valid
+    if causal:
+        cur_out = cur_out | ~torch.ones(c, c, dtype=torch.bool, device=dev).tril()
+    prev = torch.bmm(q3[1:], k3[:-1].mT)
+    prev_out = ~valid[:-1] | first[1:]
+    parts = [(cur, cur_out, slice(None), slice(None))]
+    parts.append((prev, prev_out, slice(1, None), slice(None, -1)))
+    if not causal:
+        nxt = torch.bmm(q3[:-1], k3[1:].mT)
+        last = (torch.arange(nf, device=dev) % nb == nb - 1).reshape(nf, 1, 1)
+        parts.append((nxt, ~valid[1:] | last[:-1], slice(None, -1), slice(1, None)))
     base = aligned(sq.expand(*lead, n).double().unsqueeze(-1))[..., 0] + G_read.unsqueeze(-1)  # (*lead, nb, c)
-    m = torch.maximum(base, logits.detach().amax(-1).double())
+    m = base.reshape(nf, c)
+    masked = []
+    dense = kpad is None and not tail  # only whole blocks are masked: index them, no full-size mask
+    for i, (x, out_mask, rows, _) in enumerate(parts):
+        if dense and i > 0:
+            drop = (first[1:] if i == 1 else last[:-1]).reshape(-1)
+            x = x.masked_fill(drop[:, None, None], _NEG_INF) if grad else x.index_fill_(
+                0, drop.nonzero().reshape(-1), _NEG_INF)
+        elif not (dense and not causal):  # the block itself needs no mask when dense and non-causal
+            x = x.masked_fill(out_mask, _NEG_INF) if grad else x.masked_fill_(out_mask, _NEG_INF)
+        masked.append(x)
+        mx = torch.full_like(m, _NEG_INF)
+        mx[rows] = x.detach().amax(-1).double() if x.shape[0] else mx[rows]
+        m = torch.maximum(m, mx)
+    m = m.reshape(*lead, nb, c)
     if sink_idx:
         sidx = torch.tensor(sink_idx, device=dev)
         slog = torch.matmul(q, k[..., sidx, :].mT)  # (..., n, s)
@@ -576,9 +592,18 @@ def _block_core(
         slog = slog.masked_fill(~active, _NEG_INF).expand(*lead, n, len(sink_idx))
         m = torch.maximum(m, aligned(slog.detach().amax(-1, keepdim=True).double(), _NEG_INF)[..., 0])
     m = _finite_or_zero(m)  # a row without any key (all padded): weights 0, not NaN
-    mc = m.to(cdt).unsqueeze(-1)
-    A = torch.exp(logits - mc) if grad else logits.sub_(mc).exp_()
-    out = torch.matmul(A, neighbours(v1b))  # (*lead, nb, c, dv1)
+    mc = m.to(cdt).reshape(nf, c, 1)
+    out = None
+    for x, (_, _, rows, keys) in zip(masked, parts, strict=True):
+        A = torch.exp(x - mc[rows]) if grad else x.sub_(mc[rows]).exp_()
+        if out is None:
+            out = torch.bmm(A, v3)
+        elif grad:
+            pad = (0, 0, 0, 0, 1, 0) if rows.start == 1 else (0, 0, 0, 0, 0, 1)
+            out = out + F.pad(torch.bmm(A, v3[keys]), pad)
+        else:
+            out[rows].baddbmm_(A, v3[keys])
+    out = cast(torch.Tensor, out).reshape(*lead, nb, c, dv1)
     if R is not None:
         lin = torch.matmul(aligned(fq), R) * exp_diff(base, m, cdt).unsqueeze(-1)
         out = out + lin if grad else out.add_(lin)
