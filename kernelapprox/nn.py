@@ -41,7 +41,7 @@ from torch import nn
 from ._validation import _as_int, check_device, check_dtype, check_positive_int
 from .attention import LinearAttentionState, linear_attention
 from .attention._common import padding_mask
-from .attention.hybrid import HybridAttentionState, check_window, hybrid_attention
+from .attention.hybrid import HybridAttentionState, check_window, check_window_mode, hybrid_attention
 from .maps.base import FeatureMap
 from .registry import get_estimator
 from .samplers import GivenSampler, Sampler
@@ -382,6 +382,11 @@ class LinearAttentionHeads(nn.Module):
         (non-causal: negative ones count from the end, ``[0, -1]`` for [CLS] and [SEP]), exact for
         every query that attends to them (`kernelapprox.attention.hybrid.resolve_sinks`).
         Padded keys (``key_padding_mask``) are left out of the window and the sinks too.
+    window_mode : {"token", "block"}, default "token"
+        With a ``window``: the sliding window, or the block-aligned one (blocks of ``window``
+        tokens, exact on a query's block and its neighbours; causal: its block up to itself and
+        the previous block), see `kernelapprox.hybrid_attention`. ``"block"`` has no decoding
+        state (``return_state``/``initial_state`` raise).
     device, dtype : optional
         Where and in which dtype a map built by name lives (a given map is moved if given).
 
@@ -426,6 +431,7 @@ class LinearAttentionHeads(nn.Module):
         dropout: float = 0.0,
         window: int | None = None,
         sinks: int | Sequence[int] = 0,
+        window_mode: str = "token",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -433,6 +439,7 @@ class LinearAttentionHeads(nn.Module):
         self.dim_head = check_positive_int("dim_head", dim_head)
         self.window = None if window is None else check_window(window)
         self.sinks = _check_sinks(sinks, self.window)
+        self.window_mode = check_window_mode(window_mode)
         device = check_device("device", device)
         check_dtype("dtype", dtype)
         self.dropout = _check_dropout(dropout)
@@ -641,13 +648,14 @@ class LinearAttentionHeads(nn.Module):
         return hybrid_attention(
             q, k, v, self.feature_map, window=cast(int, self.window), sinks=sinks, causal=causal,
             chunk_size=self.chunk_size, initial_state=initial_state, return_state=return_state,
-            key_padding_mask=key_padding_mask,
+            key_padding_mask=key_padding_mask, window_mode=self.window_mode,
         )
 
     def _hybrid_repr(self) -> str:
         if self.window is None:
             return ""
-        return f", window={self.window}, sinks={self.sinks}"
+        mode = "" if self.window_mode == "token" else f", window_mode={self.window_mode!r}"
+        return f", window={self.window}, sinks={self.sinks}{mode}"
 
     def extra_repr(self) -> str:
         s = f"dim_head={self.dim_head}, heads={self.heads}, causal={self.causal}, scale={self.scale:.4g}"
@@ -684,7 +692,7 @@ class LinearAttention(nn.Module):
     feature_map, num_features, sampler, feature_map_kwargs, scale, redraw_every, seed, fit, check, chunk_size, dropout
         As in `LinearAttentionHeads` (``redraw_every`` counts calls of `forward`
         and `forward_heads` in training mode).
-    window, sinks : optional
+    window, sinks, window_mode : optional
         Hybrid attention, as in `LinearAttentionHeads`: softmax exact on a window of ``window``
         keys and on the sinks, the feature map for the rest (self-attention only: ``context=``
         raises). ``window=None`` (default): linear attention.
@@ -760,6 +768,7 @@ class LinearAttention(nn.Module):
         batch_first: bool = True,
         window: int | None = None,
         sinks: int | Sequence[int] = 0,
+        window_mode: str = "token",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -790,7 +799,8 @@ class LinearAttention(nn.Module):
             self.dim_head, heads=self.heads, causal=causal, feature_map=feature_map,
             num_features=num_features, sampler=sampler, feature_map_kwargs=feature_map_kwargs,
             scale=scale, redraw_every=redraw_every, seed=seed, fit=fit, check=check,
-            chunk_size=chunk_size, dropout=dropout, window=window, sinks=sinks, device=device, dtype=dtype,
+            chunk_size=chunk_size, dropout=dropout, window=window, sinks=sinks, window_mode=window_mode,
+            device=device, dtype=dtype,
         )
 
     @property

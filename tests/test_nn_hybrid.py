@@ -212,3 +212,23 @@ def test_bad_arguments_raise():
     pad = torch.zeros(2, 6, dtype=torch.bool)
     with pytest.raises(ValueError, match="return_state=True with a key_padding_mask"):
         ka_layer(x, key_padding_mask=pad, return_state=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_window_layer_equals_naive(causal):
+    layer = LinearAttention(16, heads=2, causal=causal, num_features=12, seed=3, window=3, sinks=1,
+                            window_mode="block").double()
+    x = _x(2, 11, 16, seed=8)
+    pad = torch.zeros(2, 11, dtype=torch.bool)
+    pad[0, 8:] = True
+    q, k, v = _heads(layer, x)
+    root = layer.attention.scale**0.5
+    o = naive_hybrid_attention(q * root, k * root, v, layer.feature_map, window=3, sinks=1, causal=causal,
+                               key_padding_mask=pad.unsqueeze(1), window_mode="block")
+    torch.testing.assert_close(layer(x, key_padding_mask=pad), layer.to_out(layer.merge_heads(o)), **TOL)
+    assert "window_mode='block'" in repr(layer)
+    with pytest.raises(ValueError, match="window_mode"):
+        LinearAttention(16, heads=2, window=3, window_mode="blocks")
+    if causal:
+        with pytest.raises(ValueError, match="no state"):
+            layer(x, return_state=True)
