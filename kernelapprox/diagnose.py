@@ -29,6 +29,36 @@ The recommendation is the random estimator with the smallest ``r_needed`` if it 
 ``max_features``, else the deterministic map with the smallest error, with the advice to use a
 learned or data-dependent map. Data-dependent maps are fitted on the given ``q, k`` first.
 
+Hybrid attention (``window=``, ``sinks=``, ``causal=``; `kernelapprox.hybrid_attention`). Softmax
+is exact on the set $S_i$ (window and sinks), the map estimates the remainder $R_i$, with one
+normaliser. Then the report adds:
+
+* $p_i$, the softmax mass inside $S_i$ (`kernelapprox.theory.hybrid_attention.exact_mass`), as
+  quantiles over the queries (median, 10th and 90th percentile), for every head of ``q``
+  (`Diagnosis.exact_mass`) and for the diagnosed one (``regime["p_median"]``, ...);
+* per estimator: the median relative kernel MSE over the sampled pairs in the remainder
+  (``rel_mse_median_remainder``), the largest relative variance of the hybrid normaliser over the
+  sampled rows, $\max_i \mathrm{Var}(\hat D_i)/D_i^2$ with the pair covariances summed over
+  $R_i$ only (``hybrid_normaliser_rel_var``, iid rows), and with ``v`` the predicted relative
+  output error of the hybrid, $\sqrt{\sum_{i,c}\mathrm{Var}(\hat o_{ic})}/\|o\|_F$ by the
+  delta method over the remainder (``hybrid_attn_rel_err_pred``; the exact error on the
+  sampled rows for deterministic maps). By `kernelapprox.theory.hybrid_attention.hybrid_error_identity`
+  the hybrid error is the remainder's error times $1 - p_i$, which the delta method contains: it is
+  the remainder's error, scaled by $D_{R,i}/D_i = 1 - p_i$.
+
+Rule of the hybrid recommendation. With the error scaled by $1 - p$, the map's relative kernel MSE
+budget becomes ``target / (1 - p)^2``, so the projections needed are
+
+$$
+r_{\rm hybrid} = r\cdot\mathrm{median}_{(i,j)\in R}\,\frac{\mathrm{MSE}\,\hat K_{ij}}{K_{ij}^2}
+\cdot\frac{(1 - p_{\rm median})^2}{\rm target}
+$$
+
+(``r_needed_hybrid``; at least 1). The recommendation is "window w + <map> at r ≈ r_hybrid" for the
+random estimator with the smallest $r_{\rm hybrid}$ when it is at most ``max_features``;
+otherwise the advice of the plain report, with the deterministic map of the smallest hybrid
+error.
+
 Examples
 --------
 >>> import torch, kernelapprox as ka
@@ -45,13 +75,21 @@ True
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 import torch
 
-from ._validation import check_finite_float, check_floating, check_last_dim, check_positive_int, check_seed
+from ._validation import (
+    _as_int,
+    check_finite_float,
+    check_floating,
+    check_last_dim,
+    check_positive_int,
+    check_seed,
+)
 from .attention._common import install_input_check
 from .maps.base import FeatureMap
 from .registry import estimators
@@ -78,10 +116,19 @@ class Diagnosis:
         ``feature_dim``, ``rel_mse_mean``, ``rel_mse_median``, ``r_needed``,
         ``normaliser_rel_var`` (NaN where no theory), ``delta_method_valid``,
         ``attn_rel_err_pred`` (with ``v``; NaN otherwise), ``kind``.
+        With ``window``: also ``rel_mse_median_remainder``, ``r_needed_hybrid``,
+        ``hybrid_normaliser_rel_var``, ``hybrid_delta_method_valid`` and
+        ``hybrid_attn_rel_err_pred`` (module docstring).
     recommendation : str
     feasible : bool
-        Whether some random estimator reaches ``target`` with at most ``max_features`` projections.
+        Whether some random estimator reaches ``target`` with at most ``max_features`` projections
+        (with ``window``: ``r_needed_hybrid`` at most ``max_features``).
     target : float
+    hybrid : dict or None
+        With ``window``: ``window``, ``sinks``, ``causal`` of the exact set.
+    exact_mass : list of dict
+        With ``window``: one per head (leading index of ``q``, flattened), ``head``, ``p_median``,
+        ``p_q10``, ``p_q90``, ``p_mean``: quantiles over the queries of the mass inside the exact set.
 
     Examples
     --------
@@ -101,6 +148,8 @@ class Diagnosis:
     recommendation: str = ""
     feasible: bool = False
     target: float = 0.01
+    hybrid: dict[str, Any] | None = None
+    exact_mass: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.regime, dict):
@@ -116,14 +165,22 @@ class Diagnosis:
 
     def _table(self) -> list[list[str]]:
         head = ["estimator", "sampler", "r", "rel. MSE (median)", "rel. MSE (mean)", "r for target", "normaliser var"]
+        if self.hybrid is not None:
+            head += ["r for target (hybrid)", "normaliser var (hybrid)"]
         out = [head]
+
+        def num(x: float, valid: bool = True) -> str:
+            return "-" if not math.isfinite(x) else f"{x:.3g}" + ("" if valid else " (delta invalid)")
+
         for r in self.rows:
-            nv = r["normaliser_rel_var"]
-            out.append([
+            row = [
                 r["label"], r["sampler"], str(r["num_features"]), f"{r['rel_mse_median']:.3g}",
-                f"{r['rel_mse_mean']:.3g}", "-" if not math.isfinite(r["r_needed"]) else f"{r['r_needed']:.3g}",
-                "-" if not math.isfinite(nv) else f"{nv:.3g}" + ("" if r["delta_method_valid"] else " (delta invalid)"),
-            ])
+                f"{r['rel_mse_mean']:.3g}", num(r["r_needed"]), num(r["normaliser_rel_var"], r["delta_method_valid"]),
+            ]
+            if self.hybrid is not None:
+                row += [num(r["r_needed_hybrid"]),
+                        num(r["hybrid_normaliser_rel_var"], r["hybrid_delta_method_valid"])]
+            out.append(row)
         return out
 
     def __repr__(self) -> str:
@@ -136,6 +193,12 @@ class Diagnosis:
             f"  exact attention row entropy: mean {g['entropy_mean']:.3g}, min {g['entropy_min']:.3g} "
             f"(uniform: {g['log_m']:.3g})",
         ]
+        if self.hybrid is not None:
+            h = self.hybrid
+            lines.append(
+                f"  hybrid: window {h['window']}, sinks {h['sinks']}{', causal' if h['causal'] else ''}; mass in "
+                f"the exact set p: median {g['p_median']:.3g} (10%: {g['p_q10']:.3g}, 90%: {g['p_q90']:.3g})"
+            )
         table = self._table()
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         for row in table:
@@ -169,6 +232,9 @@ def diagnose(
     max_pairs: int = 4096,
     max_rows: int = 64,
     seed: int = 0,
+    window: int | None = None,
+    sinks: int | Sequence[int] = 0,
+    causal: bool = False,
 ) -> Diagnosis:
     r"""Report the regime of ``(q, k)`` and predict every estimator's error there (module docstring).
 
@@ -197,6 +263,14 @@ def diagnose(
         Subsample sizes (pairs for the closed forms, query rows for exact attention).
     seed : int, default 0
         Seed of the subsampling.
+    window : int, optional
+        Diagnose hybrid attention with this window (`kernelapprox.hybrid_attention`; needs
+        ``n == m``): the mass $p$ inside the exact set, the remainder's predicted errors and the
+        hybrid recommendation (module docstring). Default ``None``: plain linear attention.
+    sinks : int or sequence of int, default 0
+        Sinks of the exact set (`kernelapprox.attention.hybrid.resolve_sinks`), with ``window``.
+    causal : bool, default False
+        Causal exact set and remainder ($j \le i$), with ``window``.
 
     Returns
     -------
@@ -214,6 +288,14 @@ def diagnose(
     >>> row["estimator"], row["delta_method_valid"], bool(row["attn_rel_err_pred"] < 0.1)
     ('positive', True, True)
     >>> bool(row["r_needed"] < 64)      # r at which the median relative MSE reaches target
+    True
+
+    Hybrid attention: the mass inside a window of 8 keys and a sink, and the r the map then needs:
+
+    >>> dx = ka.diagnose(3 * q, 3 * k, ka.PositiveRF(16, 64), v=v, window=8, sinks=1)
+    >>> 0 < dx.regime["p_median"] < 1, dx.recommendation.startswith("window 8 + ")
+    (True, True)
+    >>> bool(dx.rows[0]["r_needed_hybrid"] < dx.rows[0]["r_needed"])
     True
     """
     from . import theory
@@ -234,6 +316,20 @@ def diagnose(
     check_positive_int("max_features", max_features)
     check_positive_int("max_pairs", max_pairs)
     check_positive_int("max_rows", max_rows)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    hyb: dict[str, Any] | None = None
+    if window is not None:
+        from .attention.hybrid import check_window, resolve_sinks
+
+        if q.shape[-2] != k.shape[-2]:
+            raise ValueError(
+                f"window= (hybrid attention) needs as many queries as keys, got q {tuple(q.shape)} and k {tuple(k.shape)}"
+            )
+        w = check_window(window)
+        hyb = {"window": w, "sinks": resolve_sinks(sinks, q.shape[-2], causal=causal), "causal": causal}
+    elif _as_int(sinks) != 0:
+        raise ValueError(f"sinks={sinks!r} needs window= (hybrid attention); pass window=0 for exact sinks alone")
     qf, kf = _flat(q).detach().double().cpu(), _flat(k).detach().double().cpu()
     if not (bool(torch.isfinite(qf).all()) and bool(torch.isfinite(kf).all())):
         raise ValueError("diagnose needs finite q and k")
@@ -264,6 +360,17 @@ def diagnose(
         "t_bar": t_bar, "t_median": float(t.median()), "t_q90": float(t.quantile(0.9)),
         "entropy_mean": float(ent.mean()), "entropy_min": float(ent.min()), "log_m": math.log(m),
     }
+    per_head: list[dict[str, Any]] = []
+    S_mask = R_mask = None
+    if hyb is not None:
+        from .attention.hybrid import exact_set_mask
+
+        per_head = _exact_mass_per_head(q, k, hyb)
+        regime.update({key: per_head[0][key] for key in ("p_median", "p_q10", "p_q90", "p_mean")})
+        S_mask = exact_set_mask(n, window=hyb["window"], sinks=hyb["sinks"], causal=causal)
+        att = torch.ones(n, n, dtype=torch.bool).tril() if causal else torch.ones(n, n, dtype=torch.bool)
+        S_mask = S_mask & att
+        R_mask = att & ~S_mask
 
     if feature_map is not None:
         from .registry import estimator_of
@@ -315,14 +422,42 @@ def diagnose(
                     var = theory.attention_variance(twin, qf[rows_idx], kf, vf)
                     o = torch.softmax(qf[rows_idx] @ kf.T, dim=-1) @ vf
                     attn_pred = float(torch.sqrt(torch.as_tensor(var).sum()) / o.norm())
-        rows.append({
+        row = {
             "estimator": est.name, "label": est.label, "sampler": smp or "none",
             "num_features": int(getattr(fm, "num_features", d)), "feature_dim": int(fm.feature_dim),
             "rel_mse_mean": rel_mean, "rel_mse_median": rel_med, "r_needed": float(r_need),
             "normaliser_rel_var": nv, "delta_method_valid": bool(valid), "attn_rel_err_pred": attn_pred,
             "kind": "random" if est.is_random else "deterministic",
-        })
+        }
+        if hyb is not None and R_mask is not None and S_mask is not None:
+            in_rem = R_mask[qi][:, kj].numpy()
+            rel_r = float(np.median(rel[in_rem])) if in_rem.any() else 0.0
+            one_minus_p = 1.0 - regime["p_median"]
+            r_hyb = max(1.0, fm.num_features * rel_r * one_minus_p**2 / target) if est.is_random else math.nan
+            hnv, hvalid, hpred = math.nan, True, math.nan
+            twin_h = None
+            if est.is_random and "attention_variance" in est.closed_forms("gaussian"):
+                twin_h = fm if getattr(fm.sampler, "row_law", None) == "iid" else est.build(
+                    d, fm.num_features, sampler="gaussian", seed=0, dtype=torch.float64)
+            if twin_h is not None or not est.is_random:
+                var_d, var_o, err_det = _hybrid_rows(
+                    twin_h if twin_h is not None else fm, qf, kf, vf, rows_idx, S_mask, R_mask)
+                hnv = float(var_d.max())
+                hvalid = hnv <= DELTA_VALID or not est.is_random  # deterministic: the exact error
+                if vf is not None:
+                    o = torch.softmax((qf[rows_idx] @ kf.T).masked_fill(~(S_mask | R_mask)[rows_idx], -math.inf),
+                                      dim=-1) @ vf
+                    sq_err = var_o.sum() if var_o is not None else cast(torch.Tensor, err_det)
+                    hpred = float(sq_err.sqrt() / o.norm())
+            row.update({
+                "rel_mse_median_remainder": rel_r, "r_needed_hybrid": float(r_hyb),
+                "hybrid_normaliser_rel_var": hnv, "hybrid_delta_method_valid": bool(hvalid),
+                "hybrid_attn_rel_err_pred": hpred,
+            })
+        rows.append(row)
 
+    if hyb is not None:
+        return _hybrid_diagnosis(regime, rows, hyb, per_head, float(target), max_features)
     rand = [r for r in rows if r["kind"] == "random" and math.isfinite(r["r_needed"])]
     best = min(rand, key=lambda r: r["r_needed"], default=None)
     # feasible: the kernel target is reached with at most max_features projections and the
@@ -344,6 +479,111 @@ def diagnose(
         if bd is not None:
             rec += f"; the best deterministic map here is {bd['label']} (median relative MSE {bd['rel_mse_median']:.3g})"
     return Diagnosis(regime=regime, rows=rows, recommendation=rec, feasible=feasible, target=float(target))
+
+
+def _exact_mass_per_head(q: torch.Tensor, k: torch.Tensor, hyb: dict[str, Any]) -> list[dict[str, Any]]:
+    """Quantiles over the queries of `exact_mass`, one dict per head (leading index, flattened)."""
+    from .theory.hybrid_attention import exact_mass
+
+    qh = q.detach().reshape(-1, *q.shape[-2:]) if q.dim() > 2 else q.detach()[None]
+    kh = k.detach().reshape(-1, *k.shape[-2:]) if k.dim() > 2 else k.detach()[None]
+    nh = max(qh.shape[0], kh.shape[0])
+    out = []
+    for h in range(nh):
+        p = exact_mass(qh[h % qh.shape[0]].double().cpu(), kh[h % kh.shape[0]].double().cpu(),
+                       window=hyb["window"], sinks=list(hyb["sinks"]), causal=hyb["causal"])
+        out.append({"head": h, "p_median": float(p.median()), "p_q10": float(p.quantile(0.1)),
+                    "p_q90": float(p.quantile(0.9)), "p_mean": float(p.mean())})
+    return out
+
+
+def _hybrid_rows(
+    fm: FeatureMap, qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor | None, rows: torch.Tensor,
+    S: torch.Tensor, R: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    r"""Closed forms of hybrid attention on the sampled query rows.
+
+    Random maps (iid rows): the pair covariances of `kernelapprox.theory.attention.pair_terms`
+    summed over each row's remainder $R_i$ (the quadratic form of
+    `kernelapprox.theory.hybrid_attention.hybrid_normaliser_variance` and
+    `~kernelapprox.theory.hybrid_attention.hybrid_attention_variance`, evaluated on the rows
+    only, in the log domain): $\mathrm{Var}(\hat D_i)/D_i^2$ (rows,) and, with ``vf``,
+    $\mathrm{Var}(\hat o_{ic})$ (rows, dv). Deterministic maps: the exact squared errors,
+    $(\hat D_i - D_i)^2/D_i^2$ and $\sum_{i,c}(\hat o_{ic} - o_{ic})^2$ (third output).
+    """
+    from .theory.attention import pair_terms
+
+    terms = pair_terms(fm)
+    q, A_att = qf[rows], (S | R)[rows]
+    Rr = R[rows]
+    logits = q @ kf.T  # (b, m)
+    log_a = torch.log_softmax(logits.masked_fill(~A_att, -math.inf), dim=-1)
+    if terms is None:  # deterministic: the error itself
+        K_hat = fm.kernel(q, kf).double()
+        A = torch.exp(log_a)  # softmax weights; the estimate on R, the same scale
+        A_hat = torch.where(Rr, K_hat * torch.exp(-torch.logsumexp(logits.masked_fill(~A_att, -math.inf), -1,
+                                                                   keepdim=True)), A).masked_fill(~A_att, 0.0)
+        var_d = (A_hat.sum(-1) - 1.0) ** 2
+        err = None
+        if vf is not None:
+            o_hat = (A_hat @ vf) / A_hat.sum(-1, keepdim=True)
+            err = ((o_hat - A @ vf) ** 2).sum()
+        return var_d, None, err
+    r = fm.num_features
+    kk = kf @ kf.T
+    knorm = torch.diagonal(kk)
+    half = 0.5 * (knorm[:, None] + knorm[None, :])
+    kernels = {g: torch.exp(g * kk - half) for g in {t[3] for t in terms}}
+    qn = (q * q).sum(-1, keepdim=True)
+    results = []
+    for a in ([None] if vf is None else [None, vf]):
+        if a is None:
+            w_base = torch.ones(*log_a.shape, 1, dtype=torch.float64)
+        else:
+            o = torch.exp(log_a) @ a
+            w_base = a[None, :, :] - o[:, None, :]  # (b, m, c): the delta method's centring
+        lin = (torch.exp(log_a.masked_fill(~Rr, -math.inf))[..., None] * w_base).sum(-2)
+        second = torch.zeros(lin.shape, dtype=torch.float64)
+        for c, al, be, ga in terms:
+            u = (log_a + (be - 1.0) * logits + 0.5 * knorm[None, :] + 0.5 * al * qn).masked_fill(~Rr, -math.inf)
+            shift = u.amax(-1, keepdim=True)
+            shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # empty remainder
+            wts = torch.exp(u - shift)[..., None] * w_base
+            second = second + c * torch.exp(2.0 * shift) * (wts * (kernels[ga] @ wts)).sum(-2)
+        results.append(((second - lin**2) / r).clamp_min(0.0))
+    return results[0][..., 0], (results[1] if vf is not None else None), None
+
+
+def _hybrid_diagnosis(
+    regime: dict[str, Any], rows: list[dict[str, Any]], hyb: dict[str, Any], per_head: list[dict[str, Any]],
+    target: float, max_features: int,
+) -> Diagnosis:
+    """The hybrid recommendation (rule in the module docstring)."""
+    w = hyb["window"]
+    rand = [r for r in rows if r["kind"] == "random" and math.isfinite(r["r_needed_hybrid"])]
+    best = min(rand, key=lambda r: r["r_needed_hybrid"], default=None)
+    feasible = best is not None and best["r_needed_hybrid"] <= max_features
+    p_med = regime["p_median"]
+    if feasible and best is not None:
+        budget = target / (1 - p_med) ** 2 if 1 - p_med > 1e-150 else math.inf
+        rec = (f"window {w} + {best['label']} ({best['sampler']} rows) at r ≈ {math.ceil(best['r_needed_hybrid'])}: "
+               f"the exact set holds a median p = {p_med:.3g} of the attention mass, the map's relative kernel "
+               f"MSE budget on the remainder is target / (1 - p)^2 = {budget:.3g}")
+        if not best["hybrid_delta_method_valid"]:
+            rec += ("; but the hybrid normaliser does not concentrate at r = "
+                    f"{best['num_features']}: check the attention output by Monte Carlo")
+    else:
+        det = [r for r in rows if r["kind"] == "deterministic"]
+        bd = min(det, key=lambda r: r["rel_mse_median_remainder"], default=None)
+        rec = f"no random-feature estimator reaches the target with window {w}: "
+        rec += (f"best random estimator {best['label']} would need r ≈ {best['r_needed_hybrid']:.3g}; "
+                if best is not None else "")
+        rec += "use a wider window, or a learned or data-dependent map (ka.fit_feature_map with HedgehogFeatures, Nyström, Taylor)"
+        if bd is not None:
+            rec += (f"; the best deterministic map on the remainder is {bd['label']} (median relative MSE "
+                    f"{bd['rel_mse_median_remainder']:.3g})")
+    return Diagnosis(regime=regime, rows=rows, recommendation=rec, feasible=feasible, target=target,
+                     hybrid=hyb, exact_mass=per_head)
 
 
 class KernelApproxWarning(UserWarning):

@@ -32,15 +32,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from ._validation import check_device, check_dtype, check_positive_int
+from ._validation import _as_int, check_device, check_dtype, check_positive_int
 from .attention import LinearAttentionState, linear_attention
 from .attention._common import padding_mask
+from .attention.hybrid import HybridAttentionState, check_window, check_window_mode, hybrid_attention
 from .maps.base import FeatureMap
 from .registry import get_estimator
 from .samplers import GivenSampler, Sampler
@@ -171,6 +172,32 @@ def resolve_attn_mask(
         )
     pad = None if bool(valid.all()) else ~valid
     return causal, pad
+
+
+def _check_sinks(sinks: object, window: int | None) -> int | tuple[int, ...]:
+    """``sinks`` as a count (int >= 0) or a tuple of positions; only with a ``window``."""
+    c = _as_int(sinks)
+    if c is not None:
+        if c < 0:
+            raise ValueError(f"sinks as a count must be >= 0, got {c}")
+        out: int | tuple[int, ...] = c
+    elif isinstance(sinks, Sequence) and not isinstance(sinks, str) or (
+            isinstance(sinks, torch.Tensor) and sinks.dim() == 1):
+        pos = []
+        for p in (sinks.tolist() if isinstance(sinks, torch.Tensor) else sinks):
+            ip = _as_int(p)
+            if ip is None:
+                raise TypeError(f"sinks must contain ints (positions), got {p!r}")
+            pos.append(ip)
+        out = tuple(pos)
+    else:
+        raise TypeError(f"sinks must be an int (a count of leading positions) or a sequence of positions, got {sinks!r}")
+    if window is None and out not in (0, ()):
+        raise ValueError(
+            f"sinks={sinks!r} needs window= (hybrid attention: exact window and sinks, the feature map for the "
+            "rest); pass window=0 for exact sinks alone"
+        )
+    return out
 
 
 def _merge_padding(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -343,6 +370,23 @@ class LinearAttentionHeads(nn.Module):
         output without dropout, as with `torch.nn.MultiheadAttention`'s dropout of the weights
         (which draws $\delta_{ij}$ per weight; one draw per key is what a linear form can apply
         without forming the weights). Off in eval mode.
+    window : int, optional
+        Hybrid attention (`kernelapprox.hybrid_attention`): softmax is exact on a window of
+        ``window`` keys ($0 \le i - j < w$ causal, $|i - j| < w$ non-causal) and on the
+        ``sinks``, the feature map estimates the rest, one normaliser for both:
+        $o_i = (\sum_{j\in S_i} e^{s q_i^\top k_j} v_j + \hat\varphi_i^\top\sum_{j\in R_i}
+        \hat\varphi_j v_j^\top) / (\dots)$. ``window >= n`` is softmax attention. Default
+        ``None``: plain linear attention. Self-attention only (``n == m``).
+    sinks : int or sequence of int, default 0
+        With a ``window``: a count of leading positions (``1``: a BOS token) or positions
+        (non-causal: negative ones count from the end, ``[0, -1]`` for [CLS] and [SEP]), exact for
+        every query that attends to them (`kernelapprox.attention.hybrid.resolve_sinks`).
+        Padded keys (``key_padding_mask``) are left out of the window and the sinks too.
+    window_mode : {"token", "block"}, default "token"
+        With a ``window``: the sliding window, or the block-aligned one (blocks of ``window``
+        tokens, exact on a query's block and its neighbours; causal: its block up to itself and
+        the previous block), see `kernelapprox.hybrid_attention`. ``"block"`` has no decoding
+        state (``return_state``/``initial_state`` raise).
     device, dtype : optional
         Where and in which dtype a map built by name lives (a given map is moved if given).
 
@@ -385,11 +429,17 @@ class LinearAttentionHeads(nn.Module):
         check: bool = True,
         chunk_size: int = 64,
         dropout: float = 0.0,
+        window: int | None = None,
+        sinks: int | Sequence[int] = 0,
+        window_mode: str = "token",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.dim_head = check_positive_int("dim_head", dim_head)
+        self.window = None if window is None else check_window(window)
+        self.sinks = _check_sinks(sinks, self.window)
+        self.window_mode = check_window_mode(window_mode)
         device = check_device("device", device)
         check_dtype("dtype", dtype)
         self.dropout = _check_dropout(dropout)
@@ -520,9 +570,9 @@ class LinearAttentionHeads(nn.Module):
         v: torch.Tensor,
         *,
         key_padding_mask: torch.Tensor | None = None,
-        initial_state: LinearAttentionState | None = None,
+        initial_state: LinearAttentionState | HybridAttentionState | None = None,
         return_state: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState]:
+    ) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState | HybridAttentionState]:
         r"""Attention of per-head queries, keys and values (one training-mode call of the schedule).
 
         Parameters
@@ -539,7 +589,8 @@ class LinearAttentionHeads(nn.Module):
             The state returned by a previous call on the preceding tokens (``return_state=True``),
             continued here: two segments with the state give the result of one pass (decoding:
             segments of one token). Valid only with the projection it was computed with (the
-            schedule redraws in training mode only).
+            schedule redraws in training mode only). With a ``window``: the
+            `kernelapprox.attention.hybrid.HybridAttentionState` of a causal call.
         return_state : bool, default False
             Also return the state after the last token.
 
@@ -547,7 +598,7 @@ class LinearAttentionHeads(nn.Module):
         -------
         out : Tensor, shape (batch, heads, n, dv), dtype ``promote(q, k, v)``
         state : LinearAttentionState, if ``return_state``; ``kv`` of shape
-            (batch, heads, feature_dim, dv + 1).
+            (batch, heads, feature_dim, dv + 1). With a ``window``: a ``HybridAttentionState``.
         """
         q = self._check_heads("q", q)
         k = self._check_heads("k", k, kv=True)
@@ -574,13 +625,41 @@ class LinearAttentionHeads(nn.Module):
             kc = k if key_padding_mask is None else k.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
             warn_if_hopeless(fm, q, kc)
             object.__setattr__(fm, _CHECKED, True)  # a plain flag: once per map, not per layer or call
+        if self.window is not None:
+            return self._hybrid(q, k, v, initial_state, return_state, key_padding_mask,
+                                self.causal if causal is None else causal)
         return linear_attention(
             q, k, v, fm, causal=self.causal if causal is None else causal, chunk_size=self.chunk_size,
             initial_state=initial_state, return_state=return_state, key_padding_mask=key_padding_mask,
         )
 
+    def _hybrid(self, q, k, v, initial_state, return_state, key_padding_mask, causal):
+        """`kernelapprox.hybrid_attention` of the scaled heads (grouped key/value heads repeated)."""
+        if k.shape[1] != q.shape[1] and k.shape[1] != 1:  # grouped-query heads
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        if v.shape[1] != q.shape[1] and v.shape[1] != 1:
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        if q.shape[-2] != k.shape[-2]:
+            raise ValueError(
+                f"window={self.window} (hybrid attention) needs self-attention, as many keys as queries: got "
+                f"q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}"
+            )
+        sinks = self.sinks if isinstance(self.sinks, int) else list(self.sinks)
+        return hybrid_attention(
+            q, k, v, self.feature_map, window=cast(int, self.window), sinks=sinks, causal=causal,
+            chunk_size=self.chunk_size, initial_state=initial_state, return_state=return_state,
+            key_padding_mask=key_padding_mask, window_mode=self.window_mode,
+        )
+
+    def _hybrid_repr(self) -> str:
+        if self.window is None:
+            return ""
+        mode = "" if self.window_mode == "token" else f", window_mode={self.window_mode!r}"
+        return f", window={self.window}, sinks={self.sinks}{mode}"
+
     def extra_repr(self) -> str:
         s = f"dim_head={self.dim_head}, heads={self.heads}, causal={self.causal}, scale={self.scale:.4g}"
+        s += self._hybrid_repr()
         if self.dropout:
             s += f", dropout={self.dropout}"
         if self._redraw_every is not None:
@@ -613,6 +692,10 @@ class LinearAttention(nn.Module):
     feature_map, num_features, sampler, feature_map_kwargs, scale, redraw_every, seed, fit, check, chunk_size, dropout
         As in `LinearAttentionHeads` (``redraw_every`` counts calls of `forward`
         and `forward_heads` in training mode).
+    window, sinks, window_mode : optional
+        Hybrid attention, as in `LinearAttentionHeads`: softmax exact on a window of ``window``
+        keys and on the sinks, the feature map for the rest (self-attention only: ``context=``
+        raises). ``window=None`` (default): linear attention.
     qkv_bias : bool, default False
         Biases of the query, key and value projections (performer-pytorch's default).
     out_bias : bool, default True
@@ -683,6 +766,9 @@ class LinearAttention(nn.Module):
         kdim: int | None = None,
         vdim: int | None = None,
         batch_first: bool = True,
+        window: int | None = None,
+        sinks: int | Sequence[int] = 0,
+        window_mode: str = "token",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -713,7 +799,8 @@ class LinearAttention(nn.Module):
             self.dim_head, heads=self.heads, causal=causal, feature_map=feature_map,
             num_features=num_features, sampler=sampler, feature_map_kwargs=feature_map_kwargs,
             scale=scale, redraw_every=redraw_every, seed=seed, fit=fit, check=check,
-            chunk_size=chunk_size, dropout=dropout, device=device, dtype=dtype,
+            chunk_size=chunk_size, dropout=dropout, window=window, sinks=sinks, window_mode=window_mode,
+            device=device, dtype=dtype,
         )
 
     @property
@@ -725,6 +812,16 @@ class LinearAttention(nn.Module):
     def causal(self) -> bool:
         """Whether token ``i`` attends to ``j <= i`` only."""
         return self.attention.causal
+
+    @property
+    def window(self) -> int | None:
+        """Window of hybrid attention (``self.attention.window``; ``None``: linear attention)."""
+        return self.attention.window
+
+    @property
+    def sinks(self) -> int | tuple[int, ...]:
+        """Sinks of hybrid attention (``self.attention.sinks``)."""
+        return self.attention.sinks
 
     @property
     def redraw_every(self) -> int | None:
@@ -799,6 +896,12 @@ class LinearAttention(nn.Module):
                 )
             if self.causal:
                 raise ValueError("context= (cross-attention) with a causal layer: causal attention is self-attention")
+            if self.window is not None:
+                raise ValueError(
+                    f"context= (cross-attention) with window={self.window}: the window of hybrid attention is a "
+                    "set of positions of the same sequence (self-attention); build the cross-attention layer "
+                    "with window=None"
+                )
         kv = x if context is None else context
         return self._forward(x, kv, kv, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                              initial_state=initial_state, return_state=return_state)
@@ -824,6 +927,12 @@ class LinearAttention(nn.Module):
             if t.dim() != 3 or t.shape[-1] != width:
                 raise ValueError(f"{name} must have shape {layout}{dim_name}={width}), got shape {tuple(t.shape)}")
         _check_bool("return_state", return_state)
+        if self.window is not None and key is not query:
+            raise ValueError(
+                f"window={self.window} (hybrid attention) needs self-attention: key must be the query tensor "
+                "itself (the window is a set of positions of one sequence); got a different key tensor. "
+                "Build cross-attention layers with window=None"
+            )
         if not self.batch_first:  # sequence-first in, sequence-first out
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         b, n = query.shape[:2]
@@ -891,6 +1000,7 @@ class LinearAttention(nn.Module):
 
     def extra_repr(self) -> str:
         s = f"dim={self.dim}, heads={self.heads}, dim_head={self.dim_head}"
+        s += self.attention._hybrid_repr()
         if (self.kdim, self.vdim) != (self.dim, self.dim):
             s += f", kdim={self.kdim}, vdim={self.vdim}"
         if not self.batch_first:
@@ -1053,4 +1163,5 @@ class MultiheadLinearAttention(nn.Module):
         return cast(torch.Tensor, out), None
 
     def extra_repr(self) -> str:
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}"
+        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}"
+        return s + self.layer.attention._hybrid_repr()

@@ -34,6 +34,11 @@ Prints these groups of ratios for B=4, H=8, n=4096, d=64, r=256:
 7. short causal calls: B = 32, H = 4, d_h = 16, r = 64 at n = 16, 48, 128, 512, forward and
    forward + backward, against the naive quadratic form (`naive_linear_attention`) and
    ``torch.nn.functional.scaled_dot_product_attention`` (``--only short``).
+8. hybrid attention (``--only hybrid``): ``hybrid_attention`` with a window of w = 64 and
+   FAVOR+ (r = 256) on the rest, the sliding token window (``window_mode="token"``) and the
+   block-aligned one (``"block"``), each / ``linear_attention`` of the same causality
+   (non-causal target <= 1.6x), forward without autograd; and their peak memory at n = 4096 and
+   16384 (the ``VmHWM`` method of group 3, B = 4, H = 8; a ratio near 4 = linear in n).
 
 Times are medians over repeats after warm-up (``torch.cuda.synchronize`` on GPU). Peak memory
 is ``torch.cuda.max_memory_allocated`` on GPU; on CPU the peak resident-set growth of a fresh
@@ -405,6 +410,95 @@ def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1) -> di
     return out
 
 
+#: Target of the non-causal hybrid: time / non-causal linear attention.
+HYBRID_TARGET = 1.6
+
+
+def bench_hybrid(B, H, n, d, r, device, dtype, repeats, window: int = 64, rounds: int = 3) -> dict[str, float]:
+    """Group 8, times: ``hybrid_attention`` (token and block window) / ``linear_attention``, per
+    causality. Interleaved rounds, each call keeps its fastest round (as `bench_attention`)."""
+    q, k, v = _inputs(B, H, n, d, device, dtype)
+    fm = ka.PositiveRF(d, r, sampler="orthogonal", seed=0).to(device)
+    fns = {}
+    for causal in (False, True):
+        kind = "causal" if causal else "parallel"
+        fns[f"{kind}/linear"] = lambda c=causal: ka.linear_attention(q, k, v, fm, causal=c, check=False)
+        for mode in ("token", "block"):
+            fns[f"{kind}/hybrid_{mode}"] = lambda c=causal, m=mode: ka.hybrid_attention(
+                q, k, v, fm, window=window, causal=c, window_mode=m)
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], timeit(fn, device, max(1, repeats // rounds + 1), warmup=1))
+    out = {f"hybrid/{name}_ms": 1e3 * t for name, t in best.items()}
+    for kind in ("parallel", "causal"):
+        for mode in ("token", "block"):
+            out[f"hybrid/{kind}_{mode}/linear"] = best[f"{kind}/hybrid_{mode}"] / best[f"{kind}/linear"]
+    return out
+
+
+_HYBRID_MEM_CHILD = _CHILD_PRELUDE + r"""
+n, causal, mode, B, H, d, r, w = sys.argv[1], sys.argv[2] == "1", sys.argv[3], *map(int, sys.argv[4:9])
+n = int(n)
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(B, H, n, d, generator=g) for _ in range(3))
+q.mul_(d ** -0.25)
+k.mul_(d ** -0.25)
+fm = ka.PositiveRF(d, r, sampler="orthogonal", seed=0)
+def call(q, k, v):
+    if mode == "linear":
+        return ka.linear_attention(q, k, v, fm, causal=causal)
+    return ka.hybrid_attention(q, k, v, fm, window=w, causal=causal, window_mode=mode)
+small = call(q[..., :4 * w, :], k[..., :4 * w, :], v[..., :4 * w, :])
+with open("/proc/self/clear_refs", "w") as f:  # reset the peak-RSS mark (VmHWM)
+    f.write("5")
+base = status("VmRSS")
+with torch.no_grad():
+    out = call(q, k, v)
+peak = status("VmHWM")
+print(json.dumps({"peak_mib": peak - base}))
+"""
+
+
+def bench_hybrid_memory(device: torch.device, ns=(4096, 16384), B: int = 4, H: int = 8, d: int = 64, r: int = 256,
+                        window: int = 64, tries: int = MEM_TRIES, modes=("linear", "token", "block"),
+                        causals=(False, True)) -> dict[str, float]:
+    """Group 8, memory: peak memory of one inference call of linear attention and of the token- and
+    block-window hybrids, at each ``n`` of ``ns``, and the ratio of the last to the first (CPU: the
+    least peak resident-set growth of ``tries`` fresh subprocesses, `bench_memory`'s method;
+    CUDA: ``max_memory_allocated``)."""
+    out: dict[str, float] = {}
+    for causal in causals:
+        kind = "causal" if causal else "parallel"
+        for mode in modes:
+            for n in ns:
+                if device.type == "cuda":
+                    q, k, v = _inputs(B, H, n, d, device, torch.float32)
+                    fm = ka.PositiveRF(d, r, sampler="orthogonal", seed=0).to(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    base = torch.cuda.memory_allocated(device)
+                    with torch.no_grad():
+                        if mode == "linear":
+                            ka.linear_attention(q, k, v, fm, causal=causal)
+                        else:
+                            ka.hybrid_attention(q, k, v, fm, window=window, causal=causal, window_mode=mode)
+                    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+                else:
+                    peaks = []
+                    for _ in range(tries):
+                        res = subprocess.run(
+                            [sys.executable, "-c", _HYBRID_MEM_CHILD, str(n), "1" if causal else "0", mode,
+                             str(B), str(H), str(d), str(r), str(window)],
+                            capture_output=True, text=True, check=True, cwd=_REPO,
+                        )
+                        peaks.append(json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"])
+                    peak = min(peaks)
+                out[f"hybrid_mem/{kind}_{mode}_peak_mib_n{n}"] = peak
+            a, b = out[f"hybrid_mem/{kind}_{mode}_peak_mib_n{ns[0]}"], out[f"hybrid_mem/{kind}_{mode}_peak_mib_n{ns[-1]}"]
+            out[f"hybrid_mem/{kind}_{mode}_ratio_n{ns[-1]}/n{ns[0]}"] = b / a if a > 0 else float("nan")
+    return out
+
+
 def bench_recurrent(device: torch.device, dtype, repeats: int, t_long: int = 100_000) -> dict[str, float]:
     H, d, r = 8, 64, 256
     fm = ka.PositiveRF(d, r, sampler="orthogonal", seed=0).to(device)
@@ -614,7 +708,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's own)")
     p.add_argument("--only", default="", help="run only the groups whose name starts with this "
                    "(monte carlo | feature maps | attention | memory | memory in training | recurrent | league | "
-                   "check | short)")
+                   "check | short | hybrid)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype)
@@ -644,6 +738,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
          lambda: bench_check(B, H, n, d, r, device, dtype, reps)),
         ("short causal (B=32, H=4, d_h=16, r=64; ms and ratios)",
          lambda: bench_short_causal(device, dtype, reps)),
+        ("hybrid (w=64: token and block window / linear attention)",
+         lambda: bench_hybrid(B, H, n, d, r, device, dtype, reps)),
+        ("hybrid memory (peak MiB, inference)", lambda: bench_hybrid_memory(device, (n, 4 * n))),
     ):
         if a.only and not name.startswith(a.only):
             continue
@@ -653,6 +750,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             print(f"   {key:42s} {val:10.3f}")
         if name.startswith("league"):
             print("\n".join(_league_verdicts(part)))
+        if name.startswith("hybrid (w"):
+            val = part["hybrid/parallel_block/linear"]
+            print(f"   non-causal block hybrid x{val:5.2f} linear attention  "
+                  f"{'within' if val <= HYBRID_TARGET else 'ABOVE'} target {HYBRID_TARGET}x")
         if name == "feature maps":
             for m, target in FEATURE_TARGETS.items():
                 val = part[f"{m}-gaussian/matmul"]

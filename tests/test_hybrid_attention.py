@@ -281,3 +281,163 @@ def test_lengths_that_fill_the_blocks_equal_naive(window, chunk_size):
     for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v)),
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal, chunk_size", [(False, 4), (False, 64), (True, 1), (True, 6), (True, 64)])
+@pytest.mark.parametrize("window, sinks", [(0, [0, 3]), (5, [0, 7, 25]), (9, 2), (29, 0)])
+def test_key_padding_equals_naive(causal, chunk_size, window, sinks):
+    """Padded keys (a tail, and holes inside windows and at a sink) are in neither the window, nor
+    the sinks, nor the remainder: the reference zeroes their columns. Forward and backward; no
+    gradient reaches a padded key or value."""
+    fm = ka.PositiveRF(D, 16, seed=0, dtype=F64)
+    q, k, v = _inputs()
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[0, 20:] = True
+    pad[1, [3, 7, 12]] = True
+    out = hybrid_attention(q, k, v, fm, window=window, sinks=sinks, causal=causal, chunk_size=chunk_size,
+                           key_padding_mask=pad)
+    ref = naive_hybrid_attention(q, k, v, fm, window=window, sinks=sinks, causal=causal,
+                                 key_padding_mask=pad.unsqueeze(1))
+    torch.testing.assert_close(out, ref, **TOL)
+    w = randn(*out.shape, seed=5)
+    g_fast = torch.autograd.grad((out * w).sum(), (q, k, v))
+    g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(g_fast, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+    assert (g_fast[1][0, :, 20:] == 0).all() and (g_fast[2][1, :, [3, 7, 12]] == 0).all()
+
+
+def test_key_padding_with_initial_state_and_float_masks():
+    fm = ka.PositiveRF(D, 16, seed=0, dtype=F64)
+    q, k, v = _inputs(grad=False)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[0, 15:] = True
+    _, st = hybrid_attention(q[..., :9, :], k[..., :9, :], v[..., :9, :], fm, window=4, sinks=1, causal=True,
+                             return_state=True)
+    out = hybrid_attention(q[..., 9:, :], k[..., 9:, :], v[..., 9:, :], fm, window=4, sinks=1, causal=True,
+                           initial_state=st, key_padding_mask=pad[:, 9:])
+    ref = naive_hybrid_attention(q, k, v, fm, window=4, sinks=1, causal=True, key_padding_mask=pad.unsqueeze(1))
+    torch.testing.assert_close(out, ref[..., 9:, :], **TOL)
+    additive = torch.zeros(B, N, dtype=F64).masked_fill(pad, float("-inf"))
+    torch.testing.assert_close(hybrid_attention(q, k, v, fm, window=4, key_padding_mask=additive),
+                               hybrid_attention(q, k, v, fm, window=4, key_padding_mask=pad), **TOL)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        hybrid_attention(q, k, v, fm, window=4, key_padding_mask=pad[:, :5])
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        hybrid_attention(q, k, v, fm, window=4, key_padding_mask=pad.long())
+
+
+BLOCK_CASES = [(1, 0), (2, [0, 3, 25]), (5, 2), (8, [1, 28]), (10, 0), (15, [0, 20]), (29, 1), (40, 0)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window, sinks", BLOCK_CASES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_block_window_equals_naive_forward_and_backward(causal, window, sinks, padded):
+    """window_mode="block": every block size (one token, dividing n or not, one block, two blocks,
+    larger than n), sinks inside and outside the block windows, and key padding, against the
+    reference built for the same exact sets (`exact_set_mask(..., window_mode="block")`), forward
+    (also the in-place path without autograd) and backward."""
+    fm = ka.PositiveRF(D, 16, seed=0, dtype=F64)
+    q, k, v = _inputs()
+    pad = None
+    if padded:
+        pad = torch.zeros(B, N, dtype=torch.bool)
+        pad[0, 20:] = True
+        pad[1, [3, 7, 12]] = True
+    kw = {"window": window, "sinks": sinks, "causal": causal, "key_padding_mask": pad}
+    out = hybrid_attention(q, k, v, fm, window_mode="block", **kw)
+    ref = naive_hybrid_attention(q, k, v, fm, window_mode="block", **{
+        **kw, "key_padding_mask": None if pad is None else pad.unsqueeze(1)})
+    torch.testing.assert_close(out, ref, **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(hybrid_attention(q, k, v, fm, window_mode="block", **kw), ref.detach(), **TOL)
+    w = randn(*out.shape, seed=5)
+    g_fast = torch.autograd.grad((out * w).sum(), (q, k, v))
+    g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b, what in zip(g_fast, g_ref, "qkv", strict=True):
+        assert b.abs().max() > 0, what
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=f"d/d{what}")
+
+
+@pytest.mark.parametrize("name", ["trig-sincos", "elu", "taylor", "hyperbolic"])
+def test_block_window_other_maps_equal_naive(name):
+    fm = _map(name)
+    q, k, v = _inputs(name, n=32, grad=False)
+    for causal in (False, True):
+        out = hybrid_attention(q, k, v, fm, window=4, sinks=1, causal=causal, window_mode="block")
+        ref = naive_hybrid_attention(q, k, v, fm, window=4, sinks=1, causal=causal, window_mode="block")
+        torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_block_window_limits_and_convention():
+    fm = ka.PositiveRF(D, 16, seed=0, dtype=F64)
+    q, k, v = _inputs(grad=False)
+    for causal in (False, True):  # blocks that cover n: softmax attention
+        exact = ka.softmax_attention(q, k, v, causal=causal)
+        torch.testing.assert_close(hybrid_attention(q, k, v, fm, window=N, causal=causal, window_mode="block"),
+                                   exact, **TOL)
+        # window 0: no exact window, as in the token mode
+        torch.testing.assert_close(hybrid_attention(q, k, v, fm, window=0, sinks=2, causal=causal,
+                                                    window_mode="block"),
+                                   hybrid_attention(q, k, v, fm, window=0, sinks=2, causal=causal), **TOL)
+    # non-causal: two blocks of 15 cover 29 keys; causal: 15 | 14 covers them too (previous block)
+    torch.testing.assert_close(hybrid_attention(q, k, v, fm, window=15, window_mode="block"),
+                               ka.softmax_attention(q, k, v), **TOL)
+    m = exact_set_mask(8, window=2, window_mode="block")
+    assert m[4].tolist() == [False, False, True, True, True, True, True, True]  # blocks 1, 2, 3
+    assert m[1].tolist() == [True, True, True, True, False, False, False, False]  # blocks 0, 1
+    mc = exact_set_mask(8, window=2, causal=True, window_mode="block")
+    assert mc[5].tolist() == [False, False, True, True, True, True, False, False]  # blocks 1, 2 up to 5
+    assert mc[4].tolist() == [False, False, True, True, True, False, False, False]
+    with pytest.raises(ValueError, match="window_mode"):
+        hybrid_attention(q, k, v, fm, window=3, window_mode="tokens")
+    with pytest.raises(ValueError, match="window_mode='block' has no state"):
+        hybrid_attention(q, k, v, fm, window=3, causal=True, window_mode="block", return_state=True)
+
+
+@pytest.mark.parametrize("what", ["q", "k", "v"])
+def test_block_window_non_finite_stays_causal(what):
+    fm = ka.PositiveRF(D, 16, seed=0)
+    q, k, v = (t.float() for t in _inputs(grad=False))
+    clean = [t.clone() for t in (q, k, v)]
+    j = 17
+    {"q": q, "k": k, "v": v}[what][0, 1, j, 0] = float("nan")
+
+    def run(q, k, v):
+        return hybrid_attention(q, k, v, fm, window=4, sinks=[0, 20], causal=True, window_mode="block")
+
+    out, ref = run(q, k, v), run(*clean)
+    assert torch.equal(out[0, 1, :j], ref[0, 1, :j])
+    assert torch.equal(out[1], ref[1]) and torch.equal(out[0, 0], ref[0, 0])
+    assert out[0, 1, j].isnan().any()
+
+
+def test_block_window_large_norms_and_16_bit():
+    fm = ka.PositiveRF(D, 16, seed=0)
+    q, k, v = (t.float() for t in _inputs(grad=False))
+    for causal in (False, True):
+        out = hybrid_attention(40 * q, 40 * k, v, fm, window=5, sinks=1, causal=causal, window_mode="block")
+        assert out.isfinite().all()
+        qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+        got = hybrid_attention(qb, kb, vb, fm, window=4, causal=causal, window_mode="block")
+        want = hybrid_attention(qb.float(), kb.float(), vb.float(), fm, window=4, causal=causal, window_mode="block")
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+
+
+def test_bench_core_hybrid_rows_on_a_small_shape():
+    """The hybrid rows of studies.bench_core at a shape that runs in seconds: every time and ratio
+    positive and finite, and the memory rows measured in fresh subprocesses."""
+    from studies import bench_core
+
+    res = bench_core.bench_hybrid(1, 2, 256, 8, 16, torch.device("cpu"), torch.float32, repeats=1, window=16,
+                                  rounds=1)
+    for kind in ("parallel", "causal"):
+        for mode in ("token", "block"):
+            val = res[f"hybrid/{kind}_{mode}/linear"]
+            assert 0 < val < float("inf")
+    mem = bench_core.bench_hybrid_memory(torch.device("cpu"), ns=(512, 2048), B=1, H=2, d=8, r=16, window=16,
+                                         tries=1, modes=("block",), causals=(False,))
+    assert set(mem) == {"hybrid_mem/parallel_block_peak_mib_n512", "hybrid_mem/parallel_block_peak_mib_n2048",
+                        "hybrid_mem/parallel_block_ratio_n2048/n512"}
+    assert all(v >= 0 for k, v in mem.items() if "peak" in k)

@@ -47,15 +47,17 @@ References
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from .._validation import _as_int, check_tensor_fields, inputs_validated, no_autocast
 from ..maps.base import FeatureMap
-from ._common import normalise, prepare, with_ones
+from ._common import apply_padding, check_eps, normalise, padding_mask, prepare, with_ones
 
 __all__ = [
     "hybrid_attention",
@@ -136,14 +138,24 @@ def _check_chunk(chunk_size: object) -> int:
     return c
 
 
+def check_window_mode(window_mode: object) -> str:
+    """``window_mode`` as ``"token"`` or ``"block"``, else ``ValueError`` naming it."""
+    if window_mode not in ("token", "block"):
+        raise ValueError(f"window_mode must be 'token' or 'block', got {window_mode!r}")
+    return str(window_mode)
+
+
 def exact_set_mask(
-    n: int, *, window: int, sinks: object = 0, causal: bool = False, device: torch.device | str | None = None
+    n: int, *, window: int, sinks: object = 0, causal: bool = False, device: torch.device | str | None = None,
+    window_mode: str = "token",
 ) -> torch.Tensor:
     r"""The exact sets $S_i$ as a boolean matrix: ``mask[i, j]`` is whether key ``j`` is exact for query ``i``.
 
     Window $0 \le i - j < w$ (causal) or $|i - j| < w$, union the sinks (causal: those
     $\le i$); see the module docstring. Keys ``j > i`` are never in the set when causal (they
-    are outside the attention altogether).
+    are outside the attention altogether). ``window_mode="block"``: with blocks
+    $b(i) = \lfloor i / w\rfloor$, the window is $|b(i) - b(j)| \le 1$ (non-causal) or
+    $0 \le b(i) - b(j) \le 1,\ j \le i$ (causal).
 
     Parameters
     ----------
@@ -154,6 +166,7 @@ def exact_set_mask(
         See `resolve_sinks`.
     causal : bool, default False
     device : torch.device, optional
+    window_mode : {"token", "block"}, default "token"
 
     Returns
     -------
@@ -166,13 +179,20 @@ def exact_set_mask(
             [1, 1, 0, 0],
             [1, 1, 1, 0],
             [1, 0, 1, 1]], dtype=torch.int32)
+    >>> exact_set_mask(6, window=2, causal=True, window_mode="block").int()[5]
+    tensor([0, 0, 1, 1, 1, 1], dtype=torch.int32)
     """
     w = check_window(window)
+    mode = check_window_mode(window_mode)
     idx = resolve_sinks(sinks, n, causal=causal)
     i = torch.arange(n, device=device)[:, None]
     j = torch.arange(n, device=device)[None, :]
     diff = i - j
-    mask = (diff >= 0) & (diff < w) if causal else diff.abs() < w
+    if mode == "block" and w > 0:
+        bd = i // w - j // w
+        mask = (bd >= 0) & (bd <= 1) & (diff >= 0) if causal else bd.abs() <= 1
+    else:
+        mask = (diff >= 0) & (diff < w) if causal else diff.abs() < w
     if idx:
         is_sink = torch.zeros(n, dtype=torch.bool, device=device)
         is_sink[list(idx)] = True
@@ -260,7 +280,7 @@ def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- forms
-def _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal):
+def _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal, key_padding_mask=None):
     w = check_window(window)
     C = _check_chunk(chunk_size)
     q, k, v, out_dtype, cdt = prepare(q, k, v, feature_map, causal, None)
@@ -269,7 +289,11 @@ def _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal):
             f"hybrid attention needs as many queries as keys (the window is a set of positions), "
             f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
-    return q, k, v, out_dtype, cdt, w, C
+    pad = padding_mask(key_padding_mask, k.shape)
+    if pad is not None:
+        pad = pad.to(q.device)
+        k, v = apply_padding(pad, k, v)  # finite content; the forms give padded keys weight 0
+    return q, k, v, out_dtype, cdt, w, C, pad
 
 
 @no_autocast
@@ -283,6 +307,7 @@ def parallel_hybrid_attention(
     sinks: int | Sequence[int] = 0,
     chunk_size: int = 64,
     eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Non-causal hybrid attention: exact on $|i - j| < w$ and the sinks, $\varphi$ elsewhere.
 
@@ -316,6 +341,9 @@ def parallel_hybrid_attention(
         Queries per block of the window term.
     eps : float, default 1e-6
         Denominator guard for signed maps (see `kernelapprox.linear_attention`).
+    key_padding_mask : Tensor, shape (batch, n), optional
+        ``True`` (or ``-inf``) where the key is padding, as in `kernelapprox.linear_attention`:
+        padded keys are left out of the window, the sinks and the remainder.
 
     Returns
     -------
@@ -329,7 +357,8 @@ def parallel_hybrid_attention(
     >>> parallel_hybrid_attention(q / 2, k / 2, v, fm, window=5, sinks=[0, -1]).shape
     torch.Size([2, 50, 8])
     """
-    q, k, v, out_dtype, cdt, w, C = _prepare(q, k, v, feature_map, window, sinks, chunk_size, False)
+    q, k, v, out_dtype, cdt, w, C, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, False,
+                                                   key_padding_mask)
     n = q.shape[-2]
     sink_idx = resolve_sinks(sinks, n, causal=False)
     with inputs_validated():
@@ -351,6 +380,9 @@ def parallel_hybrid_attention(
     if sink_idx:
         is_sink[list(sink_idx)] = True
     s_rem = sk.masked_fill(is_sink, _NEG_INF)
+    if kpad is not None:
+        kpad = kpad.expand(*lead, n)
+        s_rem = s_rem.masked_fill(kpad, _NEG_INF)
     with torch.no_grad():
         G = _finite_or_zero(s_rem.amax(dim=-1, keepdim=True))  # (..., 1)
     wk = exp_diff(s_rem, G, cdt)  # (..., n): 0 for sinks
@@ -398,6 +430,8 @@ def parallel_hybrid_attention(
         col = torch.arange(L, device=dev)[None, :]
         pos = torch.arange(nb, device=dev)[:, None] * Cb - h + torch.arange(L, device=dev)[None, :]
         outside = ~(((col >= t) & (col <= t + 2 * h))[None] & ((pos >= 0) & (pos < n))[:, None, :])  # (nb, Cb, L)
+        if kpad is not None:  # padded keys out of the window too: (..., nb, Cb, L)
+            outside = outside | (windows(kpad.unsqueeze(-1).to(cdt))[..., 0] > 0).unsqueeze(-2)
         logits = torch.matmul(blocks(q), windows(k).mT)  # (..., nb, Cb, L)
         logits = logits.masked_fill_(outside, _NEG_INF) if inplace else logits.masked_fill(outside, _NEG_INF)
         wmax = logits.detach().amax(-1).reshape(*lead, nb * Cb)[..., :n].double()
@@ -407,11 +441,14 @@ def parallel_hybrid_attention(
         slog = torch.matmul(q, k[..., sidx, :].mT)  # (..., n, s)
         i = torch.arange(n, device=dev)[:, None]
         active = (i - sidx[None, :]).abs() >= w  # (n, s): outside the window
+        if kpad is not None:
+            active = active & ~kpad[..., sidx].unsqueeze(-2)  # (..., n, s)
         slog = slog.masked_fill(~active, _NEG_INF)
         shifts.append(slog.detach().amax(-1).double())
     m = shifts[0]
     for s_ in shifts[1:]:
         m = torch.maximum(m, s_)
+    m = _finite_or_zero(m)  # a row without any key (all padded): weights 0, not NaN
     # a window that covers every key leaves no remainder: the feature part (global sum minus the
     # window, zero up to rounding) is skipped, so that the result is softmax attention to rounding
     full = h >= n - 1
@@ -451,13 +488,178 @@ def parallel_hybrid_attention(
     return normalise(out[..., :dv], out[..., dv:], feature_map.positive, eps).to(out_dtype)
 
 
+def _block_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: FeatureMap, c: int, sink_idx: tuple[int, ...],
+    causal: bool, eps: float, out_dtype: torch.dtype, cdt: torch.dtype, kpad: torch.Tensor | None,
+) -> torch.Tensor:
+    r"""Hybrid attention with a block-aligned window (``window_mode="block"``, block size ``c``; see
+    `hybrid_attention`). The remainder of block $b$ is a sum of the per-block feature sums $T_{b'}$
+    (`_block_remainder`): non-causal over $|b - b'| \ge 2$, the global sum minus three block sums at
+    one global scale; causal over $b' \le b - 2$, a running sum at the running maximum of the
+    blocks' key scales (so that output $i$ depends on positions $\le i$ only)."""
+    n, dv = q.shape[-2], v.shape[-1]
+    dev = q.device
+    with inputs_validated():
+        fq, sq = feature_map.log_features(q)
+        fk, sk = feature_map.key_log_features(k)
+    lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
+    dv1 = dv + 1
+    nb = -(-n // c)
+    N = nb * c
+    tail = N - n
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, fq, fk))
+    poison = None
+    if causal:  # non-finite values: finite products only, rows from the first bad value on set to NaN
+        v = v.expand(*lead, n, dv)
+        v_bad = ~torch.isfinite(v)
+        poison = torch.cumsum(v_bad.to(torch.int32), dim=-2) > 0
+        v = v.masked_fill(v_bad, 0.0)
+
+    def aligned(x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:  # (..., n, e) -> (*lead, nb, c, e)
+        if tail:
+            x = F.pad(x, (0, 0, 0, tail), value=fill)
+        return x.expand(*lead, N, x.shape[-1]).reshape(*lead, nb, c, x.shape[-1])
+
+    is_sink = torch.zeros(n, dtype=torch.bool, device=dev)
+    if sink_idx:
+        is_sink[list(sink_idx)] = True
+    s_rem = sk.expand(*lead, n).double().masked_fill(is_sink, _NEG_INF)
+    if kpad is not None:
+        kpad = kpad.expand(*lead, n)
+        s_rem = s_rem.masked_fill(kpad, _NEG_INF)
+    s_b = aligned(s_rem.unsqueeze(-1), _NEG_INF)[..., 0]  # (*lead, nb, c)
+    with torch.no_grad():
+        g = s_b.detach().amax(-1)  # (*lead, nb): largest remainder key scale of each block
+        if causal:
+            Gk = torch.cummax(g, dim=-1).values  # scale of the running sum after block b
+            G_read = F.pad(Gk, (2, 0), value=_NEG_INF)[..., :nb]  # block b reads the sum after b - 2
+        else:
+            Gk = _finite_or_zero(g.amax(-1, keepdim=True)).expand(*lead, nb)
+            G_read = Gk
+    v1b = aligned(with_ones(v))  # (*lead, nb, c, dv1)
+    wk = exp_diff(s_b, Gk.unsqueeze(-1), cdt).unsqueeze(-1)  # key weights at their block's scale
+    T = torch.matmul(aligned(fk).mT, v1b * wk)  # (*lead, nb, F, dv1)
+    R = _block_remainder(T, Gk, causal, grad, cdt) if nb > 2 else None
+    # exact part: per block, dense products against the block itself, the previous block and (non-causal)
+    # the next one. In the flattened batch of blocks the neighbours are one entry away, so each is one
+    # GEMM on views (no copy of the keys or values); pairs that cross from one sequence to the next
+    # are masked.
+    nf = math.prod(lead) * nb
+    q3 = aligned(q).reshape(nf, c, -1)
+    k3 = aligned(k).reshape(nf, c, -1)
+    v3 = v1b.reshape(nf, c, dv1)
+    kpos = torch.arange(N, device=dev).reshape(nb, c) < n  # keys inside the sequence
+    valid = kpos.expand(*lead, nb, c)
+    if kpad is not None:
+        valid = valid & ~aligned(kpad.unsqueeze(-1), True)[..., 0]
+    valid = valid.reshape(nf, 1, c)
+    first = (torch.arange(nf, device=dev) % nb == 0).reshape(nf, 1, 1)  # blocks without a previous one
+    cur = torch.bmm(q3, k3.mT)
+    cur_out = ~valid
+    if causal:
+        cur_out = cur_out | ~torch.ones(c, c, dtype=torch.bool, device=dev).tril()
+    prev = torch.bmm(q3[1:], k3[:-1].mT)
+    prev_out = ~valid[:-1] | first[1:]
+    parts = [(cur, cur_out, slice(None), slice(None))]
+    parts.append((prev, prev_out, slice(1, None), slice(None, -1)))
+    if not causal:
+        nxt = torch.bmm(q3[:-1], k3[1:].mT)
+        last = (torch.arange(nf, device=dev) % nb == nb - 1).reshape(nf, 1, 1)
+        parts.append((nxt, ~valid[1:] | last[:-1], slice(None, -1), slice(1, None)))
+    base = aligned(sq.expand(*lead, n).double().unsqueeze(-1))[..., 0] + G_read.unsqueeze(-1)  # (*lead, nb, c)
+    m = base.reshape(nf, c)
+    masked = []
+    dense = kpad is None and not tail  # only whole blocks are masked: index them, no full-size mask
+    for i, (x, out_mask, rows, _) in enumerate(parts):
+        if dense and i > 0:
+            drop = (first[1:] if i == 1 else last[:-1]).reshape(-1)
+            x = x.masked_fill(drop[:, None, None], _NEG_INF) if grad else x.index_fill_(
+                0, drop.nonzero().reshape(-1), _NEG_INF)
+        elif not (dense and not causal):  # the block itself needs no mask when dense and non-causal
+            x = x.masked_fill(out_mask, _NEG_INF) if grad else x.masked_fill_(out_mask, _NEG_INF)
+        masked.append(x)
+        mx = torch.full_like(m, _NEG_INF)
+        mx[rows] = x.detach().amax(-1).double() if x.shape[0] else mx[rows]
+        m = torch.maximum(m, mx)
+    m = m.reshape(*lead, nb, c)
+    if sink_idx:
+        sidx = torch.tensor(sink_idx, device=dev)
+        slog = torch.matmul(q, k[..., sidx, :].mT)  # (..., n, s)
+        bdist = torch.arange(n, device=dev)[:, None] // c - sidx[None, :] // c
+        active = bdist >= 2 if causal else bdist.abs() >= 2  # outside the block window
+        if kpad is not None:
+            active = active & ~kpad[..., sidx].unsqueeze(-2)
+        slog = slog.masked_fill(~active, _NEG_INF).expand(*lead, n, len(sink_idx))
+        m = torch.maximum(m, aligned(slog.detach().amax(-1, keepdim=True).double(), _NEG_INF)[..., 0])
+    m = _finite_or_zero(m)  # a row without any key (all padded): weights 0, not NaN
+    mc = m.to(cdt).reshape(nf, c, 1)
+    out = None
+    for x, (_, _, rows, keys) in zip(masked, parts, strict=True):
+        A = torch.exp(x - mc[rows]) if grad else x.sub_(mc[rows]).exp_()
+        if out is None:
+            out = torch.bmm(A, v3)
+        elif grad:
+            pad = (0, 0, 0, 0, 1, 0) if rows.start == 1 else (0, 0, 0, 0, 0, 1)
+            out = out + F.pad(torch.bmm(A, v3[keys]), pad)
+        else:
+            out[rows].baddbmm_(A, v3[keys])
+    out = cast(torch.Tensor, out).reshape(*lead, nb, c, dv1)
+    if R is not None:
+        lin = torch.matmul(aligned(fq), R) * exp_diff(base, m, cdt).unsqueeze(-1)
+        out = out + lin if grad else out.add_(lin)
+    out = out.reshape(*lead, N, dv1)[..., :n, :]
+    if sink_idx:
+        ms = m.reshape(*lead, N)[..., :n].to(cdt).unsqueeze(-1)
+        out = out + torch.matmul(torch.exp(slog - ms), with_ones(v).expand(*lead, n, dv1)[..., sidx, :])
+    num = out[..., :dv]
+    if poison is not None:
+        num = num.masked_fill(poison, float("nan"))
+    return normalise(num, out[..., dv:], feature_map.positive, eps).to(out_dtype)
+
+
+def _block_remainder(T: torch.Tensor, Gk: torch.Tensor, causal: bool, grad: bool, cdt: torch.dtype) -> torch.Tensor:
+    r"""Remainder sums of the blocks, (..., nb, F, dv1), from the block sums ``T`` (..., nb, F, dv1)
+    at the scales ``Gk`` (..., nb).
+
+    Non-causal (one scale): $\sum_b T_b - T_{b-1} - T_b - T_{b+1}$, whole-tensor operations (the
+    subtraction leaves a rounding of order $\epsilon\,\varphi(q_i)^\top\sum_j\varphi(k_j)/\hat D_i$,
+    as the token window's). Causal: $\sum_{b' \le b - 2} T_{b'}$ at the scale ``Gk[b - 2]``, a
+    running sum (the sum after block $b$ is that after $b - 1$ rescaled by $e^{G_{b-1} - G_b}$, plus
+    $T_b$), no cancellation.
+    """
+    nb = T.shape[-3]
+    if not causal:
+        total = T.sum(dim=-3, keepdim=True)
+        if grad:
+            return (total - T - F.pad(T[..., :-1, :, :], (0, 0, 0, 0, 1, 0))
+                    - F.pad(T[..., 1:, :, :], (0, 0, 0, 0, 0, 1)))
+        R = torch.sub(total, T)
+        R[..., 1:, :, :] -= T[..., :-1, :, :]
+        R[..., :-1, :, :] -= T[..., 1:, :, :]
+        return R
+    decay = exp_diff(Gk[..., :-1], Gk[..., 1:], cdt)[..., None, None]  # (..., nb - 1, 1, 1)
+    if grad:  # out-of-place, for autograd
+        zero = torch.zeros_like(T[..., 0, :, :])
+        acc, pre = zero, [zero, zero]
+        for b in range(nb - 2):
+            acc = T[..., 0, :, :] if b == 0 else acc * decay[..., b - 1, :, :] + T[..., b, :, :]
+            pre.append(acc)
+        return torch.stack(pre, dim=-3)
+    R = torch.empty_like(T)  # the same running sum written in place, one operation per block
+    R[..., :2, :, :] = 0
+    R[..., 2, :, :] = T[..., 0, :, :]
+    for b in range(3, nb):
+        torch.addcmul(T[..., b - 2, :, :], R[..., b - 1, :, :], decay[..., b - 3, :, :], out=R[..., b, :, :])
+    return R
+
+
 def _causal_core(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: FeatureMap, w: int, C: int,
     sink_idx: tuple[int, ...], eps: float, out_dtype: torch.dtype, cdt: torch.dtype,
-    initial_state: HybridAttentionState | None, return_state: bool,
+    initial_state: HybridAttentionState | None, return_state: bool, kpad: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, HybridAttentionState]:
     """Causal hybrid attention on the extended sequence [state's buffer, new tokens] (see
-    `chunk_hybrid_attention`)."""
+    `chunk_hybrid_attention`); ``kpad`` (..., n) True = padded new key."""
     n, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
     dev = q.device
     t0 = 0
@@ -507,6 +709,9 @@ def _causal_core(
     if ext_sinks:
         is_sink[ext_sinks] = True
     s_rem = sk.masked_fill(is_sink, _NEG_INF)
+    if kpad is not None:
+        kpad = F.pad(kpad.expand(*lead, n), (b, 0), value=False)  # (..., ne): buffered keys are real
+        s_rem = s_rem.masked_fill(kpad, _NEG_INF)
     wl = min(w, ne)  # lag of the remainder
     # Remainder of query e = b + t: keys e' <= e - w (extended coordinates), i.e. causal linear
     # attention against the key sequence delayed by w.
@@ -578,6 +783,10 @@ def _causal_core(
         col = torch.arange(L, device=dev)[None, :]
         epos = b + torch.arange(nc, device=dev)[:, None] * C - P + col  # extended key positions
         mask = ((col >= t) & (col <= t + P))[None] & ((epos >= 0) & (epos < ne))[:, None, :]
+        if kpad is not None:  # padded keys out of the window: (..., nc, C, L)
+            kpp = F.pad(kpad, (front, 0), value=False)[..., start + front:]
+            kpp = F.pad(kpp, (0, max(0, need - kpp.shape[-1])), value=False)[..., :need]
+            mask = mask & ~kpp.unfold(-1, L, C).unsqueeze(-2)
         logits = torch.matmul(qc, kw.mT).masked_fill(~mask, _NEG_INF)
         shifts.append(logits.detach().amax(-1).reshape(*lead, nc * C)[..., :n].double())
     # sinks outside the window: those among the keys (e' <= e - w) and those before this call
@@ -587,7 +796,8 @@ def _causal_core(
         e = b + torch.arange(n, device=dev)[:, None]
         sk_keys.append(k[..., sidx, :])
         sk_vals.append(v1[..., sidx, :])
-        sk_mask.append(e - sidx[None, :] >= max(wl, 1) if wl >= 1 else e - sidx[None, :] >= 0)
+        act = e - sidx[None, :] >= max(wl, 1) if wl >= 1 else e - sidx[None, :] >= 0
+        sk_mask.append(act if kpad is None else act & ~kpad[..., sidx].unsqueeze(-2))
     if out_sk is not None and out_sv is not None:
         sk_keys.append(out_sk.expand(*lead, *out_sk.shape[-2:]))
         sv = out_sv.expand(*lead, *out_sv.shape[-2:])
@@ -596,12 +806,14 @@ def _causal_core(
     if sk_keys:
         skk = torch.cat(sk_keys, dim=-2)
         skv = torch.cat(sk_vals, dim=-2)
+        sk_mask = [a.expand(*lead, n, a.shape[-1]) for a in sk_mask] if kpad is not None else sk_mask
         active = torch.cat(sk_mask, dim=-1)
         slog = torch.matmul(q, skk.mT).masked_fill(~active, _NEG_INF)
         shifts.append(slog.detach().amax(-1).double())
     m = shifts[0]
     for s_ in shifts[1:]:
         m = torch.maximum(m, s_)
+    m = _finite_or_zero(m)  # a row without any key (all padded): weights 0, not NaN
     out = lin * exp_diff(base, m, cdt).unsqueeze(-1)
     if wl >= 1:
         mc = F.pad(m, (0, pad)).reshape(*lead, nc, C, 1).to(cdt)
@@ -668,6 +880,7 @@ def chunk_hybrid_attention(
     initial_state: HybridAttentionState | None = None,
     return_state: bool = False,
     eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, HybridAttentionState]:
     r"""Causal hybrid attention, chunked: exact on $0 \le i - j < w$ and the sinks, $\varphi$ on $j \le i - w$.
 
@@ -704,8 +917,12 @@ def chunk_hybrid_attention(
         State after a preceding segment (from ``return_state=True`` or
         `RecurrentHybridAttention`), continued here; built with the same ``window`` and sinks.
     return_state : bool, default False
-        Also return the state after the last token.
+        Also return the state after the last token (not with ``key_padding_mask``: the state's
+        window buffer would hold the padded keys).
     eps : float, default 1e-6
+    key_padding_mask : Tensor, shape (batch, n), optional
+        ``True`` (or ``-inf``) where a key of this segment is padding: left out of the window,
+        the sinks and the remainder.
 
     Returns
     -------
@@ -721,13 +938,20 @@ def chunk_hybrid_attention(
     >>> bool(out[0, :30].isfinite().all()), bool(out[0, 30:, 0].isnan().all())
     (True, True)
     """
-    q, k, v, out_dtype, cdt, w, C = _prepare(q, k, v, feature_map, window, sinks, chunk_size, True)
+    q, k, v, out_dtype, cdt, w, C, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, True,
+                                                   key_padding_mask)
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be a bool, got {return_state!r}")
+    if return_state and kpad is not None:
+        raise ValueError(
+            "return_state=True with a key_padding_mask: the state's window buffer would hold padded keys; "
+            "decode unpadded sequences (or drop return_state)"
+        )
     if initial_state is not None:
         check_hybrid_state(initial_state, feature_map, w, q.shape[-1], v.shape[-1])
     sink_idx = resolve_sinks(sinks, None, causal=True)  # absolute; later ones apply to later segments
-    return _causal_core(q, k, v, feature_map, w, C, sink_idx, eps, out_dtype, cdt, initial_state, return_state)
+    return _causal_core(q, k, v, feature_map, w, C, sink_idx, eps, out_dtype, cdt, initial_state, return_state,
+                        kpad)
 
 
 @no_autocast
@@ -744,6 +968,8 @@ def hybrid_attention(
     initial_state: HybridAttentionState | None = None,
     return_state: bool = False,
     eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
+    window_mode: str = "token",
 ) -> torch.Tensor | tuple[torch.Tensor, HybridAttentionState]:
     r"""Hybrid attention: exact softmax on a window and sinks, the feature map $\varphi$ elsewhere, one normaliser.
 
@@ -784,6 +1010,25 @@ def hybrid_attention(
         Causal only: also return the state after the last token.
     eps : float, default 1e-6
         Denominator guard for signed (trigonometric) maps, see `kernelapprox.linear_attention`.
+    key_padding_mask : Tensor, shape (batch, n), optional
+        ``True`` (or ``-inf``) where the key is padding, as in `kernelapprox.linear_attention`:
+        padded keys are in neither the window, nor the sinks, nor the remainder, so the real
+        tokens' outputs are those of the unpadded sequence (for right padding).
+    window_mode : {"token", "block"}, default "token"
+        ``"token"``: the sliding window above. ``"block"``: a block-aligned window, LoLCATs'
+        "terrace" [Zha25]_: the sequence is cut into blocks of ``window`` tokens, $b(i) =
+        \lfloor i / w \rfloor$, and query $i$ is exact on its own block and the neighbouring
+        ones, $|b(i) - b(j)| \le 1$ (non-causal, between $2w$ and $3w - 1$ keys), or on its block
+        up to itself and the previous block, $0 \le b(i) - b(j) \le 1,\ j \le i$ (causal,
+        between $w$ and $2w$ keys). Every query of a block then shares one remainder, the sum of
+        the per-block feature sums $T_b = \sum_{j\in b}\varphi(k_j)[v_j, 1]^\top$ over
+        $|b - b'| \ge 2$ (the global sum minus three block sums; a rounding as in
+        `parallel_hybrid_attention`) or $b' \le b - 2$ (a running sum): no per-token feature
+        scores on the window, and the exact part is one dense $w \times 3w$ (causal
+        $w \times 2w$) product per block. Cost
+        $O(nF(d + d_v) + nw(d + d_v))$, memory $O(nF d_v / w)$ for the block sums; ``chunk_size``
+        is not used. ``window >= n`` (one block, or two when causal) is softmax attention. No
+        ``initial_state``/``return_state`` (the recurrent form has a sliding window).
 
     Returns
     -------
@@ -805,15 +1050,27 @@ def hybrid_attention(
     """
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
+    if check_window_mode(window_mode) == "block" and check_window(window) > 0:
+        if initial_state is not None or return_state:
+            raise ValueError(
+                "window_mode='block' has no state to carry (the recurrent form slides its window): use "
+                f"window_mode='token', got initial_state={type(initial_state).__name__}, return_state={return_state!r}"
+            )
+        q, k, v, out_dtype, cdt, w, _, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal,
+                                                      key_padding_mask)
+        n = q.shape[-2]
+        sink_idx = tuple(p for p in resolve_sinks(sinks, None if causal else n, causal=causal) if p < n)
+        return _block_core(q, k, v, feature_map, w, sink_idx, causal, check_eps(eps), out_dtype, cdt, kpad)
     if causal:
         return chunk_hybrid_attention(
             q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size,
-            initial_state=initial_state, return_state=return_state, eps=eps,
+            initial_state=initial_state, return_state=return_state, eps=eps, key_padding_mask=key_padding_mask,
         )
     if initial_state is not None or return_state:
         raise ValueError(
             "initial_state and return_state need causal=True (a non-causal window has no state to carry), "
             f"got initial_state={type(initial_state).__name__}, return_state={return_state!r}"
         )
-    return parallel_hybrid_attention(q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size, eps=eps)
+    return parallel_hybrid_attention(q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size, eps=eps,
+                                     key_padding_mask=key_padding_mask)
 

@@ -16,6 +16,7 @@ import torch
 from .._validation import compute_dtype, no_autocast
 from ..exact import check_qkv
 from ..maps.base import FeatureMap
+from ._common import padding_mask
 from .hybrid import exact_set_mask
 
 __all__ = ["naive_hybrid_attention"]
@@ -31,6 +32,8 @@ def naive_hybrid_attention(
     window: int,
     sinks: int | Sequence[int] = 0,
     causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    window_mode: str = "token",
 ) -> torch.Tensor:
     r"""Materialise $\hat A_{ij} = e^{q_i^\top k_j}$ on the exact set, $\varphi(q_i)^\top\varphi(k_j)$
     elsewhere (zero for $j > i$ if causal), and normalise its rows.
@@ -49,6 +52,10 @@ def naive_hybrid_attention(
     window : int
     sinks : int or sequence of int, default 0
     causal : bool, default False
+    key_padding_mask : Tensor, shape (batch, n), optional
+        ``True`` where the key is padding: its column of $\hat A$ is zero.
+    window_mode : {"token", "block"}, default "token"
+        The exact sets of `kernelapprox.attention.hybrid.exact_set_mask`.
 
     Returns
     -------
@@ -69,9 +76,12 @@ def naive_hybrid_attention(
     cdt = compute_dtype(out_dtype, feature_map.param_dtype)
     q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
     n = q.shape[-2]
-    S = exact_set_mask(n, window=window, sinks=sinks, causal=causal, device=q.device)
+    S = exact_set_mask(n, window=window, sinks=sinks, causal=causal, device=q.device, window_mode=window_mode)
     approx = feature_map(q) @ feature_map.key_features(k).mT
     A = torch.where(S, torch.exp(q @ k.mT), approx)
     if causal:
         A = A.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), 0.0)
+    pad = padding_mask(key_padding_mask, k.shape)
+    if pad is not None:
+        A = A.masked_fill(pad.unsqueeze(-2), 0.0)
     return ((A @ v) / A.sum(-1, keepdim=True)).to(out_dtype)
