@@ -18,7 +18,16 @@ from .._logdomain import LOG2E
 from .._validation import inputs_validated, no_autocast
 from ..maps.base import FeatureMap
 from . import chunk_runmax, chunk_shared
-from ._common import apply_padding, check_options, normalise, padding_mask, prepare, with_ones
+from ._common import (
+    apply_padding,
+    check_options,
+    den_floor,
+    has_log2_features,
+    normalise,
+    padding_mask,
+    prepare,
+    with_ones,
+)
 from .parallel import _GEMM_COLUMNS
 from .state import LinearAttentionState
 
@@ -46,20 +55,6 @@ def _padding_scale(s: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
 #: domain, ``n x B x F`` per sequence, and its block states ``(n / B) x F x P``; 8 balances the
 #: two for ``P`` of a few dozen value columns.
 _PF_BLOCK = 8
-
-
-def den_floor(dtype: torch.dtype) -> float:
-    r"""The smallest denominator the stabilised chunked paths keep: $t^{1/3}$ for the smallest
-    normal number $t$ of ``dtype`` ($2.3 \cdot 10^{-13}$ in float32).
-
-    With every feature and key weight $\le 1$ in those paths, a row of denominator
-    $\text{den}_i \ge t^{1/3}$ loses only terms below $t$ (relative error
-    $\le nF\,t^{2/3}$) and its backward ($1/\text{den}_i$ times sums of at most
-    $n F$ bounded terms) stays below $t^{-1/3} n F \max|v|$, far from overflow. A row below
-    it (a fitted FAVOR++/FAVOR# map, whose peaked query and key features meet nowhere the per-row
-    shifts can see) is recomputed by `per_feature_attention`.
-    """
-    return float(torch.finfo(dtype).tiny) ** (1.0 / 3.0)
 
 
 def per_feature_attention(
@@ -221,6 +216,13 @@ def chunk_linear_attention(
       denominators can nearly cancel, and this path keeps one order of operations in eager and
       compiled code), and the rows a sequence's shared-scale prefix does not cover.
 
+    Both shift each query and each key by its own maximum over the features. For features that
+    peak at different random features for queries and keys (a fitted FAVOR++/FAVOR# map at large
+    norms) a denominator can then underflow in float32 although the attention weights are
+    ordinary numbers: in eager mode, for positive maps with log2 features, the rows below
+    `den_floor` are recomputed by `per_feature_attention` (every feature at its own causal
+    scale, $\text{den}_i \ge 1$, so also a finite backward); one host read per call.
+
     Output $i$ depends on positions $\le i$ only, also for non-finite inputs: a NaN or
     Inf at position $j$ reaches rows $\ge j$ (as in the recurrent form), never rows
     before it, whatever the chunk size, bitwise (the rows before a token the shared-scale path
@@ -333,25 +335,17 @@ def chunk_linear_attention(
             fq, fk, v1, s, mask, initial_state, cdt, lead, recompute=_recompute)
         if head is not None and keep is not None:
             raw = torch.where(keep.unsqueeze(-1), head, raw)
-    if feature_map.positive and not compiling and _has_log2_features(feature_map):
-        raw = _rescue_underflow(raw, q, k, v1, feature_map, pad, initial_state, lead, dv)
+    if feature_map.positive and not compiling and has_log2_features(feature_map):
+        raw = _rescue_underflow(raw, q, k, v, feature_map, pad, initial_state, lead)
     out = normalise(raw[..., :dv], raw[..., dv:dv + 1], feature_map.positive, eps).to(out_dtype)
     if return_state:
         return out, LinearAttentionState(state.kv[..., :dv + 1].contiguous(), state.log_scale)
     return out
 
 
-def _has_log2_features(feature_map: FeatureMap) -> bool:
-    """Whether the map's class provides log2 features (`FeatureMap._query_log2_features` and
-    `FeatureMap._key_log2_features` overridden; an instance may still return ``None``)."""
-    cls = type(feature_map)
-    return (cls._query_log2_features is not FeatureMap._query_log2_features
-            and cls._key_log2_features is not FeatureMap._key_log2_features)
-
-
 def _rescue_underflow(
-    raw: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v1: torch.Tensor, feature_map: FeatureMap,
-    pad: torch.Tensor | None, initial_state: LinearAttentionState | None, lead: torch.Size, dv: int,
+    raw: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: FeatureMap,
+    pad: torch.Tensor | None, initial_state: LinearAttentionState | None, lead: torch.Size,
 ) -> torch.Tensor:
     r"""``raw`` (*lead, n, P) with the rows whose denominator is below `den_floor` (and that see
     a valid key or an initial state) recomputed by `per_feature_attention`, in the sequences that
@@ -364,7 +358,7 @@ def _rescue_underflow(
     NaN). Those rows are recomputed with $\text{den} \ge 1$; autograd then passes nothing to the
     replaced rows of the fast path.
     """
-    n = raw.shape[-2]
+    n, dv = raw.shape[-2], v.shape[-1]
     with torch.no_grad():
         small = raw[..., dv] < den_floor(raw.dtype)  # (*lead, n); NaN is not small
         if pad is not None and initial_state is None:  # rows before the first valid key: 0 / 0
@@ -379,6 +373,10 @@ def _rescue_underflow(
         lk = feature_map._key_log2_features(k)
     if lq is None or lk is None:
         return raw
+    # [v, 1] afresh: without autograd the fast paths weight theirs in place and write over it
+    v1 = with_ones(v, _GEMM_COLUMNS)
+    if pad is not None:
+        v1 = v1.masked_fill(pad.unsqueeze(-1), 0.0)
 
     def pick(t: torch.Tensor, tail: int) -> torch.Tensor:
         return t.expand(*lead, *t.shape[t.dim() - tail:]).reshape(L, *t.shape[t.dim() - tail:])[seqs]
