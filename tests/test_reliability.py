@@ -131,31 +131,20 @@ def test_sklearn_random_features_round_trip():
 
 # ------------------------------------------------------------------------------------ gradients
 #: Seeds, at r = 32, d = 16, n = 8, at which float32 OPRF/SADERF/SDERF gave non-finite gradients
-#: behind a finite output at |q| = |k| = 20 (parallel: 3, 4; causal: 0, 2), per form.
+#: behind a finite output at |q| = |k| = 20 (parallel: 3, 4; causal: 0, 2), per form: a query whose
+#: attention denominator underflows (the features of a fitted FAVOR++/FAVOR# map are peaked,
+#: A* << 0) got a gradient 1/den that overflowed, and inf * 0 turned it into NaN. The parallel form
+#: shifts the features per feature and per query (`kernelapprox.attention._common.doubly_shifted`),
+#: the causal form recomputes such rows with per-feature causal scales
+#: (`kernelapprox.attention.chunk.per_feature_attention`): every denominator is then >= 1.
+#: More seeds: tests/test_causal_grad.py.
 GRAD_SEEDS = {False: (3, 4), True: (0, 2)}
-#: The combinations that still give non-finite gradients at these seeds (both dtypes), all causal:
-#: a query whose attention denominator underflows in float32 (the features of a fitted
-#: FAVOR++/FAVOR# map are peaked, A* << 0) gets a gradient 1/den that overflows in the backward of
-#: the product, and inf * 0 turns it into NaN. The parallel form shifts the features per feature
-#: and per query so that every denominator is >= 1 (`kernelapprox.attention._common.doubly_shifted`);
-#: the chunked causal forms keep a per-query shift. Strict, so that a fix shows here.
-_NONFINITE_GRAD = {
-    ("oprf", 20.0, True),
-    ("saderf", 20.0, True), ("sderf", 20.0, True),
-}
-
-
-def _grad_case(name, dtype, norm, causal):
-    marks = []
-    if (name, norm, causal) in _NONFINITE_GRAD:
-        marks.append(pytest.mark.xfail(strict=True, reason="attention denominator underflow: 1/den overflows"))
-    return pytest.param(name, dtype, norm, causal, marks=marks)
 
 
 @pytest.mark.parametrize(
     ("name", "dtype", "norm", "causal"),
     [
-        _grad_case(n, dt, nm, c)
+        (n, dt, nm, c)
         for n in NAMES
         for dt in (torch.float32, torch.bfloat16)
         for nm in (1.0, 5.0, 12.0, 20.0)

@@ -262,6 +262,33 @@ def doubly_shifted(
     return torch.exp2(a - s), torch.exp2(lk - tk)
 
 
+def den_floor(dtype: torch.dtype) -> float:
+    r"""The smallest denominator the stabilised chunked paths keep: $t^{1/3}$ for the smallest
+    normal number $t$ of ``dtype`` ($2.3 \cdot 10^{-13}$ in float32).
+
+    With every feature and key weight $\le 1$ in those paths, a row of denominator
+    $\text{den}_i \ge t^{1/3}$ loses only terms below $t$ (relative error
+    $\le nF\,t^{2/3}$) and its backward ($1/\text{den}_i$ times sums of at most
+    $n F$ bounded terms) stays below $t^{-1/3} n F \max|v|$, far from overflow. A row below
+    it (a fitted FAVOR++/FAVOR# map, whose peaked query and key features meet nowhere the per-row
+    shifts can see) is recomputed by `kernelapprox.attention.chunk.per_feature_attention`.
+
+    Examples
+    --------
+    >>> den_floor(torch.float32) == torch.finfo(torch.float32).tiny ** (1 / 3)
+    True
+    """
+    return float(torch.finfo(dtype).tiny) ** (1.0 / 3.0)
+
+
+def has_log2_features(feature_map: FeatureMap) -> bool:
+    """Whether the map's class provides log2 features (`FeatureMap._query_log2_features` and
+    `FeatureMap._key_log2_features` overridden; an instance may still return ``None``)."""
+    cls = type(feature_map)
+    return (cls._query_log2_features is not FeatureMap._query_log2_features
+            and cls._key_log2_features is not FeatureMap._key_log2_features)
+
+
 def with_ones(v: torch.Tensor, multiple: int = 1) -> torch.Tensor:
     """``[v, 1]`` (..., m, dv + 1): numerator and denominator share one GEMM (and its rounding).
 

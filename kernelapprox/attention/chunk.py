@@ -1,20 +1,33 @@
 """Causal linear attention computed chunk-wise: a dispatcher over two algorithms.
 
 `chunk_shared.shared_scale_attention` (one key scale per group of chunks) and
-`chunk_runmax.running_max_attention` (each query at its running maximum), one per module.
+`chunk_runmax.running_max_attention` (each query at its running maximum), one per module; and
+`per_feature_attention`, which recomputes the rows whose denominator underflows with every
+feature at its own causal scale.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from .._logdomain import LOG2E
 from .._validation import inputs_validated, no_autocast
 from ..maps.base import FeatureMap
 from . import chunk_runmax, chunk_shared
-from ._common import apply_padding, check_options, normalise, padding_mask, prepare, with_ones
+from ._common import (
+    apply_padding,
+    check_options,
+    den_floor,
+    has_log2_features,
+    normalise,
+    padding_mask,
+    prepare,
+    with_ones,
+)
 from .parallel import _GEMM_COLUMNS
 from .state import LinearAttentionState
 
@@ -36,6 +49,132 @@ def _padding_scale(s: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
     """
     lo = s.masked_fill(pad, float("inf")).amin(dim=-1, keepdim=True)
     return torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo))
+
+
+#: Tokens per block of `per_feature_attention`: its intra-block scores are formed in the log
+#: domain, ``n x B x F`` per sequence, and its block states ``(n / B) x F x P``; 8 balances the
+#: two for ``P`` of a few dozen value columns.
+_PF_BLOCK = 8
+
+
+def per_feature_attention(
+    lq: torch.Tensor, lk: torch.Tensor, v1: torch.Tensor, pad: torch.Tensor | None,
+    initial_state: LinearAttentionState | None, lead: torch.Size, dv: int,
+) -> torch.Tensor:
+    r"""Causal ``[num | den]`` with every feature at its own causal scale: $\text{den}_i \ge 1$.
+
+    With $\ell^q_{if} = \log_2\varphi_f(q_i) + c_i$ (``lq``, $c_i$ any per-row constant) and
+    $\ell^k_{jf} = \log_2\psi_f(k_j)$ (``lk``), the per-feature running maximum of the keys and
+    each query's shift against it,
+    $$
+    T_{if} = \max\big(X^0_f, \max_{j \le i} \ell^k_{jf}\big), \qquad
+    s_i = \max_f\,(\ell^q_{if} + T_{if}),
+    $$
+    ($X^0_f = \log_2 z^0_f$, the initial state's per-feature mass, $-\infty$ without one) give
+    $[\text{num}, \text{den}]_i = \sum_{j \le i}\sum_f 2^{\ell^q_{if} + \ell^k_{jf} - s_i}[v_j, 1]$
+    (plus the initial state's part): the true row times $2^{-s_i - c_i}$, which cancels in the
+    ratio. Blocks $b$ of $B$ (`_PF_BLOCK`) tokens, with $X^b_f$ the running maximum before block
+    $b$ ($T$ at its last token before it): the keys of earlier blocks enter through the state
+    $\tilde S^b = \sum_{j < b} 2^{\ell^k_{jf} - X^b_f}[v_j, 1]$, carried as
+    $\tilde S^{b+1} = 2^{X^b - X^{b+1}} \circ \tilde S^b + \sum_{j \in b} 2^{\ell^k_{jf} - X^{b+1}_f}[v_j, 1]$,
+    read by the query factors $2^{\ell^q_{if} + X^b_f - s_i}$, and the keys of the query's own
+    block by the scores $\sum_f 2^{\ell^q_{if} + \ell^k_{jf} - s_i}$, $j \le i$, formed in the
+    log domain (a factorisation at one reference per block would let a later key of the block
+    underflow an earlier row, or overflow its query factors). Every exponent is $\le 0$
+    ($\ell^q_{if} + T_{if} \le s_i$, $X^b \le T \le X^{b+1}$), so every factor is in
+    $[0, 1]$; and at the maximiser $f^*$ of $s_i$ either the state ($T_{if^*} = X^b_{f^*}$:
+    query factor 1, and the key that set $X^b_{f^*}$ puts 1 into $\tilde z^b_{f^*}$) or an
+    intra-block score ($T_{if^*} = \ell^k_{jf^*}$: one term 1) holds a term 1:
+    $$
+    1 \le \text{den}_i \le F\,(n + 1),
+    $$
+    for a row with a valid key or a non-empty initial state (0 otherwise, see `normalise`).
+    The forward and the backward ($1/\text{den}_i$) are then finite for finite inputs, however
+    peaked the features -- the causal counterpart of `kernelapprox.attention._common.doubly_shifted`
+    ([Kat20]_ for the causal product, the per-feature scales as the data-dependent decays of
+    gated linear attention [Yan24]_). Row $i$ depends on positions $\le i$ only. Cost
+    $O(n F (B + P))$, memory $O(nF(B + P/B))$ per sequence under autograd (the shifts are
+    constants for it): a fallback, not the usual path.
+
+    Parameters
+    ----------
+    lq : Tensor, shape (..., n, F)
+    lk : Tensor, shape (..., n, F)
+    v1 : Tensor, shape (..., n, P)
+        $[v, 1]$ with zero columns up to ``P``, padded rows zero.
+    pad : Tensor, shape broadcasting with (..., n), bool, or None
+        Padded keys (``True``): $\ell^k = -\infty$.
+    initial_state : LinearAttentionState, optional
+        With ``kv`` of shape (..., F, P); its masses $z^0$ are column ``dv``.
+    lead : torch.Size
+        The broadcast batch shape.
+    dv : int
+        The value width (the ones column of ``v1``).
+
+    Returns
+    -------
+    Tensor, shape (*lead, n, P)
+        ``[num | den]``, not normalised.
+
+    References
+    ----------
+    .. [Kat20] A. Katharopoulos, A. Vyas, N. Pappas, F. Fleuret. "Transformers are RNNs: fast
+       autoregressive transformers with linear attention", ICML 2020.
+    .. [Yan24] S. Yang, B. Wang, Y. Shen, R. Panda, Y. Kim. "Gated linear attention transformers
+       with hardware-efficient training", ICML 2024.
+
+    Examples
+    --------
+    Features $2^{\pm 200}$ that meet in no per-row shift: the denominators stay $\ge 1$.
+
+    >>> lq = torch.tensor([[200.0, -200.0], [0.0, -400.0]])
+    >>> lk = torch.tensor([[-400.0, 0.0], [-400.0, 0.0]])
+    >>> v1 = torch.tensor([[1.0, 1.0], [3.0, 1.0]])
+    >>> out = per_feature_attention(lq, lk, v1, None, None, torch.Size([]), 1)
+    >>> out[:, 1] >= 1, out[:, 0] / out[:, 1]
+    (tensor([True, True]), tensor([1., 2.]))
+    """
+    n, Fd, P = lq.shape[-2], lq.shape[-1], v1.shape[-1]
+    L = math.prod(lead)
+    ninf = float("-inf")
+    if pad is not None:
+        lk = lk.masked_fill(pad.unsqueeze(-1), ninf)
+    B = min(_PF_BLOCK, n)
+    nb = -(-n // B)
+    extra = nb * B - n  # trailing rows: queries sliced off, keys of weight 0
+    lq = F.pad(lq, (0, 0, 0, extra)).expand(*lead, nb * B, Fd).reshape(L, nb, B, Fd)
+    lk = F.pad(lk, (0, 0, 0, extra), value=ninf).expand(*lead, nb * B, Fd).reshape(L, nb, B, Fd)
+    v1 = F.pad(v1, (0, 0, 0, extra)).expand(*lead, nb * B, P).reshape(L, nb, B, P)
+    if initial_state is None:
+        state = lk.new_zeros(L, Fd, P)
+        X0 = lk.new_full((L, 1, Fd), ninf)
+    else:
+        kv0 = initial_state.kv.to(lk.dtype).expand(*lead, Fd, P).reshape(L, Fd, P)
+        with torch.no_grad():
+            z0 = kv0[..., dv]  # (L, F)
+            g0 = initial_state.log_scale.detach().expand(*lead, 1, 1).reshape(L, 1)
+            X0 = (g0 * LOG2E + torch.log2(z0.double())).to(lk.dtype).unsqueeze(-2)  # -inf where z0 = 0
+            inv = torch.where(z0 > 0, 1.0 / z0, torch.zeros_like(z0))
+        state = kv0 * inv.unsqueeze(-1)  # each reached feature's mass 1, at the scale X0
+    with torch.no_grad():
+        T = torch.maximum(torch.cummax(lk.reshape(L, nb * B, Fd), dim=1).values, X0).view(L, nb, B, Fd)
+        X_out = T[:, :, -1]  # (L, nb, F): after each block
+        X_in = torch.cat((X0, X_out[:, :-1]), dim=1)  # before each block
+        s = (lq + T).amax(dim=-1, keepdim=True)  # (L, nb, B, 1)
+        s = torch.where(s == ninf, torch.zeros_like(s), s)  # a row that reaches no key
+        X_ref = torch.where(X_out == ninf, torch.zeros_like(X_out), X_out)
+        decay = torch.exp2(X_in - X_ref)
+        decay = torch.where(X_in == ninf, torch.zeros_like(decay), decay)  # an empty past
+    kv = torch.matmul(torch.exp2(lk - X_ref.unsqueeze(-2)).mT, v1)  # (L, nb, F, P), at X_out
+    states = []
+    for b in range(nb):  # sequential scan over blocks: O(F P) per block
+        states.append(state)
+        state = state * decay[:, b].unsqueeze(-1) + kv[:, b]
+    inter = torch.matmul(torch.exp2(lq + X_in.unsqueeze(-2) - s), torch.stack(states, dim=1))
+    causal = torch.ones(B, B, dtype=torch.bool, device=lq.device).tril()
+    lam = (lq.unsqueeze(-2) + lk.unsqueeze(-3) - s.unsqueeze(-1)).masked_fill(~causal.unsqueeze(-1), ninf)
+    intra = torch.matmul(torch.exp2(lam).sum(dim=-1), v1)  # (L, nb, B, P)
+    return (inter + intra).reshape(*lead, nb * B, P)[..., :n, :]
 
 
 @no_autocast
@@ -76,6 +215,13 @@ def chunk_linear_attention(
       runs of 8 chunks. Everything else: ``torch.compile``, other devices, signed maps (their
       denominators can nearly cancel, and this path keeps one order of operations in eager and
       compiled code), and the rows a sequence's shared-scale prefix does not cover.
+
+    Both shift each query and each key by its own maximum over the features. For features that
+    peak at different random features for queries and keys (a fitted FAVOR++/FAVOR# map at large
+    norms) a denominator can then underflow in float32 although the attention weights are
+    ordinary numbers: in eager mode, for positive maps with log2 features, the rows below
+    `den_floor` are recomputed by `per_feature_attention` (every feature at its own causal
+    scale, $\text{den}_i \ge 1$, so also a finite backward); one host read per call.
 
     Output $i$ depends on positions $\le i$ only, also for non-finite inputs: a NaN or
     Inf at position $j$ reaches rows $\ge j$ (as in the recurrent form), never rows
@@ -189,7 +335,57 @@ def chunk_linear_attention(
             fq, fk, v1, s, mask, initial_state, cdt, lead, recompute=_recompute)
         if head is not None and keep is not None:
             raw = torch.where(keep.unsqueeze(-1), head, raw)
+    if feature_map.positive and not compiling and has_log2_features(feature_map):
+        raw = _rescue_underflow(raw, q, k, v, feature_map, pad, initial_state, lead)
     out = normalise(raw[..., :dv], raw[..., dv:dv + 1], feature_map.positive, eps).to(out_dtype)
     if return_state:
         return out, LinearAttentionState(state.kv[..., :dv + 1].contiguous(), state.log_scale)
     return out
+
+
+def _rescue_underflow(
+    raw: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: FeatureMap,
+    pad: torch.Tensor | None, initial_state: LinearAttentionState | None, lead: torch.Size,
+) -> torch.Tensor:
+    r"""``raw`` (*lead, n, P) with the rows whose denominator is below `den_floor` (and that see
+    a valid key or an initial state) recomputed by `per_feature_attention`, in the sequences that
+    hold one; the other rows unchanged, bitwise. One host read.
+
+    The shared-scale and running-maximum paths shift each query and each key by its own
+    maximum over the features: a query whose features peak where no key's do (fitted
+    FAVOR++/FAVOR#, $A^* \ll 0$, at large norms) gets a denominator that underflows in float32 (to 0:
+    a silently zero output; or to a tiny number whose $1/\text{den}$ overflows the backward into
+    NaN). Those rows are recomputed with $\text{den} \ge 1$; autograd then passes nothing to the
+    replaced rows of the fast path.
+    """
+    n, dv = raw.shape[-2], v.shape[-1]
+    with torch.no_grad():
+        small = raw[..., dv] < den_floor(raw.dtype)  # (*lead, n); NaN is not small
+        if pad is not None and initial_state is None:  # rows before the first valid key: 0 / 0
+            small = small & (torch.cumsum(~pad, dim=-1) > 0)
+        L = math.prod(lead)
+        rows = small.expand(*lead, n).reshape(L, n)
+        seqs = rows.any(dim=-1).nonzero().squeeze(-1)  # the host read
+    if seqs.numel() == 0:
+        return raw
+    with inputs_validated():
+        lq = feature_map._query_log2_features(q)
+        lk = feature_map._key_log2_features(k)
+    if lq is None or lk is None:
+        return raw
+    # [v, 1] afresh: without autograd the fast paths weight theirs in place and write over it
+    v1 = with_ones(v, _GEMM_COLUMNS)
+    if pad is not None:
+        v1 = v1.masked_fill(pad.unsqueeze(-1), 0.0)
+
+    def pick(t: torch.Tensor, tail: int) -> torch.Tensor:
+        return t.expand(*lead, *t.shape[t.dim() - tail:]).reshape(L, *t.shape[t.dim() - tail:])[seqs]
+
+    sub_pad = None if pad is None else pick(pad.expand(*lead, n), 1)
+    sub_state = None
+    if initial_state is not None:
+        sub_state = LinearAttentionState(pick(initial_state.kv, 2), pick(initial_state.log_scale, 2))
+    fixed = per_feature_attention(pick(lq, 2), pick(lk, 2), pick(v1, 2), sub_pad, sub_state, seqs.shape, dv)
+    flat = raw.reshape(L, n, raw.shape[-1])
+    sub = torch.where(rows[seqs].unsqueeze(-1), fixed.to(raw.dtype), flat[seqs])
+    return flat.index_copy(0, seqs, sub).reshape(raw.shape)
