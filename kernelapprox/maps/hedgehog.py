@@ -804,7 +804,7 @@ def fit_gain(
     exact, valid = _exact_set(window, sinks, q, k, causal)
     if exact is None or valid is None:
         raise ValueError(f"the exact set (window={window!r}, sinks={sinks!r}) is empty: no split to fit the gain to")
-    gain = cast(nn.Parameter, fm.log_gain)
+    gain = fm.log_gain
     cdt = fm.compute_dtype(q.dtype, k.dtype)
     q, k = q.detach().to(cdt), k.detach().to(cdt)
     n = q.shape[-2]
