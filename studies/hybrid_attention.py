@@ -251,11 +251,12 @@ def _band_sums(Kh: torch.Tensor, v: torch.Tensor, halves: list[int]) -> dict[int
     return out
 
 
-def _exact_sums(K: torch.Tensor, v: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(Σ_{j∈S_i} K_ij v_j, Σ_{j∈S_i} K_ij)`` over the exact set of ``w`` with the sinks (dense)."""
+def _exact_sums(K: torch.Tensor, v: torch.Tensor, w: int) -> tuple[torch.Tensor, ...]:
+    """``Σ K_ij v_j`` and ``Σ K_ij`` over the exact set of ``w`` with the sinks, then over the
+    remainder (dense, each summed directly: no cancellation where p is close to 1)."""
     S = _masks(K.shape[-1], w, True).to(K.dtype)
-    KS = K * S
-    return KS @ v, KS.sum(-1)
+    KS, KR = K * S, K * (1 - S)
+    return KS @ v, KS.sum(-1), KR @ v, KR.sum(-1)
 
 
 def _layer_metrics(fm: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windows: list[int],
@@ -299,7 +300,7 @@ def _layer_metrics(fm: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
                          band=_band_sums(Kh, vd, need) if need else {})
         c, Kh, Nh_all, Dh_all = cache["c"], cache["Kh"], cache["Nh_all"], cache["Dh_all"]
         scale0 = torch.exp(c0 - c)  # exact sums at the shift c
-        N_S0, D_S0 = _exact_sums(K, vd, w)
+        N_S0, D_S0, N_R0, D_R0 = _exact_sums(K, vd, w)
         # the map's sums over the exact set: the band |i - j| <= w/2, then the sinks outside it
         h = window_arg(w) - 1
         if w:
@@ -315,11 +316,16 @@ def _layer_metrics(fm: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
             Dh_S = Dh_S + col
         N_S, D_S = N_S0 * scale0.unsqueeze(-1), D_S0 * scale0
         D_tot = D_all * scale0
-        N_R, D_R = N_all * scale0.unsqueeze(-1) - N_S, D_tot - D_S
+        N_R, D_R = N_R0 * scale0.unsqueeze(-1), D_R0 * scale0
         Nh_R, Dh_R = Nh_all - Nh_S, Dh_all - Dh_S
         o_hat = (N_S + Nh_R) / (D_S + Dh_R).unsqueeze(-1)
         p = D_S / D_tot
-        o_R, o_R_hat = N_R / D_R.unsqueeze(-1), Nh_R / Dh_R.unsqueeze(-1)
+        # rows whose remainder is empty or of no representable mass (p = 1 to rounding): no
+        # remainder output, error 0 there
+        has_R = D_R > 0
+        one = torch.ones((), dtype=D_R.dtype)
+        o_R = torch.where(has_R.unsqueeze(-1), N_R / torch.where(has_R, D_R, one).unsqueeze(-1), 0.0)
+        o_R_hat = torch.where(has_R.unsqueeze(-1), Nh_R / torch.where(has_R, Dh_R, one).unsqueeze(-1), 0.0)
         pred = (1 - p).unsqueeze(-1) * (o_R_hat - o_R)
         out[("out_rel_err", w)] = _rel(o_hat - o, o)
         out[("pred_rel_err", w)] = _rel(pred, o)
