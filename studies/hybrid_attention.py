@@ -520,21 +520,27 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
         rs = sorted(tab["r"].unique())
         fig, axes = plt.subplots(1, len(rs), figsize=(3.6 * len(rs), 3.8), squeeze=False, sharey=True)
         fixed = tab[tab["estimator"].isin(["taylor", *HEDGEHOG])]
+        names = sorted(tab["estimator"].unique())
+        colour = {e: f"C{i}" for i, e in enumerate(names)}  # one colour and marker per map, every panel
+        marker = {e: "osD^v<>p"[i % 8] for i, e in enumerate(names)}
+        handles: dict[str, Any] = {}
         for ax, r in zip(axes[0], rs, strict=True):
             sub = pd.concat([tab[tab["r"] == r], fixed[fixed["r"] != r]]) if r else tab[tab["r"] == r]
-            for i, (est, g) in enumerate(sub.groupby("estimator")):
+            for est, g in sub.groupby("estimator"):
                 g = g.sort_values("w")
                 x = g["w"].clip(lower=1)
-                ax.errorbar(x, g["median err"], yerr=[g["median err"] - g["ci_low"], g["ci_high"] - g["median err"]],
-                            marker="osD^v<>p"[i % 8], capsize=2, label=est, color=f"C{i}")
-                ax.plot(x, g["median (1-p)·remainder err"], ls=":", color=f"C{i}", lw=1)
+                h = ax.errorbar(x, g["median err"], yerr=[g["median err"] - g["ci_low"], g["ci_high"] - g["median err"]],
+                                marker=marker[est], capsize=2, label=est, color=colour[est])
+                handles.setdefault(str(est), h)
+                ax.plot(x, g["median (1-p)·remainder err"], ls=":", color=colour[est], lw=1)
             ax.axhline(TARGET_ERR, ls="--", color="black", lw=0.8)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"r = {r}" if r else "fixed-size maps", fontsize=9)
             ax.set_xlabel("w (exact neighbours; 0 plotted at 1)")
         axes[0][0].set_ylabel("median over heads × draws of ‖Ô − O‖/‖O‖")
-        axes[0][-1].legend(fontsize=7, loc="lower left")
+        fig.legend(list(handles.values()), list(handles), fontsize=8, loc="lower center",
+                   ncol=len(handles), bbox_to_anchor=(0.5, -0.08))
         fig.suptitle("hybrid attention on MiniLM (sinks [CLS], [SEP]); dotted: (1 − p)·remainder error; "
                      f"dashed: {TARGET_ERR}", fontsize=10)
         paths += save_figure(fig, folder, "error_vs_window")
