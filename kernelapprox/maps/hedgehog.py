@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
@@ -45,7 +45,7 @@ from ..registry import register_estimator
 from ..samplers import make_generator
 from .base import FeatureMap
 
-__all__ = ["HedgehogFeatures", "fit_feature_map", "distillation_loss"]
+__all__ = ["HedgehogFeatures", "fit_feature_map", "fit_gain", "distillation_loss"]
 
 VARIANTS = ("fla", "lolcats")
 INITS = ("identity", "kaiming")
@@ -81,7 +81,7 @@ class HedgehogFeatures(FeatureMap):
     weighting the two halves separately), so no rescaling of $W$ maps one onto the other.
 
     Features are positive and bounded ($0 < \varphi_j \le 1$): `log_features` returns
-    ``f`` = the features and ``log_scale = 0``. Queries and keys share the map. Gradients reach
+    ``f`` = the features and ``log_scale = 0`` (``= g`` with a gain). Queries and keys share the map. Gradients reach
     ``weight`` and ``bias`` through every entry point (``fm(x)``, ``fm.kernel``,
     `kernelapprox.linear_attention`).
 
@@ -113,11 +113,23 @@ class HedgehogFeatures(FeatureMap):
         16 bits are computed in float32, as everywhere in the library.
     sampler : optional
         Accepted and ignored (generic code builds every estimator the same way).
+    gain : bool, default False
+        Add a learned overall scale $e^{g}$ ($g$ = ``log_gain``, one per batch entry, initially
+        0): $\varphi_g(x) = e^{g}\varphi(x)$, $\hat K = e^{2g}\varphi(q)^\top\varphi(k)$.
+        It cancels in linear attention and matters where the kernel meets exact
+        $e^{q^\top k}$ terms: in `kernelapprox.hybrid_attention` it sets the remainder's mass
+        against the exact window's (the window factor of LoLCATs [Zha25]_, on the linear term).
+        `fit_gain` sets it (`fit_feature_map` with a window calls it). Caveat: $\varphi(q)^\top\varphi(k)\le 1$
+        for these maps, so without a gain their kernel is far below $e^{q^\top k}$ wherever
+        the logits are large; with it the kernel's scale is fitted to data, a learned kernel rather
+        than an approximation of $e^{q^\top k}$.
 
     Attributes
     ----------
     weight : nn.Parameter, shape (*batch_shape, f, d)
     bias : nn.Parameter of shape (*batch_shape, f), or None
+    log_gain : nn.Parameter of shape batch_shape, or None
+        $g$ (``gain=True``).
 
     References
     ----------
@@ -143,6 +155,7 @@ class HedgehogFeatures(FeatureMap):
 
     weight: nn.Parameter
     bias: nn.Parameter | None
+    log_gain: nn.Parameter | None
 
     def __init__(
         self,
@@ -158,6 +171,7 @@ class HedgehogFeatures(FeatureMap):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         sampler: object = None,
+        gain: bool = False,
     ) -> None:
         super().__init__()
         self.dim = check_positive_int("dim", dim)
@@ -170,6 +184,8 @@ class HedgehogFeatures(FeatureMap):
             bias = variant == "fla"
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool or None, got {bias!r}")
+        if not isinstance(gain, bool):
+            raise TypeError(f"gain must be a bool, got {gain!r}")
         device = check_device("device", device)
         dtype = check_dtype("dtype", dtype)
         self.variant = variant
@@ -182,6 +198,10 @@ class HedgehogFeatures(FeatureMap):
             self.bias = nn.Parameter(torch.empty(*self.batch_shape, f, device=device, dtype=dt))
         else:
             self.register_parameter("bias", None)
+        if gain:
+            self.log_gain = nn.Parameter(torch.zeros(self.batch_shape, device=device, dtype=dt))
+        else:
+            self.register_parameter("log_gain", None)
         self.reset_parameters(seed=seed, generator=generator)
 
     def reset_parameters(self, seed: int | None = None, generator: torch.Generator | None = None) -> HedgehogFeatures:
@@ -200,6 +220,8 @@ class HedgehogFeatures(FeatureMap):
             self.weight.copy_(W)
             if self.bias is not None:
                 self.bias.zero_()
+            if self.log_gain is not None:
+                self.log_gain.zero_()
         return self
 
     # ------------------------------------------------------------------ computation
@@ -238,12 +260,20 @@ class HedgehogFeatures(FeatureMap):
             return torch.softmax(torch.cat((2 * z, -2 * z), dim=-1), dim=-1)
         return torch.cat((torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)), dim=-1)
 
+    def _gain(self, like: torch.Tensor) -> torch.Tensor | None:
+        """``log_gain`` as a column ``(*batch_shape, 1)`` in ``like``'s dtype, or ``None`` without a gain."""
+        if self.log_gain is None:
+            return None
+        return self.log_gain.to(like.dtype).unsqueeze(-1)
+
     def forward(self, x):
         xc, out_dtype = self._prepare("x", x)
         e = self._fla_unnormalised(xc)
-        if e is None:
-            return self._phi(xc).to(out_dtype)
-        return e.div_(e.sum(-1, keepdim=True)).to(out_dtype)
+        phi = self._phi(xc) if e is None else e.div_(e.sum(-1, keepdim=True))
+        g = self._gain(phi)
+        if g is not None:
+            phi = phi * torch.exp(g).unsqueeze(-1)
+        return phi.to(out_dtype)
 
     def _fla_unnormalised(self, xc: torch.Tensor) -> torch.Tensor | None:
         """``exp(u - max u)`` for ``u = [2z, -2z]`` (fla variant, no autograd), else ``None``.
@@ -263,6 +293,12 @@ class HedgehogFeatures(FeatureMap):
         return out.exp2_()
 
     def log_features(self, x, shared=False):
+        f, ls = self._log_features(x, shared)
+        g = self._gain(ls)
+        return (f, ls) if g is None else (f, ls + g)
+
+    def _log_features(self, x: torch.Tensor, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`log_features` without the gain."""
         xc, _ = self._prepare("x", x)
         e = self._fla_unnormalised(xc)
         if e is None:
@@ -278,7 +314,7 @@ class HedgehogFeatures(FeatureMap):
 
     def query_features(self, x):
         xc = self._prepare("x", x)[0]
-        e = self._fla_unnormalised(xc)  # the per-query normalisation cancels in attention
+        e = self._fla_unnormalised(xc)  # the per-query normalisation (and the gain) cancels in attention
         return self._phi(xc) if e is None else e
 
     def get_params(self) -> dict[str, Any]:
@@ -291,11 +327,15 @@ class HedgehogFeatures(FeatureMap):
         """
         out = super().get_params()
         out["bias"] = self.bias is not None
+        if self.log_gain is not None:  # absent: the default, no gain
+            out["gain"] = True
         out["device"] = self.weight.device
         return out
 
     def extra_repr(self) -> str:
         s = f"dim={self.dim}, num_features={self.num_features}, variant={self.variant!r}, bias={self.bias is not None}"
+        if self.log_gain is not None:
+            s += ", gain=True"
         if self.batch_shape:
             s += f", batch_shape={self.batch_shape}"
         return s
@@ -358,11 +398,49 @@ def _validate(fm: object, q: object, k: object, causal: object, scale: object) -
     return fm, _check_real("scale", scale, positive=False)
 
 
+def _exact_set(
+    window: object, sinks: object, q: torch.Tensor, k: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The exact sets ``S_i`` (n, n) bool and the rows whose remainder is not empty (1-d index).
+
+    ``(None, None)`` without a window or when every ``S_i`` is empty (the whole-row loss).
+    """
+    if window is None:
+        if not (isinstance(sinks, int) and not isinstance(sinks, bool) and sinks == 0):
+            raise ValueError(f"sinks need a window (window=0 for sinks alone), got window=None and sinks={sinks!r}")
+        return None, None
+    from ..attention.hybrid import check_window, exact_set_mask  # deferred: attention imports the maps
+
+    w = check_window(window)
+    n, m = q.shape[-2], k.shape[-2]
+    if n != m:
+        raise ValueError(
+            f"a window needs as many queries as keys (it is a set of positions), got q {tuple(q.shape)} "
+            f"and k {tuple(k.shape)}"
+        )
+    S = exact_set_mask(n, window=w, sinks=sinks, causal=causal, device=q.device)
+    if not bool(S.any()):
+        return None, None
+    attended = torch.ones(n, n, dtype=torch.bool, device=q.device)
+    if causal:
+        attended = attended.tril()
+    valid = (attended & ~S).any(-1).nonzero().squeeze(-1)
+    if valid.numel() == 0:
+        raise ValueError(
+            f"the exact set (window={w}, sinks={sinks!r}) covers every key of every query (n = {n}): "
+            "no remainder to fit"
+        )
+    return S, valid
+
+
 def _row_losses(
-    fm: FeatureMap, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor | None, causal: bool, scale: float
+    fm: FeatureMap, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor | None, causal: bool, scale: float,
+    exact: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Cross-entropy $-\sum_j A_{ij}\log\hat A_{ij}$ of the query rows ``rows`` (all if None).
 
+    With ``exact`` (the (n, n) exact sets $S_i$), both rows are restricted to the remainder
+    $R_i$ and renormalised there (every row in ``rows`` must have a non-empty remainder).
     ``q``, ``k`` validated and in the compute dtype. Shape (*broadcast(lead, batch_shape), n_rows).
     """
     qs = q if rows is None else q.index_select(-2, rows)
@@ -373,6 +451,10 @@ def _row_losses(
             i = torch.arange(q.shape[-2], device=q.device) if rows is None else rows
             j = torch.arange(k.shape[-2], device=q.device)
             mask = j.unsqueeze(0) > i.unsqueeze(1)  # (n_rows, m): key after query
+        if exact is not None:
+            e = exact if rows is None else exact.index_select(0, rows)
+            mask = e if mask is None else mask | e
+        if mask is not None:
             target_logits = target_logits.masked_fill(mask, float("-inf"))
         A = torch.softmax(target_logits, dim=-1)
     with inputs_validated():
@@ -390,7 +472,8 @@ def _row_losses(
 
 @no_autocast
 def distillation_loss(
-    fm: FeatureMap, q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, scale: float = 1.0
+    fm: FeatureMap, q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, scale: float = 1.0,
+    window: int | None = None, sinks: int | Sequence[int] = 0,
 ) -> torch.Tensor:
     r"""Hedgehog's distillation loss [Zha24]_ eq. 5: cross-entropy of linear-attention weights
     against softmax-attention weights, averaged over query rows (and all leading dimensions).
@@ -405,6 +488,20 @@ def distillation_loss(
     $A$, reached at $\hat A = A$. Computed in the log domain ($\log\hat A$ by a
     log-softmax over $\log\varphi(q_i)^\top\varphi(k_j)$), in the library's compute dtype;
     differentiable with respect to the map's parameters.
+
+    With a ``window``, the *remainder* loss of hybrid attention
+    (`kernelapprox.hybrid_attention`): with $S_i$ the exact set (window $\cup$ sinks) and
+    $R_i$ the other keys query $i$ attends to, both rows are restricted to $R_i$ and
+    renormalised there,
+
+    $$
+    A^R_{ij} = \frac{e^{\text{scale}\cdot q_i^\top k_j}}{\sum_{l\in R_i} e^{\text{scale}\cdot q_i^\top k_l}},\qquad
+    \hat A^R_{ij} = \frac{\varphi(q_i)^\top\varphi(k_j)}{\sum_{l\in R_i}\varphi(q_i)^\top\varphi(k_l)},\qquad
+    \mathcal L_R = -\frac1{|I|}\sum_{i\in I}\sum_{j\in R_i} A^R_{ij}\log\hat A^R_{ij},
+    $$
+
+    averaged over the rows $I$ with a non-empty remainder. The exact part is taken as given: it
+    is the one the hybrid computes exactly, and the map is only asked for the remainder's shape.
 
     Parameters
     ----------
@@ -421,6 +518,13 @@ def distillation_loss(
         `kernelapprox.softmax_attention` on the same ``q, k`` (the library's convention:
         inputs already carry $d^{-1/4}$ each); raw projections with ``scale=d**-0.5`` give
         the usual transformer attention.
+    window : int, optional
+        The hybrid's window, in `kernelapprox.hybrid_attention`'s convention (non-causal
+        $|i - j| < w$, causal $0 \le i - j < w$; ``n == m``). ``None``: whole rows.
+        ``window=0`` with ``sinks=0`` is the whole-row loss.
+    sinks : int or sequence of int, default 0
+        Sink positions of the exact set (`kernelapprox.attention.hybrid.resolve_sinks`); only with
+        a ``window``.
 
     Returns
     -------
@@ -435,8 +539,9 @@ def distillation_loss(
     (torch.Size([]), True)
     """
     fm, scale = _validate(fm, q, k, causal, scale)
+    exact, valid = _exact_set(window, sinks, q, k, causal)
     cdt = fm.compute_dtype(q.dtype, k.dtype)
-    return _row_losses(fm, q.to(cdt), k.to(cdt), None, causal, scale).mean()
+    return _row_losses(fm, q.to(cdt), k.to(cdt), valid, causal, scale, exact).mean()
 
 
 @no_autocast
@@ -453,12 +558,27 @@ def fit_feature_map(
     seed: int | None = None,
     progress: bool = True,
     optimizer: str = "adam",
+    window: int | None = None,
+    sinks: int | Sequence[int] = 0,
 ) -> list[float]:
     r"""Fit a learned feature map by distilling softmax attention into linear attention [Zha24]_.
 
     Minimises `distillation_loss` (the cross-entropy between the exact attention rows
     $A_{i\cdot}$ and the linearised rows $\hat A_{i\cdot}$, [Zha24]_ eq. 5) over the
     map's trainable parameters, in place, with ``steps`` steps of Adam (or SGD).
+
+    With a ``window`` (and ``sinks``), the map is fitted for hybrid attention
+    (`kernelapprox.hybrid_attention`): the loss is the remainder loss of `distillation_loss`,
+    the cross-entropy of the rows restricted and renormalised to the remainder $R_i$ (the keys
+    outside the exact set $S_i$), the exact part taken as given; only rows with a non-empty
+    remainder are drawn. ``window=0, sinks=0`` is the whole-row fit, bit for bit.
+
+    With a window, a map with a trainable gain (`HedgehogFeatures` with ``gain=True``) has its
+    log-gain set after the steps by `fit_gain` (the cross-entropies do not depend on it; the
+    optimiser leaves it alone): the weight of the linear term against the exact window, so that
+    the remainder's share of the mass is right on average (LoLCATs' window factor [Zha25]_,
+    fitted rather than trained; the kernel's scale is then fitted to data, not an
+    approximation of $e^{q^\top k}$).
 
     Heads: with ``fm.batch_shape = (H,)`` each head has its own parameters; the objective is the
     *sum over the map's batch entries* of their mean row losses, so each head receives exactly the
@@ -491,6 +611,12 @@ def fit_feature_map(
     progress : bool, default True
         Show a tqdm progress bar (if tqdm is installed) with the current loss.
     optimizer : {"adam", "sgd"}, default "adam"
+    window : int, optional
+        Fit the remainder of hybrid attention with this window (`kernelapprox.hybrid_attention`'s
+        convention: non-causal $|i - j| < w$, causal $0 \le i - j < w$; ``n == m``). ``None``:
+        whole rows.
+    sinks : int or sequence of int, default 0
+        Sinks of the exact set (`kernelapprox.attention.hybrid.resolve_sinks`), with a ``window``.
 
     Returns
     -------
@@ -504,8 +630,9 @@ def fit_feature_map(
         ``fm`` is not a learned map (``fm.learned`` false: nothing to train) or has signed
         features; bad argument types.
     ValueError
-        Bad ``steps``, ``lr``, ``batch_size``, ``scale`` or ``optimizer``; non-finite ``q`` or
-        ``k``; shapes that do not match; a map whose parameters are all frozen.
+        Bad ``steps``, ``lr``, ``batch_size``, ``scale``, ``optimizer``, ``window`` or ``sinks``;
+        non-finite ``q`` or ``k``; shapes that do not match; a map whose parameters are all frozen;
+        an exact set that leaves no remainder.
     FloatingPointError
         The loss became non-finite (lower ``lr``); the parameters are left as they were before
         that step.
@@ -525,6 +652,13 @@ def fit_feature_map(
     >>> hist = fit_feature_map(fm, q, k, steps=30, lr=0.05, seed=0, progress=False)
     >>> len(hist), hist[-1] < hist[0]
     (30, True)
+
+    For hybrid attention, fit the remainder (and the gain):
+
+    >>> fm = HedgehogFeatures(4, gain=True, dtype=torch.float64)
+    >>> hist = fit_feature_map(fm, q, k, steps=30, lr=0.05, window=3, sinks=1, progress=False)
+    >>> hist[-1] < hist[0], bool(fm.log_gain != 0)
+    (True, True)
     """
     if isinstance(fm, FeatureMap) and not fm.learned:
         raise TypeError(
@@ -532,9 +666,10 @@ def fit_feature_map(
             f"{type(fm).__name__} has no trainable parameters"
         )
     fm, scale = _validate(fm, q, k, causal, scale)
+    exact, valid = _exact_set(window, sinks, q, k, causal)
     steps = check_positive_int("steps", steps)
     lr = _check_real("lr", lr, positive=True)
-    n = q.shape[-2]
+    n = q.shape[-2] if valid is None else int(valid.numel())  # rows that can be drawn
     if batch_size is not None:
         batch_size = check_positive_int("batch_size", batch_size)
     rows_per_step = n if batch_size is None else min(batch_size, n)
@@ -545,7 +680,8 @@ def fit_feature_map(
     for name, t in (("q", q), ("k", k)):
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} contains non-finite values (NaN or Inf): cannot fit on them")
-    params = [p for p in fm.parameters() if p.requires_grad]
+    gain = getattr(fm, "log_gain", None)  # set by fit_gain below, not by the optimiser
+    params = [p for p in fm.parameters() if p.requires_grad and p is not gain]
     if not params:
         raise ValueError(f"fm ({type(fm).__name__}) has no parameter with requires_grad=True: nothing to fit")
 
@@ -565,10 +701,12 @@ def fit_feature_map(
         fm.train()
         with torch.enable_grad():
             for t in bar:
-                rows = None
+                rows = valid
                 if rows_per_step < n:
                     rows = torch.randperm(n, generator=g)[:rows_per_step].to(qc.device)
-                per_row = _row_losses(fm, qc, kc, rows, causal, scale)
+                    if valid is not None:
+                        rows = valid[rows]
+                per_row = _row_losses(fm, qc, kc, rows, causal, scale, exact)
                 mean = per_row.mean()
                 value = float(mean.detach())
                 if not math.isfinite(value):
@@ -582,6 +720,9 @@ def fit_feature_map(
                 opt.step()
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{value:.4g}", refresh=False)
+        if isinstance(fm, HedgehogFeatures) and isinstance(gain, nn.Parameter) and gain.requires_grad \
+                and exact is not None:
+            fit_gain(fm, qc, kc, window=cast(int, window), sinks=sinks, causal=causal, scale=scale)
     finally:
         if hasattr(bar, "close"):
             bar.close()
@@ -589,6 +730,127 @@ def fit_feature_map(
         for p, gr in zip(params, saved_grads, strict=True):
             p.grad = gr
     return history
+
+
+@no_autocast
+def fit_gain(
+    fm: HedgehogFeatures,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    window: int,
+    sinks: int | Sequence[int] = 0,
+    causal: bool = False,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    r"""Set a map's log-gain for hybrid attention: the remainder's share of the mass right on average.
+
+    In `kernelapprox.hybrid_attention` the exact set $S_i$ contributes
+    $D_{S,i} = \sum_{j\in S_i} e^{\text{scale}\cdot q_i^\top k_j}$ and the map
+    $\hat D_{R,i} = e^{2g}\sum_{j\in R_i}\varphi(q_i)^\top\varphi(k_j)$, so the hybrid gives the
+    exact set the share $\hat p_i(g) = D_{S,i}/(D_{S,i} + \hat D_{R,i})$ where softmax gives
+    $p_i$ (`kernelapprox.theory.hybrid_attention.exact_mass`). The log-gain $g$ of each map entry
+    (head) is set, in place, to the root of
+
+    $$
+    \frac1{|I|}\sum_{i\in I}\hat p_i(g) = \frac1{|I|}\sum_{i\in I} p_i,
+    $$
+
+    ($I$ the rows with a non-empty remainder, and every leading dimension the gain does not
+    have), the minimiser of the binary cross-entropy $-\sum_i p_i\log\hat p_i + (1-p_i)\log(1-\hat p_i)$
+    between the two splits ($\hat p$ is decreasing in $g$: found by bisection, in float64). The
+    shapes inside $R_i$ do not depend on $g$ (`distillation_loss` with a window); this is the
+    remaining degree of freedom, the weight of the linear term against the window (LoLCATs' window
+    factor [Zha25]_, here fitted rather than trained). Caveat: the kernel's scale is then a fitted
+    quantity, not an approximation of $e^{q^\top k}$.
+
+    Parameters
+    ----------
+    fm : HedgehogFeatures
+        A map built with ``gain=True``.
+    q, k : Tensor, shape (..., n, d)
+        Calibration queries and keys, as passed to attention (see `distillation_loss`'s ``scale``).
+    window : int
+    sinks : int or sequence of int, default 0
+        The hybrid's exact set (`kernelapprox.hybrid_attention`'s convention); it must leave some
+        row a remainder, and some row an exact key.
+    causal : bool, default False
+    scale : float, default 1.0
+        Multiplies the logits of the softmax side only.
+
+    Returns
+    -------
+    Tensor, shape ``fm.batch_shape``: the new ``fm.log_gain`` (detached).
+
+    Examples
+    --------
+    >>> from kernelapprox.attention.hybrid import exact_set_mask
+    >>> from kernelapprox.theory.hybrid_attention import exact_mass
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k = torch.randn(2, 32, 4, generator=g, dtype=torch.float64).unbind(0)
+    >>> fm = HedgehogFeatures(4, gain=True, dtype=torch.float64)
+    >>> gain = fit_gain(fm, q, k, window=3, sinks=1)
+    >>> S = exact_set_mask(32, window=3, sinks=1)
+    >>> D_S, D_R = (torch.exp(q @ k.T) * S).sum(-1), (fm.kernel(q, k) * ~S).sum(-1)
+    >>> p = exact_mass(q, k, window=3, sinks=1)
+    >>> bool(torch.isclose((D_S / (D_S + D_R)).mean(), p.mean()))
+    True
+    """
+    if not isinstance(fm, HedgehogFeatures) or fm.log_gain is None:
+        raise TypeError(f"fm must be a HedgehogFeatures built with gain=True, got {fm!r}")
+    _, scale = _validate(fm, q, k, causal, scale)
+    if window is None:
+        raise TypeError("window must be a non-negative int (the hybrid's window), got None")
+    exact, valid = _exact_set(window, sinks, q, k, causal)
+    if exact is None or valid is None:
+        raise ValueError(f"the exact set (window={window!r}, sinks={sinks!r}) is empty: no split to fit the gain to")
+    gain = fm.log_gain
+    cdt = fm.compute_dtype(q.dtype, k.dtype)
+    q, k = q.detach().to(cdt), k.detach().to(cdt)
+    n = q.shape[-2]
+    with torch.no_grad(), inputs_validated():
+        rem = ~exact
+        if causal:
+            rem = rem & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        qs, rem, ex = q.index_select(-2, valid), rem.index_select(0, valid), exact.index_select(0, valid)
+        logits = (scale * torch.matmul(qs, k.mT)).double()
+        log_ds = torch.logsumexp(logits.masked_fill(~ex, -math.inf), -1)
+        log_dr = torch.logsumexp(logits.masked_fill(~rem, -math.inf), -1)
+        fq, sq = fm.log_features(qs)
+        fk, sk = fm.key_log_features(k)
+        G = torch.matmul(fq, fk.mT).double()
+        log_hat = torch.log(G.clamp_min(torch.finfo(G.dtype).tiny)) + sk.double().unsqueeze(-2)
+        log_hat = torch.logsumexp(log_hat.masked_fill(~rem, -math.inf), -1) + sq.double()
+        log_hat = log_hat - 2 * gain.detach().double().unsqueeze(-1)  # the gain-free kernel mass
+        p = torch.sigmoid(log_ds - log_dr)
+        a = log_ds - log_hat  # p_hat(g) = sigmoid(a - 2g); a = -inf where S_i is empty
+        lead = torch.broadcast_shapes(a.shape, p.shape)
+        a, p = a.expand(lead), p.expand(lead)
+        bs = tuple(gain.shape)
+
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            """Mean over the rows and every leading dimension that the gain does not have."""
+            x = x.mean(-1)
+            extra = x.dim() - len(bs)
+            if extra > 0:
+                x = x.mean(tuple(range(extra)))
+            for dim, size in enumerate(bs):
+                if size == 1 and x.shape[dim] != 1:
+                    x = x.mean(dim, keepdim=True)
+            return x.expand(bs)
+
+        target = reduce(p)
+        finite = a[torch.isfinite(a)]
+        lo = torch.full(bs, float(finite.min()) / 2 - 40.0, dtype=torch.float64, device=q.device)
+        hi = torch.full(bs, float(finite.max()) / 2 + 40.0, dtype=torch.float64, device=q.device)
+        shape = (*([1] * (a.dim() - 1 - len(bs))), *bs, 1)  # the gain against (*lead, rows)
+        for _ in range(100):  # bisection: p_hat decreases in g; 100 halvings of an 80+ wide bracket
+            mid = (lo + hi) / 2
+            above = reduce(torch.sigmoid(a - 2 * mid.reshape(shape))) > target  # g too small
+            lo = torch.where(above, mid, lo)
+            hi = torch.where(above, hi, mid)
+        gain.copy_(((lo + hi) / 2).to(gain.dtype))
+    return gain.detach().clone()
 
 
 def _progress(it: Iterable[int], enabled: bool) -> Any:
