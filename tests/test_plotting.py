@@ -166,6 +166,55 @@ def test_error_vs_r_style_by_gives_markers():
     assert {ln.get_marker() for ln in lines} == {"o", "s"}
 
 
+def legend_texts(fig) -> list[str]:
+    legends = [lg for a in fig.axes if (lg := a.get_legend()) is not None] + fig.legends
+    return [t.get_text() for lg in legends for t in lg.get_texts()]
+
+
+def test_error_vs_r_reference_line_in_every_panel_with_its_label():
+    df = tidy(dims=(16, 64), regimes=("sphere",))
+    fig = plotting.plot_error_vs_r(df, col="d", reference=0.01, reference_label="target 0.01",
+                                   closed_form_label="delta method")
+    for ax in fig.axes:
+        refs = [ln for ln in ax.get_lines() if ln.get_linestyle() == "-."]
+        assert len(refs) == 1
+        assert np.allclose(refs[0].get_ydata(), 0.01)
+        assert len(solid_lines(ax)) == len(ESTIMATORS)  # the reference is not an estimator line
+    texts = legend_texts(fig)
+    assert "target 0.01" in texts and "delta method" in texts and "closed form" not in texts
+    fig = plotting.plot_error_vs_r(df[df["d"] == 16], reference=1.0, yscale="linear")
+    assert "reference 1" in legend_texts(fig)
+
+
+def test_error_vs_r_reference_bad_values():
+    df = tidy(dims=(16,), regimes=("sphere",))
+    with pytest.raises(ValueError, match="log y axis"):
+        plotting.plot_error_vs_r(df, reference=0.0)
+    with pytest.raises(TypeError, match="reference must be a finite number"):
+        plotting.plot_error_vs_r(df, reference="1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="reference must be a finite number"):
+        plotting.plot_error_vs_r(df, reference=float("nan"))
+
+
+def test_error_vs_r_hollow_marks_only_the_flagged_points():
+    df = tidy(dims=(16,), regimes=("sphere",))
+    flagged = (df["estimator"] == "trig") & (df["r"] >= 64)
+    df["unconverged"] = np.where(flagged, "True", "False")  # as read back from a CSV
+    fig = plotting.plot_error_vs_r(df, hollow="unconverged", hollow_label="unconverged MC")
+    (ax,) = fig.axes
+    hollow = [ln for ln in ax.get_lines() if ln.get_linestyle() == "None"]
+    assert len(hollow) == 1
+    assert np.array_equal(hollow[0].get_xdata(), R[R >= 64])
+    assert hollow[0].get_markerfacecolor() in ("white", "w", (1.0, 1.0, 1.0, 1.0))
+    assert "unconverged MC" in legend_texts(fig)
+    df["unconverged"] = False
+    fig = plotting.plot_error_vs_r(df, hollow="unconverged", hollow_label="unconverged MC")
+    assert not [ln for ln in fig.axes[0].get_lines() if ln.get_linestyle() == "None"]
+    assert "unconverged MC" not in legend_texts(fig)
+    with pytest.raises(ValueError, match=r"\['nope'\] not in df"):
+        plotting.plot_error_vs_r(df, hollow="nope")
+
+
 def rstar_frame(laws=("d", "dlogd")) -> pd.DataFrame:
     d = np.array([4, 8, 16, 32, 64, 128, 256], dtype=float)
     rows = []
