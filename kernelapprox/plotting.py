@@ -242,7 +242,8 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
                     ax: Axes | None = None, closed_form_label: str = "closed form",
                     reference: float | None = None, reference_label: str | None = None,
                     hollow: str | None = None,
-                    hollow_label: str = "unreliable (not an estimate)") -> Figure:
+                    hollow_label: str = "unreliable (not an estimate)",
+                    panel_size: tuple[float, float] = (3.6, 2.9)) -> Figure:
     r"""Error against the number of features: one line per ``hue``, its confidence band, and
     the closed form dashed in the same colour.
 
@@ -300,6 +301,8 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
         Carlo mean).
     hollow_label : str
         Legend entry of the hollow markers (shown when a point is flagged).
+    panel_size : (float, float)
+        Width and height of one facet panel in inches (the figure grows with the grid).
 
     Returns
     -------
@@ -381,7 +384,11 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
     pal = _palette(hues, palette)
     styles = _levels(data, style_by, None)
     markers = dict(zip(styles, ["o", "s", "^", "D", "v", "P", "X", "*"] * 4, strict=False))
-    fig, cells = _grid(data, row, col, row_order, col_order, ax, (3.6, 2.9), where, sharey=False)
+    if len(panel_size) != 2 or not all(isinstance(v, int | float) and v > 0
+                                       for v in panel_size):
+        raise ValueError(f"{where}: panel_size must be (width, height) in inches, both > 0, "
+                         f"got {panel_size!r}")
+    fig, cells = _grid(data, row, col, row_order, col_order, ax, panel_size, where, sharey=False)
 
     def tf(v: Any) -> np.ndarray:
         a = np.asarray(v, dtype=float)

@@ -112,39 +112,22 @@ def _frame(df: pd.DataFrame) -> pd.DataFrame:
 
 def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     """MSE against m per normalisation: mean ± sd over inputs (paper style), theory dashed."""
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
+    from kernelapprox import plotting
 
     set_style()
     sub = _frame(df)
-    col = {"positive-gaussian": "C0", "positive-orthogonal": "C1",
-           "trig-sincos-gaussian": "C2", "trig-sincos-orthogonal": "C3"}
-    fig, axes = plt.subplots(1, len(SCALES), figsize=(6 * len(SCALES), 4.2), squeeze=False)
-    for ax, scale in zip(axes[0], SCALES, strict=True):
-        g0 = sub[sub["scale"] == scale]
-        for key in KEYS:
-            g = g0[g0["spec"] == key].sort_values("m")
-            if g.empty:
-                continue
-            lo = np.maximum(g["mean"] - g["sd"], g["mean"] * 1e-3)
-            ax.plot(g["m"], g["mean"], "o-", color=col[key], ms=4, label=LABEL[key])
-            ax.fill_between(g["m"], lo, g["mean"] + g["sd"], color=col[key], alpha=0.15)
-            if g["theory"].notna().any():
-                ax.plot(g["m"], g["theory"], ls="--", color=col[key], lw=1)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("m (random projections)")
-        ax.set_ylabel("attention-output MSE (value units²)")
-        L = int(g0["L"].iloc[0]) if len(g0) else 0
-        what = "Q, K / d^(1/4)" if scale == "scaled" else "unit-norm rows of Q, K"
-        ax.set_title(f"L = {L}, d = {D}, {what}", fontsize=10)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    handles.append(Line2D([], [], ls="--", color="k", lw=1))
-    labels.append("delta-method variance (library, iid)")
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1.1), ncol=5,
-               fontsize=8, frameon=False)
-    fig.suptitle(f"Reproduction of {PAPER}: mean ± sd over input samples", y=1.15)
-    fig.tight_layout()
+    sub["sd_low"] = np.maximum(sub["mean"] - sub["sd"], sub["mean"] * 1e-3)  # log axis: > 0
+    sub["sd_high"] = sub["mean"] + sub["sd"]
+    L = sub.groupby("scale")["L"].first().to_dict()
+    what = {"scaled": "Q, K / d^(1/4)", "unit": "unit-norm rows of Q, K"}
+    fig = plotting.plot_error_vs_r(
+        sub, x="m", y="mean", hue="label", ci=("sd_low", "sd_high"), closed_form="theory",
+        col="scale", col_order=SCALES, hue_order=[LABEL[k] for k in KEYS],
+        palette={LABEL[k]: f"C{i}" for i, k in enumerate(KEYS)},
+        facet_title=lambda _, scale: f"L = {int(L[scale])}, d = {D}, {what.get(scale, scale)}",
+        xlabel="m (random projections)", ylabel="attention-output MSE (value units²)",
+        closed_form_label="delta-method variance (library, iid)",
+        title=f"Reproduction of {PAPER}:\nmean ± sd over input samples (bands)")
     return save_figure(fig, folder, "performer_attention_mse")
 
 

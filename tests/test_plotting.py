@@ -215,6 +215,15 @@ def test_error_vs_r_hollow_marks_only_the_flagged_points():
         plotting.plot_error_vs_r(df, hollow="nope")
 
 
+def test_error_vs_r_panel_size_sets_the_figure_size():
+    df = tidy(dims=(16, 64), regimes=("sphere",))
+    small = plotting.plot_error_vs_r(df, col="d").get_size_inches()
+    big = plotting.plot_error_vs_r(df, col="d", panel_size=(5.0, 4.0)).get_size_inches()
+    assert np.allclose(big - small, [2 * (5.0 - 3.6), 4.0 - 2.9])
+    with pytest.raises(ValueError, match="panel_size must be"):
+        plotting.plot_error_vs_r(df, col="d", panel_size=(5.0, 0.0))
+
+
 def rstar_frame(laws=("d", "dlogd")) -> pd.DataFrame:
     d = np.array([4, 8, 16, 32, 64, 128, 256], dtype=float)
     rows = []
