@@ -735,7 +735,7 @@ def plot_forest(df: pd.DataFrame, *, x: str = "slope",
                 palette: Mapping[Any, Any] | None = None, xlabel: str | None = None,
                 title: str | None = None,
                 facet_title: Callable[[Any, Any], str] | None = None,
-                ax: Axes | None = None) -> Figure:
+                ax: Axes | None = None, reference_label: str | None = None) -> Figure:
     r"""A forest plot: one estimate with its interval per row, e.g. fitted log-log slopes.
 
     Each level of ``y`` is a row of the panel; the levels of ``hue`` are dodged vertically
@@ -762,6 +762,8 @@ def plot_forest(df: pd.DataFrame, *, x: str = "slope",
         Orders of the rows (default: first appearance), hues and panels (default: sorted).
     palette, xlabel, title, facet_title, ax
         As in `plot_error_vs_r`.
+    reference_label : str, optional
+        Legend entry of the reference line (default ``"reference <value>"``).
 
     Returns
     -------
@@ -852,7 +854,9 @@ def plot_forest(df: pd.DataFrame, *, x: str = "slope",
         handles = [Line2D([], [], color=pal[h], marker="o", ls="", label=f"{hue} = {h}")
                    for h in hues]
     if reference is not None:
-        handles.append(Line2D([], [], color="k", ls="--", lw=1, label=f"reference {reference:g}"))
+        handles.append(Line2D([], [], color="k", ls="--", lw=1,
+                              label=reference_label if reference_label is not None
+                              else f"reference {reference:g}"))
     if title is not None:
         fig.suptitle(title)
     _legend(fig, cells, handles, below=title is not None)

@@ -333,6 +333,14 @@ def test_forest_one_container_per_hue_rows_in_order_and_reference():
         plotting.plot_forest(slope_frame(), hue="d", col="regime", col_order=["missing"])
 
 
+def test_forest_reference_label():
+    one = slope_frame().query("regime == 'sphere'")
+    fig = plotting.plot_forest(one, hue="d", reference=-0.5, reference_label="Monte Carlo rate")
+    assert "Monte Carlo rate" in legend_texts(fig) and "reference -0.5" not in legend_texts(fig)
+    fig = plotting.plot_forest(one, hue="d", reference=-0.5)
+    assert "reference -0.5" in legend_texts(fig)
+
+
 def test_ratio_table_and_markdown():
     df = pd.DataFrame({"estimator": ["uniform", "a", "b"] * 2, "sigma": [0.5] * 3 + [2.0] * 3,
                        "metric": "err", "mean": [0.2, 0.1, 0.4, 0.5, 0.5, 0.25]})
