@@ -777,17 +777,17 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
                                                                      strict=True)]
         cv["curve"] = [f"d = {int(d)}, r = {int(r)}" for d, r in zip(cv["d"], cv["r"],
                                                                       strict=True)]
-        curves = list(dict.fromkeys(cv.sort_values("d")["curve"]))
+        curves = list(dict.fromkeys(cv.sort_values(["d", "r"])["curve"]))
         fig = plotting.plot_error_vs_r(
             cv, x="budget", y="rel", hue="curve", ci=None, closed_form=None, col="panel",
             col_order=[f"{get(e).label}, R = {R:g}" for e, R in cp], hue_order=curves,
             palette=dict(zip(curves, sns.color_palette("viridis", len(curves)), strict=True)),
             yscale="linear", panel_size=(4.4, 3.4), reference=1.0,
             reference_label="value at 4× budget",
-            facet_title=lambda _, p: f"{p} (dashed: standard budget)",
+            facet_title=lambda _, p: str(p),
             xlabel="search budget = starts × steps", ylabel="mean sup / its value at 4× budget",
-            title="Does the sup estimate stop growing with the search budget? "
-                  "(2 draws per d; the same draws at every budget)")
+            title="Does the sup estimate stop growing with the search budget? (2 draws per d; "
+                  "the same draws at every budget; dashed: the standard budget)")
         for ax, (e, R) in zip([a for a in fig.axes if a.get_visible()], cp, strict=False):
             g = cv[(cv["spec"] == e) & (cv["R"] == R)]
             ax.axvline(sorted(g["budget"].unique())[-2], color="grey", lw=0.8, ls="--")
