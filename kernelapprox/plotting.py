@@ -243,7 +243,8 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
                     reference: float | None = None, reference_label: str | None = None,
                     hollow: str | None = None,
                     hollow_label: str = "unreliable (not an estimate)",
-                    panel_size: tuple[float, float] = (3.6, 2.9)) -> Figure:
+                    panel_size: tuple[float, float] = (3.6, 2.9),
+                    style_order: Sequence[Any] | None = None) -> Figure:
     r"""Error against the number of features: one line per ``hue``, its confidence band, and
     the closed form dashed in the same colour.
 
@@ -303,6 +304,8 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
         Legend entry of the hollow markers (shown when a point is flagged).
     panel_size : (float, float)
         Width and height of one facet panel in inches (the figure grows with the grid).
+    style_order : sequence, optional
+        Order of the ``style_by`` levels (their markers and legend entries; default: sorted).
 
     Returns
     -------
@@ -382,7 +385,11 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
         raise ValueError(f"{where}: no rows with a {hue!r} in hue_order={list(hue_order or [])}")
     data = data if hue is None else data[data[hue].isin(hues)]
     pal = _palette(hues, palette)
-    styles = _levels(data, style_by, None)
+    styles = _levels(data, style_by, style_order)
+    if style_by is not None and not styles:
+        raise ValueError(f"{where}: no rows with a {style_by!r} in "
+                         f"style_order={list(style_order or [])}")
+    data = data if style_by is None else data[data[style_by].isin(styles)]
     markers = dict(zip(styles, ["o", "s", "^", "D", "v", "P", "X", "*"] * 4, strict=False))
     if len(panel_size) != 2 or not all(isinstance(v, int | float) and v > 0
                                        for v in panel_size):

@@ -475,6 +475,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
         fig = plotting.plot_error_vs_r(
             sub, x="r", y="mean", hue="label", ci=None, closed_form=None, col="regime",
             style_by="n tokens", col_order=[regime_name(a, b) for a, b in _regimes(sub)],
+            style_order=[f"n = {int(n)}" for n in sorted(sub["n"].unique())],
             facet_title=lambda _, reg: str(reg), yscale="linear",
             xlabel="r (random projections)", ylabel="share of rows with denominator <= 0",
             title="Trigonometric features: non-positive attention denominators")

@@ -164,6 +164,15 @@ def test_error_vs_r_style_by_gives_markers():
     lines = solid_lines(ax)
     assert len(lines) == 2 * len(ESTIMATORS)
     assert {ln.get_marker() for ln in lines} == {"o", "s"}
+    fig = plotting.plot_error_vs_r(df, style_by="regime", closed_form=None,
+                                   style_order=["sphere", "attention"])
+    texts = legend_texts(fig)
+    assert texts.index("sphere") < texts.index("attention")
+    marker = {ln.get_label().split(", ")[1]: ln.get_marker() for ln in solid_lines(fig.axes[0])}
+    assert marker == {"sphere": "o", "attention": "s"}
+    fig = plotting.plot_error_vs_r(df, style_by="regime", closed_form=None,
+                                   style_order=["sphere"])
+    assert len(solid_lines(fig.axes[0])) == len(ESTIMATORS)
 
 
 def legend_texts(fig) -> list[str]:
