@@ -210,7 +210,8 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     sub["d "] = [f"d = {int(d)}" for d in sub["d"]]
     common: dict[str, Any] = dict(
         y="mean", hue="sampler ", ci=("ci_low", "ci_high"), closed_form="theory",
-        style_by="d ", hue_order=smps, palette=pal, col="estimator", col_order=FAMILIES,
+        style_by="d ", style_order=[f"d = {int(d)}" for d in sorted(sub["d"].unique())],
+        hue_order=smps, palette=pal, col="estimator", col_order=FAMILIES,
         ylabel="MSE ratio to iid features (unitless)",
         closed_form_label="closed-form ratio (orthogonal)", reference=1.0,
         reference_label="iid (ratio 1)", hollow="unconverged", panel_size=(5.0, 3.6),
