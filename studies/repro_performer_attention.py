@@ -126,7 +126,7 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
         palette={LABEL[k]: f"C{i}" for i, k in enumerate(KEYS)},
         facet_title=lambda _, scale: f"L = {int(L[scale])}, d = {D}, {what.get(scale, scale)}",
         xlabel="m (random projections)", ylabel="attention-output MSE (value units²)",
-        closed_form_label="delta-method variance (library, iid)",
+        closed_form_label="delta-method variance (library, iid)", panel_size=(5.4, 3.8),
         title=f"Reproduction of {PAPER}:\nmean ± sd over input samples (bands)")
     return save_figure(fig, folder, "performer_attention_mse")
 
