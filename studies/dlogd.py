@@ -654,21 +654,14 @@ def _fit_curve(fr: pd.Series, m: str, dd: np.ndarray) -> np.ndarray:
 
 
 def _refresh_legend(fig: Any, extra: list[Any]) -> None:
-    """Re-make the figure legend of a plotting figure with ``extra`` handles appended."""
-    old = fig.legends[0] if fig.legends else None
-    panel = None if old is not None else next(
-        (a.get_legend() for a in fig.axes if a.get_legend() is not None), None)
-    src = old if old is not None else panel
-    handles = [*(src.legend_handles if src is not None else []), *extra]
-    if old is not None:
-        old.remove()
-        fig.legend(handles=handles, loc="outside lower center", ncol=min(3, len(handles)),
-                   fontsize=8)
-    else:
-        for a in fig.axes:
-            if a.get_legend() is not None:
-                a.legend(handles=handles, fontsize=7, loc="best")
-                break
+    """Replace the legend of a plotting figure (in its panel or the figure's) by one figure
+    legend below the panels, with ``extra`` handles appended."""
+    legends = [*fig.legends, *(a.get_legend() for a in fig.axes if a.get_legend() is not None)]
+    handles = [*(legends[0].legend_handles if legends else []), *extra]
+    for lg in legends:
+        lg.remove()
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(3, len(handles)),
+               fontsize=7)
 
 
 def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
