@@ -207,6 +207,11 @@ def _finite_positive(values: Sequence[np.ndarray]) -> np.ndarray:
     return v[np.isfinite(v) & (v > 0)]
 
 
+def _flags(values: Any) -> np.ndarray:
+    """Boolean flags of a column: any non-empty, non-False value (``"True"`` read from a CSV)."""
+    return np.asarray(values.fillna("").map(lambda v: bool(v) and str(v) != "False"), dtype=bool)
+
+
 def _legend(fig: Figure, cells: Sequence[tuple[Any, Any, Axes, Any]], handles: list[Any],
             *, below: bool = False) -> None:
     """One panel: a legend in it; a grid: one legend above the panels, or below them when the
@@ -234,7 +239,12 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
                     xlabel: str | None = None, ylabel: str | None = None,
                     title: str | None = None,
                     facet_title: Callable[[Any, Any], str] | None = None,
-                    ax: Axes | None = None) -> Figure:
+                    ax: Axes | None = None, closed_form_label: str = "closed form",
+                    reference: float | None = None, reference_label: str | None = None,
+                    hollow: str | None = None,
+                    hollow_label: str = "unreliable (not an estimate)",
+                    panel_size: tuple[float, float] = (3.6, 2.9),
+                    style_order: Sequence[Any] | None = None) -> Figure:
     r"""Error against the number of features: one line per ``hue``, its confidence band, and
     the closed form dashed in the same colour.
 
@@ -279,6 +289,23 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
         ``"row = value, col = value"``.
     ax : matplotlib.axes.Axes, optional
         Draw into this panel (no facets).
+    closed_form_label : str
+        Legend entry of the dashed closed-form lines (e.g. ``"delta-method variance"``).
+    reference : float, optional
+        A horizontal line in every panel (thin, black, dash-dotted), e.g. ``1`` under a ratio
+        or ``0`` under a difference; with ``yscale="log"`` it must be positive.
+    reference_label : str, optional
+        Its legend entry (default ``"reference <value>"``).
+    hollow : str, optional
+        Column flagging points drawn with hollow markers (any non-empty, non-False value):
+        values kept on the line but not to be read as estimates (e.g. an unconverged Monte
+        Carlo mean).
+    hollow_label : str
+        Legend entry of the hollow markers (shown when a point is flagged).
+    panel_size : (float, float)
+        Width and height of one facet panel in inches (the figure grows with the grid).
+    style_order : sequence, optional
+        Order of the ``style_by`` levels (their markers and legend entries; default: sorted).
 
     Returns
     -------
@@ -313,9 +340,27 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
     >>> fig = plot_error_vs_r(df, col="d", transform=np.sqrt, ylabel="relative RMS error")
     >>> len(fig.axes), [len(a.get_lines()) for a in fig.axes]
     (2, [4, 4])
+
+    A ratio to a baseline, its reference line at 1, and a point flagged as unreliable:
+
+    >>> ratio = pd.DataFrame({"sampler": "orthogonal", "r": r, "mean": [0.9, 0.7, 0.5, 0.4],
+    ...                       "ci_low": [0.8, 0.6, 0.45, 0.2], "ci_high": [1.0, 0.8, 0.55, 0.9],
+    ...                       "converged": [True, True, True, False]})
+    >>> ratio["unconverged"] = ~ratio["converged"]
+    >>> fig = plot_error_vs_r(ratio, hue="sampler", closed_form=None, reference=1.0,
+    ...                       reference_label="iid (ratio 1)", hollow="unconverged")
+    >>> [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    ['orthogonal', 'iid (ratio 1)', 'unreliable (not an estimate)']
     """
     where = "plot_error_vs_r"
-    _check_frame(df, [x, y, hue, row, col, style_by], where)
+    _check_frame(df, [x, y, hue, row, col, style_by, hollow], where)
+    if reference is not None:
+        if not isinstance(reference, int | float) or isinstance(reference, bool) or \
+                not math.isfinite(reference):
+            raise TypeError(f"{where}: reference must be a finite number, got {reference!r}")
+        if yscale == "log" and reference <= 0:
+            raise ValueError(f"{where}: reference={reference!r} cannot be drawn on a log y axis "
+                             "(pass a positive value or yscale='linear')")
     if ci is not None and any(c not in df.columns for c in ci):
         raise ValueError(f"{where}: the band's columns ci={ci} are not both in df (pass ci=None "
                          f"for no band); its columns are {list(map(str, df.columns))}")
@@ -340,17 +385,27 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
         raise ValueError(f"{where}: no rows with a {hue!r} in hue_order={list(hue_order or [])}")
     data = data if hue is None else data[data[hue].isin(hues)]
     pal = _palette(hues, palette)
-    styles = _levels(data, style_by, None)
+    styles = _levels(data, style_by, style_order)
+    if style_by is not None and not styles:
+        raise ValueError(f"{where}: no rows with a {style_by!r} in "
+                         f"style_order={list(style_order or [])}")
+    data = data if style_by is None else data[data[style_by].isin(styles)]
     markers = dict(zip(styles, ["o", "s", "^", "D", "v", "P", "X", "*"] * 4, strict=False))
-    fig, cells = _grid(data, row, col, row_order, col_order, ax, (3.6, 2.9), where, sharey=False)
+    if len(panel_size) != 2 or not all(isinstance(v, int | float) and v > 0
+                                       for v in panel_size):
+        raise ValueError(f"{where}: panel_size must be (width, height) in inches, both > 0, "
+                         f"got {panel_size!r}")
+    fig, cells = _grid(data, row, col, row_order, col_order, ax, panel_size, where, sharey=False)
 
     def tf(v: Any) -> np.ndarray:
         a = np.asarray(v, dtype=float)
         return transform(np.clip(a, 0, None)) if transform is not None else a
 
-    any_closed = False
+    any_closed = any_hollow = False
     for rv, cv, a, g in cells:
         curves: list[np.ndarray] = []
+        if reference is not None:
+            a.axhline(reference, color="k", ls="-.", lw=0.8, zorder=1)
         for h in hues:
             gh = g if hue is None else g[g[hue] == h]
             for s in styles:
@@ -363,6 +418,12 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
                 lab = (y if hue is None else str(h)) if style_by is None else f"{h}, {s}"
                 a.plot(xs, ys, marker=markers[s], color=pal[h], label=lab)
                 curves.append(ys)
+                if hollow is not None:
+                    flag = _flags(gs[hollow])
+                    if flag.any():
+                        a.plot(xs[flag], ys[flag], ls="none", marker=markers[s], mfc="white",
+                               mec=pal[h], mew=1.3, ms=7, zorder=5, label="_hollow")
+                        any_hollow = True
                 if ci is not None:
                     a.fill_between(xs, tf(gs[ci[0]]), tf(gs[ci[1]]), color=pal[h], alpha=0.18,
                                    lw=0)
@@ -389,7 +450,14 @@ def plot_error_vs_r(df: pd.DataFrame, *, x: str = "r", y: str = "mean",
         for s in styles:
             handles.append(Line2D([], [], color="0.3", marker=markers[s], ls="", label=str(s)))
     if any_closed:
-        handles.append(Line2D([], [], color="k", ls="--", lw=1.0, label="closed form"))
+        handles.append(Line2D([], [], color="k", ls="--", lw=1.0, label=closed_form_label))
+    if reference is not None:
+        handles.append(Line2D([], [], color="k", ls="-.", lw=0.8,
+                              label=reference_label if reference_label is not None
+                              else f"reference {reference:g}"))
+    if any_hollow:
+        handles.append(Line2D([], [], color="0.3", marker="o", mfc="white", mew=1.3, ms=7,
+                              ls="", label=hollow_label))
     if title is not None:
         fig.suptitle(title)
     _legend(fig, cells, handles, below=title is not None)
@@ -674,7 +742,7 @@ def plot_forest(df: pd.DataFrame, *, x: str = "slope",
                 palette: Mapping[Any, Any] | None = None, xlabel: str | None = None,
                 title: str | None = None,
                 facet_title: Callable[[Any, Any], str] | None = None,
-                ax: Axes | None = None) -> Figure:
+                ax: Axes | None = None, reference_label: str | None = None) -> Figure:
     r"""A forest plot: one estimate with its interval per row, e.g. fitted log-log slopes.
 
     Each level of ``y`` is a row of the panel; the levels of ``hue`` are dodged vertically
@@ -701,6 +769,8 @@ def plot_forest(df: pd.DataFrame, *, x: str = "slope",
         Orders of the rows (default: first appearance), hues and panels (default: sorted).
     palette, xlabel, title, facet_title, ax
         As in `plot_error_vs_r`.
+    reference_label : str, optional
+        Legend entry of the reference line (default ``"reference <value>"``).
 
     Returns
     -------
@@ -791,7 +861,9 @@ def plot_forest(df: pd.DataFrame, *, x: str = "slope",
         handles = [Line2D([], [], color=pal[h], marker="o", ls="", label=f"{hue} = {h}")
                    for h in hues]
     if reference is not None:
-        handles.append(Line2D([], [], color="k", ls="--", lw=1, label=f"reference {reference:g}"))
+        handles.append(Line2D([], [], color="k", ls="--", lw=1,
+                              label=reference_label if reference_label is not None
+                              else f"reference {reference:g}"))
     if title is not None:
         fig.suptitle(title)
     _legend(fig, cells, handles, below=title is not None)

@@ -337,123 +337,88 @@ def _order(df: pd.DataFrame) -> list[str]:
     return [lab[k] for k in keys if k in lab.index]
 
 
+def _with_regime(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with a ``regime`` column naming its (data, sigma) regime (`regime_name`)."""
+    return df.assign(regime=[regime_name(a, float(b))
+                             for a, b in zip(df["data"], df["sigma"], strict=True)])
+
+
 def _metric_figure(df: pd.DataFrame, metric: str, ylabel: str, title: str,
                    x: str = "r") -> object:
-    """One figure: rows = data regime, columns = n; lines = estimators against ``x`` (r or F)."""
-    import matplotlib.pyplot as plt
+    """One figure: rows = data regime, columns = n; lines = estimators against ``x`` (r or F).
+
+    A deterministic map (and the uniform baseline) has one value per (regime, n): it is drawn
+    as a level over the x range of the random maps. For ``rel_err`` the delta-method prediction
+    (metric ``rel_err_theory``) is the dashed closed form of its estimator.
+    """
+    from kernelapprox import plotting
 
     order = _order(df)
     pal = _palette(order)
     pal[UNIFORM_LABEL] = (0.0, 0.0, 0.0)
-    ns = sorted(df["n"].unique())
-    regimes = _regimes(df)
-    rand = df[(df.sampler != "none") & (df.metric == metric)]
-    xmin, xmax = (rand[x].min(), rand[x].max()) if len(rand) else (D / 2, D * 2)
-    fig, axes = plt.subplots(len(regimes), len(ns), figsize=(4.2 * len(ns), 3.3 * len(regimes)),
-                             sharex=True, sharey="row", squeeze=False)
-    for a, (data, sigma) in enumerate(regimes):
-        dr = _rg(df, data, sigma)
-        for b, n in enumerate(ns):
-            ax = axes[a, b]
-            sub = dr[(dr.metric == metric) & (dr.n == n)]
-            for lab in order:
-                s = sub[sub.label == lab].sort_values(x)
-                if not len(s):
-                    continue
-                if s["sampler"].iloc[0] == "none":  # deterministic: one value, drawn as a level
-                    feats = int(s["feature_dim"].iloc[0])
-                    ax.axhline(s["mean"].iloc[0], color=pal[lab], ls="--" if feats else ":",
-                               lw=1.5, label=f"{lab} (deterministic, {feats} features)"
-                               if feats else lab)
-                    continue
-                ax.plot(s[x], s["mean"], "o-", color=pal[lab], ms=4, label=lab)
-                ax.fill_between(s[x], s["ci_low"].clip(lower=1e-12), s["ci_high"],
-                                color=pal[lab], alpha=0.2)
-            if metric == "rel_err":
-                th = dr[(dr.metric == "rel_err_theory") & (dr.n == n)]
-                for lab in order:
-                    s = th[th.label == lab].sort_values(x)
-                    if len(s):
-                        ax.plot(s[x], s["mean"], ":", color=pal[lab], lw=1.8)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlim(xmin / 1.3, xmax * 1.3)
-            # y range from the means (a t-interval of a heavy-tailed error can reach below 0;
-            # the band is then cut at the axis)
-            means = dr[(dr.metric == metric) & (dr["mean"] > 0)]["mean"]
-            if len(means):
-                ax.set_ylim(means.min() / 3, means.max() * 3)
-            ax.set_title(f"n = {n}, {regime_name(data, sigma)}", fontsize=10)
-            if b == 0:
-                ax.set_ylabel(ylabel)
-            if a == len(regimes) - 1:
-                ax.set_xlabel("r (random projections)" if x == "r"
-                              else "feature dimension F (= 2r: hyp., sin/cos)")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    if metric == "rel_err" and (df.metric == "rel_err_theory").any():
-        handles.append(plt.Line2D([], [], color="gray", ls=":"))
-        labels.append("delta-method theory, iid (dotted; first draw's data)")
-    fig.suptitle(title, y=1.0)
-    fig.tight_layout()
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3,
-               fontsize=8, frameon=False)
+    sub = df[df.metric == metric]
+    rand = sub[sub.sampler != "none"]
+    det = sub[sub.sampler == "none"]
+    xs = sorted(rand[x].unique()) if len(rand) else [D / 2, D * 2]
+    names = {}
+    for lab, feats in det.drop_duplicates("label").set_index("label")["feature_dim"].items():
+        names[lab] = f"{lab} (deterministic, {int(feats)} features)" if feats else lab
+    det = pd.concat([det.assign(**{x: v}) for v in xs], ignore_index=True)
+    sub = pd.concat([rand, det], ignore_index=True)
+    if metric == "rel_err":
+        keys = ["data", "sigma", "n", "spec", "r"]
+        th = df[df.metric == "rel_err_theory"][keys + ["mean"]].rename(columns={"mean": "theory"})
+        sub = sub.drop(columns="theory", errors="ignore").merge(th, on=keys, how="left")
+    else:
+        sub = sub.assign(theory=np.nan)
+    sub["label"] = sub["label"].map(lambda lab: names.get(lab, lab))
+    sub = _with_regime(sub)
+    fig = plotting.plot_error_vs_r(
+        sub, x=x, y="mean", hue="label", ci=("ci_low", "ci_high"), closed_form="theory",
+        row="regime", col="n", hue_order=[names.get(lab, lab) for lab in order],
+        row_order=[regime_name(a, b) for a, b in _regimes(df)],
+        palette={names.get(lab, lab): c for lab, c in pal.items()},
+        facet_title=lambda reg, n: f"n = {n}, {reg}",
+        xlabel="r (random projections)" if x == "r" else
+        "feature dimension F (= 2r: hyp., sin/cos)",
+        ylabel=ylabel, title=title,
+        closed_form_label="delta-method theory, iid (first draw's data)")
     return fig
 
 
 def _diff_figure(df: pd.DataFrame) -> object:
     """Paired differences (rows: comparison; columns: regime) against r, one line per n."""
-    import matplotlib.pyplot as plt
+    from kernelapprox import plotting
 
-    dd = df[df.metric == "rel_err_diff"]
-    comps = [c for _, _, c in COMPARISONS if c in set(dd["comparison"])]
-    regimes = _regimes(dd)
-    fig, axes = plt.subplots(len(comps), len(regimes), figsize=(4.2 * len(regimes),
-                             3.2 * len(comps)), sharex=True, squeeze=False)
-    for a, comp in enumerate(comps):
-        for b, (data, sigma) in enumerate(regimes):
-            ax = axes[a, b]
-            s = _rg(dd[dd.comparison == comp], data, sigma)
-            for n, sn in s.groupby("n"):
-                sn = sn.sort_values("r")
-                ax.plot(sn["r"], sn["mean"], "o-", ms=4, label=f"n = {int(n)}")
-                ax.fill_between(sn["r"], sn["ci_low"], sn["ci_high"], alpha=0.2)
-            ax.axhline(0, color="k", lw=0.8)
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{comp}\n{regime_name(data, sigma)}", fontsize=9)
-            if b == 0:
-                ax.set_ylabel("difference of rel. error")
-            if a == len(comps) - 1:
-                ax.set_xlabel("r (random projections)")
-            ax.legend(fontsize=7)
-    fig.suptitle("Paired difference of the relative output error (same data; mean, 95% CI): "
-                 "below 0 = the first estimator is better", y=1.0)
-    fig.tight_layout()
-    return fig
+    dd = _with_regime(df[df.metric == "rel_err_diff"])
+    dd["n tokens"] = [f"n = {int(n)}" for n in dd["n"]]
+    return plotting.plot_error_vs_r(
+        dd, x="r", y="mean", hue="n tokens", closed_form=None, row="comparison", col="regime",
+        row_order=[c for _, _, c in COMPARISONS], hue_order=[f"n = {int(n)}"
+                                                            for n in sorted(dd["n"].unique())],
+        col_order=[regime_name(a, b) for a, b in _regimes(dd)], yscale="linear",
+        facet_title=lambda comp, reg: f"{comp}\n{reg}",
+        reference=0.0, reference_label="no difference",
+        xlabel="r (random projections)", ylabel="difference of rel. error",
+        title="Paired difference of the relative output error (same data; mean, 95% CI): "
+              "below 0 = the first estimator is better")
 
 
 def _theory_figure(m: pd.DataFrame) -> object:
     """Measured RMS relative error / delta-method prediction against r (n = 256), per regime."""
-    import matplotlib.pyplot as plt
+    from kernelapprox import plotting
 
-    regimes = _regimes(m)
-    fig, axes = plt.subplots(1, len(regimes), figsize=(4.2 * len(regimes), 3.4), sharey=True,
-                             squeeze=False)
-    for b, (data, sigma) in enumerate(regimes):
-        ax = axes[0, b]
-        for lab, s in _rg(m, data, sigma).groupby("label"):
-            s = s.sort_values("r")
-            ax.plot(s["r"], s["ratio"], "o-", ms=4, label=lab)
-        ax.axhspan(1 / HOLD, HOLD, color="green", alpha=0.12, label=f"within ×{HOLD:g}")
-        ax.axhline(1, color="k", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(regime_name(data, sigma), fontsize=10)
-        ax.set_xlabel("r (random projections)")
-        if b == 0:
-            ax.set_ylabel("measured RMS / delta-method")
-        ax.legend(fontsize=7)
-    fig.suptitle("First-order (delta-method) theory vs measurement, n = 256, iid projections", y=1.02)
-    fig.tight_layout()
+    m = _with_regime(m)
+    fig = plotting.plot_error_vs_r(
+        m, x="r", y="ratio", hue="label", ci=None, closed_form=None, col="regime",
+        col_order=[regime_name(a, b) for a, b in _regimes(m)],
+        facet_title=lambda _, reg: str(reg), reference=1.0,
+        reference_label=f"measured = predicted (shaded: within ×{HOLD:g})",
+        xlabel="r (random projections)", ylabel="measured RMS / delta-method",
+        title="First-order (delta-method) theory vs measurement, n = 256, iid projections")
+    for ax in fig.axes:
+        if ax.get_visible():
+            ax.axhspan(1 / HOLD, HOLD, color="green", alpha=0.12, lw=0)
     return fig
 
 
@@ -472,6 +437,8 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     """rel_err against r and against F, tv against r (rows: regime, columns: n); paired
     differences; theory ratio; trig non-positive denominators."""
     import seaborn as sns
+
+    from kernelapprox import plotting
 
     _reference.cache_clear()  # all cells are done: release the cached data of the last regime
     sns.set_theme(style="whitegrid", context="notebook")
@@ -503,18 +470,18 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
 
     sub = df[(df.metric == "frac_den_nonpos") & df.estimator.isin(_signed_families())]
     if len(sub):
-        sub = sub.copy()
-        sub["n tokens"] = sub["n"].astype(int).astype(str)
-        sub["regime"] = [regime_name(a, b) for a, b in zip(sub["data"], sub["sigma"], strict=True)]
-        g = sns.relplot(data=sub, x="r", y="mean", hue="label", style="n tokens", col="regime",
-                        kind="line", marker="o", height=3.4, aspect=1.1)
-        for ax in g.axes.flat:
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("r (random projections)")
-        g.set_ylabels("share of rows with denominator <= 0")
-        g.set(ylim=(0, None))
-        g.figure.suptitle("Trigonometric features: non-positive attention denominators", y=1.03)
-        paths += save_figure(g.figure, folder, "trig_nonpositive_denominators")
+        sub = _with_regime(sub)
+        sub["n tokens"] = [f"n = {int(n)}" for n in sub["n"]]
+        fig = plotting.plot_error_vs_r(
+            sub, x="r", y="mean", hue="label", ci=None, closed_form=None, col="regime",
+            style_by="n tokens", col_order=[regime_name(a, b) for a, b in _regimes(sub)],
+            style_order=[f"n = {int(n)}" for n in sorted(sub["n"].unique())],
+            facet_title=lambda _, reg: str(reg), yscale="linear",
+            xlabel="r (random projections)", ylabel="share of rows with denominator <= 0",
+            title="Trigonometric features: non-positive attention denominators")
+        for ax in fig.axes:
+            ax.set_ylim(0, None)
+        paths += save_figure(fig, folder, "trig_nonpositive_denominators")
     return paths
 
 

@@ -165,6 +165,7 @@ def _regime_order(w: pd.DataFrame) -> list[str]:
 
 def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     """Measured vs predicted median relative MSE (log-log, ×2 band), coloured by regime."""
+    # hand-written: a measured-against-predicted scatter, a figure kind kernelapprox.plotting has not
     import matplotlib.pyplot as plt
     import seaborn as sns
 

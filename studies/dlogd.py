@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -652,154 +653,162 @@ def _fit_curve(fr: pd.Series, m: str, dd: np.ndarray) -> np.ndarray:
     return fr[f"c[{m}]"] * dd * np.log(fr["C_fit"] * dd)
 
 
+def _refresh_legend(fig: Any, extra: list[Any]) -> None:
+    """Replace the legend of a plotting figure (in its panel or the figure's) by one figure
+    legend below the panels, with ``extra`` handles appended."""
+    legends = [*fig.legends, *(a.get_legend() for a in fig.axes if a.get_legend() is not None)]
+    handles = [*(legends[0].legend_handles if legends else []), *extra]
+    for lg in legends:
+        lg.remove()
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(3, len(handles)),
+               fontsize=7)
+
+
 def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     """Sup vs r, r*/d vs d with the fair models, sup vs search budget, positive formula, pointwise."""
     import matplotlib.pyplot as plt
     import seaborn as sns
     from matplotlib.lines import Line2D
 
+    from kernelapprox import plotting
+
     set_style()
     paths: list[Path] = []
     sup = _sup_frame(df)
     pairs = sorted({(e, R) for e, R in zip(sup["spec"], sup["R"], strict=True)},
                    key=lambda x: (ESTIMATORS.index(x[0]), x[1]))
+    panel = {(e, R): f"{get(e).label}, R = {R:g}" for e, R in pairs}
     dims = sorted(sup["d"].unique())
-    dpal = dict(zip(dims, sns.color_palette("viridis", len(dims)), strict=False))
+    dpal = dict(zip([f"d = {d}" for d in dims], sns.color_palette("viridis", len(dims)),
+                    strict=False))
 
-    # 1) sup error vs r
-    fig, axes = plt.subplots(1, len(pairs), figsize=(3.9 * len(pairs), 3.6), squeeze=False)
-    for ax, (e, R) in zip(axes[0], pairs, strict=True):
-        g = sup[(sup["R"] == R) & (sup["spec"] == e)]
-        for d, gd in g.groupby("d"):
-            gd = gd.sort_values("r")
-            ax.plot(gd["r"], gd["q90"], "o-", ms=3, color=dpal[d], label=f"d = {d}")
-        f = df[(df["metric"] == "sup_formula") & (df["spec"] == e) & (df["R"] == R)]
-        for d, gd in f.groupby("d"):
-            gd = gd.sort_values("r")
-            ax.plot(gd["r"], gd["mean"], ls="--", lw=1, color=dpal[d])
+    # 1) sup error vs r; positive features: the analytic sup e^{2R‖ω_max‖−2R²}/r dashed
+    s1 = sup.assign(panel=[panel[(e, R)] for e, R in zip(sup["spec"], sup["R"], strict=True)],
+                    dim=[f"d = {d}" for d in sup["d"]])
+    form = df[df["metric"] == "sup_formula"][["spec", "R", "d", "r", "mean"]]
+    s1 = s1.merge(form.rename(columns={"mean": "formula"}), on=["spec", "R", "d", "r"],
+                  how="left")
+    fig = plotting.plot_error_vs_r(
+        s1, x="r", y="q90", hue="dim", ci=None, closed_form="formula", col="panel",
+        col_order=[panel[p] for p in pairs], hue_order=list(dpal), palette=dpal,
+        panel_size=(3.9, 3.4), facet_title=lambda _, p: str(p),
+        closed_form_label="positive: e^{2R‖ω_max‖−2R²}/r",
+        xlabel="r (number of random projections)",
+        ylabel="90% quantile over draws of\nsup |K̂ − K| / e^{R²} (unitless)",
+        title="Uniform error over the ball B(R) vs r (dotted: the ε levels of r*)")
+    for ax in fig.axes:
         for eps in EPS:
             ax.axhline(eps, color="grey", lw=0.8, ls=":")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{get(e).label}, R = {R:g}" + (" (dashed: e^{2R‖ω_max‖−2R²}/r)"
-                                                     if len(f) else ""), fontsize=8)
-        ax.set_xlabel("r (number of random projections)")
-    axes[0][0].set_ylabel("90% quantile over draws of\nsup |K̂ − K| / e^{R²} (unitless)")
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
-    fig.suptitle("Uniform error over the ball B(R) vs r (dotted: the ε levels of r*)")
-    fig.tight_layout()
     paths += save_figure(fig, folder, "sup_error_vs_r")
 
-    # 2) headline: r*/d vs d with the fair models and the bounds' shapes (free constant)
+    # 2) headline: r*/d vs d with the fair models and the bounds' shapes (free constant).
+    # plotting fits c·d and c·d^p (WLS in log space, the study's floored weights: the same fits
+    # as fits_table); the profiled c·d·log(C·d) and the bounds' shapes are the study's own.
     rst, boots = rstar_table(df)
     fits = fits_table(rst, boots)
     tp = [(e, R) for e, R in pairs if e in TRIG]
     epal = dict(zip(EPS, sns.color_palette("tab10", len(EPS)), strict=False))
     bpal = dict(zip(THEORY_BOUNDS, ["0.35", "0.55", "0.7", "0.2"], strict=True))
-    fig, axes = plt.subplots(1, max(1, len(tp)), figsize=(4.6 * max(1, len(tp)), 4.2),
-                             squeeze=False)
-    for ax, (e, R) in zip(axes[0], tp, strict=False):
-        for eps in EPS:
-            g = rst[(rst["spec"] == e) & (rst["R"] == R) & (rst["eps"] == eps)]
-            u = g[g["censored"] == ""]
-            if len(u):
-                ax.errorbar(u["d"], u["r_star"] / u["d"],
-                            yerr=[((u["r_star"] - u["r_star_lo"]) / u["d"]).clip(lower=0).fillna(0),
-                                  ((u["r_star_hi"] - u["r_star"]) / u["d"]).clip(lower=0).fillna(0)],
-                            fmt="o", ms=4, capsize=2, color=epal[eps], lw=1)
-            c = g[g["censored"] == "above grid"]
-            ax.scatter(c["d"], c["r_max"] / c["d"], marker="^", s=30, color=epal[eps])
-            c = g[g["censored"] == "below grid"]
-            ax.scatter(c["d"], c["r_min"] / c["d"], marker="v", s=30, color=epal[eps])
-            f = fits[(fits["spec"] == e) & (fits["R"] == R) & (fits["eps"] == eps)]
-            if len(f) and "p" in f and np.isfinite(f["p"].iloc[0]):
-                fr = f.iloc[0]
+    rp = rst[[(e, R) in set(tp) for e, R in zip(rst["spec"], rst["R"], strict=True)]].copy()
+    if len(rp):
+        rp["panel"] = [panel[(e, R)] for e, R in zip(rp["spec"], rp["R"], strict=True)]
+        rp["se_w"] = np.maximum(np.nan_to_num(rp["se_log"].to_numpy(float), nan=SE_FLOOR),
+                                SE_FLOOR)
+        # a censored r* is drawn hollow at the grid's bound (above: largest r, below: smallest)
+        rp["y"] = np.where(rp["censored"] == "above grid", rp["r_max"],
+                           np.where(rp["censored"] == "below grid", rp["r_min"], rp["r_star"]))
+        rp["cens"] = rp["censored"].isin(["above grid", "below grid"])
+        rp["ε"] = rp["eps"]
+        rp = rp[(rp["censored"] == "") | rp["cens"]]
+        fig = plotting.plot_required_features(
+            rp, x="d", y="y", ci=("r_star_lo", "r_star_hi"), hue="ε", hue_order=EPS,
+            palette=epal, laws=("c·d", "c·d^p"), se="se_w", censored="cens", per_x=True,
+            col="panel", col_order=[panel[p] for p in tp], facet_title=lambda _, p: str(p),
+            xlabel="d (input dimension)", ylabel=f"r*(ε, δ={DELTA:g}) / d",
+            title="r*/d against d: flat = linear in d (bars: bootstrap 95% CI; hollow: "
+                  "censored, at the grid's bound)")
+        axes = {a.get_title(): a for a in fig.axes if a.get_visible()}
+        for e, R in tp:
+            ax = axes.get(panel[(e, R)])
+            if ax is None:
+                continue
+            fp = fits[(fits["spec"] == e) & (fits["R"] == R)]
+            fp = fp[fp["p"].notna()] if "p" in fp else fp.iloc[0:0]
+            for fr in fp.to_dict("records"):
+                u = rst[(rst["spec"] == e) & (rst["R"] == R) & (rst["eps"] == fr["eps"])
+                        & (rst["censored"] == "")]
                 dd = np.geomspace(u["d"].min(), u["d"].max(), 40)
-                for m, ls in FIT_STYLE.items():
-                    ax.plot(dd, _fit_curve(fr, m, dd) / dd, ls=ls, lw=1, color=epal[eps])
-        fp = fits[(fits["spec"] == e) & (fits["R"] == R)]
-        fp = fp[fp["p"].notna()] if "p" in fp else fp.iloc[0:0]
-        if len(fp):  # the bounds' d-shapes, constant fitted, at the smallest fitted ε
-            fr = fp.sort_values("eps").iloc[0]
-            u = rst[(rst["spec"] == e) & (rst["R"] == R) & (rst["eps"] == fr["eps"])
-                    & (rst["censored"] == "")]
-            dd = np.unique(np.round(np.geomspace(u["d"].min(), u["d"].max(), 40)))
-            for b in THEORY_BOUNDS:
-                y = fr[f"c[c·{b}]"] * bound_shape(b, dd, R, fr["eps"])
-                ax.plot(dd, y / dd, lw=0.9, color=bpal[b], alpha=0.9)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{get(e).label}, R = {R:g}", fontsize=9)
-        ax.set_xlabel("d (input dimension)")
-    axes[0][0].set_ylabel(f"r*(ε, δ={DELTA:g}) / d")
-    handles = [Line2D([], [], color=epal[eps], marker="o", ls="", label=f"ε = {eps:g}")
-               for eps in EPS]
-    handles += [Line2D([], [], color="k", marker="^", ls="", label="censored: r* > largest r"),
-                Line2D([], [], color="k", marker="v", ls="", label="censored: r* < smallest r")]
-    handles += [Line2D([], [], color="k", ls=ls, lw=1, label=f"WLS fit {m}")
-                for m, ls in FIT_STYLE.items()]
-    handles += [Line2D([], [], color=bpal[b], lw=1,
-                       label=f"{BOUND_TAG[b]}: d-shape, constant fitted (smallest fitted ε)")
-                for b in THEORY_BOUNDS]
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1.16), ncol=3,
-               fontsize=7, frameon=False)
-    fig.suptitle("r*/d against d: flat = linear in d (bars: bootstrap 95% CI)", y=1.19)
-    fig.tight_layout()
-    paths += save_figure(fig, folder, "rstar_vs_d")
+                ax.plot(dd, _fit_curve(pd.Series(fr), "c·d·log(C·d)", dd) / dd, ls="-.", lw=1,
+                        color=epal[fr["eps"]])
+            if len(fp):  # the bounds' d-shapes, constant fitted, at the smallest fitted ε
+                fr = fp.sort_values("eps").iloc[0]
+                u = rst[(rst["spec"] == e) & (rst["R"] == R) & (rst["eps"] == fr["eps"])
+                        & (rst["censored"] == "")]
+                dd = np.unique(np.round(np.geomspace(u["d"].min(), u["d"].max(), 40)))
+                for b in THEORY_BOUNDS:
+                    y = fr[f"c[c·{b}]"] * bound_shape(b, dd, R, fr["eps"])
+                    ax.plot(dd, y / dd, lw=0.9, color=bpal[b], alpha=0.9)
+        _refresh_legend(fig, [Line2D([], [], color="k", ls="-.", lw=1,
+                                     label="fit c·d·log(C·d) (C profiled)")]
+                        + [Line2D([], [], color=bpal[b], lw=1,
+                                  label=f"{BOUND_TAG[b]}: d-shape, constant fitted "
+                                        "(smallest fitted ε)") for b in THEORY_BOUNDS])
+        paths += save_figure(fig, folder, "rstar_vs_d")
+    else:  # no trig cell: an empty headline figure says so
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ax.text(0.5, 0.5, "no trigonometric r* cells", ha="center")
+        paths += save_figure(fig, folder, "rstar_vs_d")
 
     # 3) convergence of the search: sup vs budget, one curve per d
     cv = df[df["metric"] == "sup_budget"]
     if len(cv):
+        cv = cv.copy()
         cp = sorted({(e, R) for e, R in zip(cv["spec"], cv["R"], strict=True)})
-        cdims = sorted(cv["d"].unique())
-        cpal = dict(zip(cdims, sns.color_palette("viridis", len(cdims)), strict=False))
-        fig, axes = plt.subplots(1, len(cp), figsize=(max(7.0, 4.4 * len(cp)), 3.8),
-                                 squeeze=False)
-        for ax, (e, R) in zip(axes[0], cp, strict=True):
+        last = cv.sort_values("budget").groupby(["spec", "R", "d"])["mean"].transform("last")
+        cv["rel"] = cv["mean"] / last
+        cv["panel"] = [f"{get(e).label}, R = {R:g}" for e, R in zip(cv["spec"], cv["R"],
+                                                                     strict=True)]
+        cv["curve"] = [f"d = {int(d)}, r = {int(r)}" for d, r in zip(cv["d"], cv["r"],
+                                                                      strict=True)]
+        curves = list(dict.fromkeys(cv.sort_values(["d", "r"])["curve"]))
+        fig = plotting.plot_error_vs_r(
+            cv, x="budget", y="rel", hue="curve", ci=None, closed_form=None, col="panel",
+            col_order=[f"{get(e).label}, R = {R:g}" for e, R in cp], hue_order=curves,
+            palette=dict(zip(curves, sns.color_palette("viridis", len(curves)), strict=True)),
+            yscale="linear", panel_size=(4.4, 3.4), reference=1.0,
+            reference_label="value at 4× budget",
+            facet_title=lambda _, p: str(p),
+            xlabel="search budget = starts × steps", ylabel="mean sup / its value at 4× budget",
+            title="Does the sup estimate stop growing with the search budget? (2 draws per d; "
+                  "the same draws at every budget; dashed: the standard budget)")
+        for ax, (e, R) in zip([a for a in fig.axes if a.get_visible()], cp, strict=False):
             g = cv[(cv["spec"] == e) & (cv["R"] == R)]
-            for d, gd in g.groupby("d"):
-                gd = gd.sort_values("budget")
-                ax.plot(gd["budget"], gd["mean"] / gd["mean"].iloc[-1], "o-", ms=3,
-                        color=cpal[d], label=f"d = {d}, r = {int(gd['r'].iloc[0])}")
-            ax.axhline(1.0, color="grey", lw=0.6, ls=":")
-            std = sorted(g["budget"].unique())[-2]  # the standard budget (4x is the last)
-            ax.axvline(std, color="grey", lw=0.8, ls="--")
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{get(e).label}, R = {R:g} (dashed: standard budget)", fontsize=8)
-            ax.set_xlabel("search budget = starts × steps")
-            ax.legend(fontsize=6)
-        axes[0][0].set_ylabel("mean sup / its value at 4× budget")
-        fig.suptitle("Does the sup estimate stop growing with the search budget?\n"
-                     "(2 draws per d; the same draws at every budget)", fontsize=10)
-        fig.tight_layout()
+            ax.axvline(sorted(g["budget"].unique())[-2], color="grey", lw=0.8, ls="--")
         paths += save_figure(fig, folder, "sup_vs_budget")
 
     # 4) positive features: measured sup vs the analytic value at q = k ∥ ω_max
     pf = df[(df["metric"] == "sup_formula")]
     if len(pf):
-        ps = sup[sup["spec"] == POS]
-        radii = sorted(pf["R"].unique())
-        fig, axes = plt.subplots(1, len(radii), figsize=(4.4 * len(radii), 3.6), squeeze=False)
-        rods = sorted((ps["r/d"]).unique())
-        rpal = dict(zip(rods, sns.color_palette("tab10", len(rods)), strict=False))
-        for ax, R in zip(axes[0], radii, strict=True):
-            for rod in rods:
-                a = ps[(ps["R"] == R) & (ps["r/d"] == rod)].sort_values("d")
-                b = pf[(pf["R"] == R) & (pf["r"] / pf["d"] == rod)].sort_values("d")
-                ax.plot(a["d"], a["mean"], "o", ms=4, color=rpal[rod], label=f"measured, r = {rod:g}d")
-                ax.plot(b["d"], b["mean"], "-", lw=1, color=rpal[rod],
-                        label=f"e^(2R‖ω_max‖−2R²)/r, r = {rod:g}d")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(f"{get(POS).label}, R = {R:g}", fontsize=9)
-            ax.set_xlabel("d (input dimension)")
-        axes[0][0].set_ylabel("mean sup |K̂ − K| / e^{R²} (unitless)")
-        axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1))
-        fig.suptitle("Positive features: the sup sits at q = k ∥ ω_max (analytic value, line)")
-        fig.tight_layout()
+        ps = sup[sup["spec"] == POS].copy()
+        ps = ps.merge(pf[["spec", "R", "d", "r", "mean"]].rename(columns={"mean": "formula"}),
+                      on=["spec", "R", "d", "r"], how="left")
+        ps["r "] = [f"r = {x:g}d" for x in ps["r/d"]]
+        rods = sorted(ps["r/d"].unique())
+        ps["panel"] = [f"{get(POS).label}, R = {R:g}" for R in ps["R"]]
+        fig = plotting.plot_error_vs_r(
+            ps, x="d", y="mean", hue="r ", ci=None, closed_form="formula", col="panel",
+            col_order=[f"{get(POS).label}, R = {R:g}" for R in sorted(pf["R"].unique())],
+            hue_order=[f"r = {x:g}d" for x in rods], panel_size=(4.4, 3.4),
+            palette=dict(zip([f"r = {x:g}d" for x in rods],
+                             sns.color_palette("tab10", len(rods)), strict=True)),
+            closed_form_label="e^(2R‖ω_max‖−2R²)/r (analytic)",
+            facet_title=lambda _, p: str(p), xlabel="d (input dimension)",
+            ylabel="mean sup |K̂ − K| / e^{R²} (unitless)",
+            title="Positive features: the sup sits at q = k ∥ ω_max (analytic value, dashed)")
         paths += save_figure(fig, folder, "positive_formula")
 
-    # 5) pointwise vs uniform at fixed r/d
+    # 5) pointwise vs uniform at fixed r/d: two panels of different kinds (a per-line alpha on
+    # the right) in one figure, kept hand-written
     pw = df[df["metric"] == "pointwise_rel_mse"].copy()
     if len(pw):
         fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.9))

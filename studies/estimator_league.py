@@ -699,9 +699,12 @@ def _styles(labels: list[str], df: pd.DataFrame) -> dict[str, dict[str, Any]]:
 
 def _sweep_figure(df: pd.DataFrame, metric: str, mode: str, ylabel: str, title: str,
                   include_learned: bool = True) -> Any:
-    """Top row: metric against σ (gaussian regimes), one panel per target; bottom row: the peaked
-    regime as a dot plot. Uniform weights and elu+1 (and other fixed-F maps) as references."""
+    """Top row: metric against σ (gaussian regimes), one panel per target (colour: estimator,
+    marker: sampler); bottom row: the peaked regime as a forest. Uniform weights and elu+1 (and
+    other fixed-F maps, at their own F) as references."""
     import matplotlib.pyplot as plt
+
+    from kernelapprox import plotting
 
     lg = _league(df)
     sub = lg[(lg["metric"] == metric) & (lg["mode"] == mode)]
@@ -715,69 +718,61 @@ def _sweep_figure(df: pd.DataFrame, metric: str, mode: str, ylabel: str, title: 
     refs = lg[(lg["metric"] == metric) & (lg["mode"].isin(["native", "baseline"]))]
     if not include_learned and "learned" in refs.columns:
         refs = refs[refs["learned"].astype(str) != "True"]
+    refs = refs.assign(sampler=np.where(refs["label"] == UNIFORM_LABEL, "none",
+                                        "none, own F (reference)"))
     labels = list(dict.fromkeys(sub.sort_values(["estimator", "sampler"])["label"]))
-    ref_labels = list(dict.fromkeys(refs["label"]))
-    sty = _styles(labels + ref_labels, lg)
-    n_peak = max(len(labels) + len(ref_labels), 4)
+    sty = _styles(labels + list(dict.fromkeys(refs["label"])), lg)
+    colour = {e: sty[lab]["color"] for e, lab in zip(lg["estimator"], lg["label"], strict=True)
+              if lab in sty}
+    colour[UNIFORM] = (0.0, 0.0, 0.0)
+    n_peak = max(len(labels) + refs["label"].nunique(), 4)
     fig, axes = plt.subplots(2, len(targets), figsize=(5.2 * len(targets), 4.2 + 0.2 * n_peak),
-                             squeeze=False, gridspec_kw={"height_ratios": [4.2, 0.2 * n_peak]})
+                             squeeze=False, layout="constrained",
+                             gridspec_kw={"height_ratios": [4.2, 0.2 * n_peak]})
+    handles: list[Any] = []
     for j, tgt in enumerate(targets):
-        ax = axes[0, j]
         s = sub[(sub["target"] == tgt) & (sub["regime"] == "gaussian")]
-        for lab in labels:
-            g = s[s["label"] == lab].sort_values("sigma")
-            if len(g):
-                ax.plot(g["sigma"], g["mean"], marker="o", ms=3, lw=1.3, label=lab, **sty[lab])
-        for lab in ref_labels:
-            g = refs[(refs["label"] == lab) & (refs["regime"] == "gaussian")].sort_values("sigma")
-            if not len(g):
-                continue
-            if lab == UNIFORM_LABEL:
-                ax.plot(g["sigma"], g["mean"], color="k", lw=2.2, ls=":", label=lab)
-            else:
-                F = int(g["feature_dim"].iloc[0])
-                ax.plot(g["sigma"], g["mean"], color=sty[lab]["color"], lw=1.0, ls=(0, (1, 1)),
-                        marker="x", ms=4, label=f"{lab} (own F = {F})")
-        ax.set_yscale("log")
-        vals = pd.concat([s["mean"], refs[refs["regime"] == "gaussian"]["mean"]])
-        vals = vals[np.isfinite(vals) & (vals > 0)]
-        if len(vals):
-            ax.set_ylim(max(vals.min() / 2, 1e-12), min(vals.max() * 2, 1e30))
+        top = pd.concat([s, refs[refs["regime"] == "gaussian"]], ignore_index=True)
+        top = top[np.isfinite(top["mean"].to_numpy(float)) & (top["mean"] > 0)]
         what = f"F = {int(tgt)}" if mode == "equal_F" else f"budget {tgt:.3g} FLOPs/token"
         if mode == "equal_flops":
             rb = s["budget_r"].dropna()
             what += f" (FAVOR+ r = {int(rb.iloc[0])})" if len(rb) else ""
-        ax.set_title(what, fontsize=10)
-        ax.set_xlabel("σ  (q, k ~ σ N(0, I)/d^¼)")
-        if j == 0:
-            ax.set_ylabel(ylabel)
-        # peaked regime
-        axp = axes[1, j]
+        if len(top):
+            plotting.plot_error_vs_r(
+                top, x="sigma", y="mean", hue="estimator", style_by="sampler", ci=None,
+                closed_form=None, palette=colour, xscale="linear", ax=axes[0, j],
+                xlabel="σ  (q, k ~ σ N(0, I)/d^¼)", ylabel=ylabel if j == 0 else "")
+            legend = axes[0, j].get_legend()
+            if not handles and legend is not None:
+                handles = list(legend.legend_handles)
+            if legend is not None:
+                legend.remove()
+        axes[0, j].set_title(what, fontsize=10)
+        # peaked regime: one row per estimator, sorted by the error, uniform weights dotted
         p = pd.concat([sub[(sub["target"] == tgt) & (sub["regime"] == "peaked")],
                        refs[refs["regime"] == "peaked"]])
-        p = p[np.isfinite(p["mean"])].sort_values("mean")
+        p = p[np.isfinite(p["mean"])].sort_values("mean").drop_duplicates("label")
+        axp = axes[1, j]
         if len(p):
-            y = np.arange(len(p))
-            cols = ["k" if lab == UNIFORM_LABEL else sty.get(lab, {"color": "gray"})["color"] for lab in p["label"]]
-            lo = (p["mean"] - p["ci_low"]).clip(lower=0)
-            hi = (p["ci_high"] - p["mean"]).clip(lower=0)
-            axp.errorbar(p["mean"], y, xerr=[lo, hi], fmt="none", ecolor="gray", lw=0.8)
-            axp.scatter(p["mean"], y, c=cols, s=18, zorder=3)
-            axp.set_yticks(y, [str(x) for x in p["label"]], fontsize=7)
+            base = p.loc[p["label"] == UNIFORM_LABEL, "mean"]
+            plotting.plot_forest(
+                p, x="mean", ci=("ci_low", "ci_high"), y="label", order=list(p["label"]),
+                reference=float(base.iloc[0]) if len(base) else None, ax=axp, xlabel=ylabel)
+            if axp.get_legend() is not None:
+                axp.get_legend().remove()
             axp.set_xscale("log")
-            if (p["label"] == UNIFORM_LABEL).any():
-                axp.axvline(float(p.loc[p["label"] == UNIFORM_LABEL, "mean"].iloc[0]), color="k", ls=":", lw=1)
-        axp.set_title(f"peaked regime (σ = {PEAKED_SIGMA:g}, queries near keys)", fontsize=9)
-        axp.set_xlabel(ylabel)
-    handles, labs = axes[0, 0].get_legend_handles_labels()
-    fig.suptitle(title, y=1.0)
-    fig.tight_layout()
-    fig.legend(handles, labs, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=4, fontsize=7,
-               frameon=False)
+            axp.tick_params(axis="y", labelsize=7)
+        axp.set_title(f"peaked regime (σ = {PEAKED_SIGMA:g}, queries near keys; dashed: "
+                      "uniform weights)", fontsize=9)
+    fig.suptitle(title)
+    fig.legend(handles=handles, loc="outside lower center", ncol=6, fontsize=7, frameon=False)
     return fig
 
 
 def _crt_figure(df: pd.DataFrame) -> Any:
+    # hand-written: closed forms with 10-90% bands beside Monte Carlo points on a secondary axis,
+    # and ratio curves against the paper's levels, in one figure of three different panels
     import matplotlib.pyplot as plt
     import seaborn as sns
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -195,85 +196,54 @@ def _ratio_frame(df: pd.DataFrame) -> pd.DataFrame:
     return sub[keep]
 
 
-def _draw(ax, gg: pd.DataFrame, xcol: str, color, marker: str, label: str) -> None:
-    """Line + 95% CI bars through all points; filled markers converged, hollow unconverged."""
-    ax.errorbar(gg[xcol], gg["mean"], yerr=[gg["mean"] - gg["ci_low"], gg["ci_high"] - gg["mean"]],
-                lw=1.2, capsize=2, color=color, label=label, marker=marker, ms=4, mfc=color)
-    bad = gg[~gg["converged"]]
-    if len(bad):
-        ax.plot(bad[xcol], bad["mean"], ls="none", marker=marker, ms=7, mfc="white", mec=color,
-                mew=1.4, zorder=5)
-    if gg["theory"].notna().any():
-        ax.plot(gg[xcol], gg["theory"], ls="--", lw=1, color=color)
-
-
-def _legend(fig, axes, y: float) -> None:
-    from matplotlib.lines import Line2D
-
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    handles += [Line2D([], [], ls="--", color="k", lw=1),
-                Line2D([], [], ls="none", marker="o", ms=7, mfc="white", mec="k", mew=1.4)]
-    labels += ["closed-form ratio (orthogonal)",
-               f"unconverged MC (rel. SE > {RSE_MAX:g} or one draw > {SHARE_MAX:.0%} of the sum)"]
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, y), ncol=3,
-               fontsize=8, frameon=False)
-
-
 def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     """MSE ratio vs r/d (at norm 1) and vs the relevant norm (at r = d and r = 4d)."""
-    import matplotlib.pyplot as plt
     import seaborn as sns
+
+    from kernelapprox import plotting
 
     set_style()
     sub = _ratio_frame(df)
     smps = [SAMPLER_LABEL[s] for s in SAMPLERS[1:] if SAMPLER_LABEL[s] in set(sub["sampler "])]
     pal = dict(zip(smps, sns.color_palette("tab10", 4)[1:], strict=False))
-    dims = sorted(sub["d"].unique())
-    marks = dict(zip(dims, ["o", "s", "^", "D"], strict=False))
+    sub["unconverged"] = ~sub["converged"]
+    sub["d "] = [f"d = {int(d)}" for d in sub["d"]]
+    common: dict[str, Any] = dict(
+        y="mean", hue="sampler ", ci=("ci_low", "ci_high"), closed_form="theory",
+        style_by="d ", style_order=[f"d = {int(d)}" for d in sorted(sub["d"].unique())],
+        hue_order=smps, palette=pal, col="estimator", col_order=FAMILIES,
+        ylabel="MSE ratio to iid features (unitless)",
+        closed_form_label="closed-form ratio (orthogonal)", reference=1.0,
+        reference_label="iid (ratio 1)", hollow="unconverged", panel_size=(5.0, 3.6),
+        hollow_label=f"unconverged MC (rel. SE > {RSE_MAX:g} or one draw > {SHARE_MAX:.0%} of "
+                     "the sum): not an estimate")
     paths: list[Path] = []
 
     # 1) against r/d at axis norm = 1 (headline)
-    fig, axes = plt.subplots(1, len(FAMILIES), figsize=(5.2 * len(FAMILIES), 3.8), squeeze=False)
-    for ax, fam in zip(axes[0], FAMILIES, strict=False):
-        g = sub[(sub["estimator"] == fam) & np.isclose(sub["axis_norm"], FIXED)]
-        for (lab, d), gg in g.groupby(["sampler ", "d"], sort=False):
-            _draw(ax, gg.sort_values("r_over_d"), "r_over_d", pal[lab], marks[d],
-                  f"{lab}, d = {d}")
-        ax.axhline(1, color="k", lw=0.8)
+    fig = plotting.plot_error_vs_r(
+        sub[np.isclose(sub["axis_norm"], FIXED)], x="r_over_d",
+        facet_title=lambda _, fam: f"{fam}: {AXIS_LABEL[ESTIMATOR_AXIS[fam]]} = {FIXED:g}",
+        xlabel="r / d (projections per input dimension)",
+        title="MSE of structured projections relative to iid (below 1 = better); "
+              "bands = 95% CI, dotted: r = d",
+        **common)
+    for ax in fig.axes:
         ax.axvline(1, color="grey", lw=0.8, ls=":")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("r / d (projections per input dimension)")
-        ax.set_ylabel("MSE ratio to iid features (unitless)")
-        ax.set_title(f"{fam}: {AXIS_LABEL[ESTIMATOR_AXIS[fam]]} = {FIXED:g}", fontsize=10)
-    _legend(fig, axes, 1.14)
-    fig.suptitle("MSE of structured projections relative to iid (below 1 = better); "
-                 "bars = 95% CI", y=1.18)
-    fig.tight_layout()
     paths += save_figure(fig, folder, "ratio_vs_r_over_d")
 
     # 2) against the relevant norm at r = d and r = 4d
     rods = [x for x in (1.0, 4.0) if np.isclose(sub["r_over_d"], x).any()]
     if rods:
-        fig, axes = plt.subplots(len(rods), len(FAMILIES),
-                                 figsize=(5.2 * len(FAMILIES), 3.4 * len(rods)), squeeze=False)
-        for i, x in enumerate(rods):
-            for j, fam in enumerate(FAMILIES):
-                ax = axes[i][j]
-                g = sub[(sub["estimator"] == fam) & np.isclose(sub["r_over_d"], x)]
-                for (lab, d), gg in g.groupby(["sampler ", "d"], sort=False):
-                    _draw(ax, gg.sort_values("axis_norm"), "axis_norm", pal[lab], marks[d],
-                          f"{lab}, d = {d}")
-                ax.axhline(1, color="k", lw=0.8)
-                ax.set_yscale("log")
-                other = "‖q − k‖" if ESTIMATOR_AXIS[fam] == "sum" else "‖q + k‖"
-                ax.set_xlabel(f"{AXIS_LABEL[ESTIMATOR_AXIS[fam]]} (input units; {other} = {FIXED:g})")
-                ax.set_ylabel("MSE ratio to iid (unitless)")
-                ax.set_title(f"{fam}, r = {x:g}·d", fontsize=10)
-        _legend(fig, axes, 1.08)
-        fig.suptitle("MSE ratio to iid against the norm the MSE depends on; bars = 95% CI "
-                     "(hollow: unconverged, not an estimate)", y=1.11)
-        fig.tight_layout()
+        g = sub[np.isclose(sub["r_over_d"].to_numpy()[:, None], rods).any(axis=1)].copy()
+        g["r "] = [f"r = {x:g}·d" for x in g["r_over_d"]]
+        fig = plotting.plot_error_vs_r(
+            g, x="axis_norm", row="r ", row_order=[f"r = {x:g}·d" for x in rods],
+            xscale="linear",
+            facet_title=lambda rod, fam: f"{fam}, {rod}: {AXIS_LABEL[ESTIMATOR_AXIS[fam]]} "
+                                         f"varies, the other norm = {FIXED:g}",
+            xlabel="the norm the MSE depends on (input units)",
+            title="MSE ratio to iid against the norm the MSE depends on; bands = 95% CI",
+            **common)
         paths += save_figure(fig, folder, "ratio_vs_norm")
     return paths
 

@@ -167,63 +167,53 @@ def _style() -> None:
 
 def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     """Per-row means at d=4 (the peers' input), max |z| over rows vs d, overall bias vs |x|."""
-    import matplotlib.pyplot as plt
     import seaborn as sns
+
+    from kernelapprox import plotting
 
     _style()
     paths: list[Path] = []
     df = df.copy()
     df["variant_label"] = df["variant"].map(VARIANTS)
     order = list(VARIANTS.values())
+    palette = dict(zip(order, sns.color_palette("deep", len(order)), strict=True))
 
-    # 1. per-row means, d = 4, the peers' x
+    # 1. per-row means, d = 4, the peers' x: one row of the forest per projection row
     sub = df[(df.metric == "row_mean") & (df.direction == "peers")].copy()
     if len(sub):
-        sub["row"] = sub["row"].astype(int)
-        fig, ax = plt.subplots(figsize=(7.5, 4.2))
-        offsets = dict(zip(order, np.linspace(-0.22, 0.22, len(order)), strict=True))
-        palette = dict(zip(order, sns.color_palette("deep", len(order)), strict=True))
-        for lab in order:
-            s = sub[sub.variant_label == lab].sort_values("row")
-            if not len(s):
-                continue
-            x = s["row"].to_numpy() + offsets[lab]
-            ax.errorbar(
-                x, s["mean"], yerr=[s["mean"] - s["ci_low"], s["ci_high"] - s["mean"]],
-                fmt="o", capsize=4, color=palette[lab], label=lab,
-            )
-        ax.axhline(1.0, color="k", lw=1, ls="--", label="target E[Y_i] = 1")
-        ax.set_xticks(sorted(sub["row"].unique()))
-        ax.set_xlabel("projection row i within the orthogonal block")
-        ax.set_ylabel(r"mean of $Y_i = \exp(w_i^\top x - |x|^2/2)$ (dimensionless)")
+        rows = sorted(sub["row"].astype(int).unique())
+        sub["row"] = [f"row i = {int(i)}" for i in sub["row"]]
+        sub["QR"] = sub["variant_label"]
         n = int(sub["n_draws"].max())
-        ax.set_title(f"d = 4, x = {PEERS_X}, |x| = {PEERS_NORM:.3g}; {n} draws, 95% CI")
-        ax.legend(fontsize=8, loc="best")
+        fig = plotting.plot_forest(
+            sub, x="mean", ci=("ci_low", "ci_high"), y="row", hue="QR",
+            order=[f"row i = {i}" for i in rows], hue_order=order, palette=palette,
+            reference=1.0, reference_label="target E[Y_i] = 1",
+            xlabel=r"mean of $Y_i = \exp(w_i^\top x - |x|^2/2)$ (dimensionless)",
+            title=f"Rows of the orthogonal block, d = 4, x = {PEERS_X}, |x| = {PEERS_NORM:.3g}; "
+                  f"{n} draws, 95% CI")
+        (ax,) = fig.axes  # the legend beside the panel, not over the rows
+        legend = ax.get_legend()
+        ax.legend(handles=legend.legend_handles, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                  fontsize=8)
+        fig.set_size_inches(9.0, 3.4)
         paths += save_figure(fig, folder, "per_row_means_d4")
 
-    # 2. max |z| over rows against d at |x| = 1
+    # 2. max |z| over rows against d at |x| = 1, the Bonferroni bound dashed
     sub = df[(df.metric == "max_abs_row_z") & (df.direction != "peers")].copy()
     if len(sub):
         ref_norm = 1.0 if (sub.x_norm == 1.0).any() else float(sub.x_norm.max())
         sub = sub[sub.x_norm == ref_norm]
-        g = sns.relplot(
-            data=sub, x="d", y="mean", hue="variant_label", hue_order=order, col="direction",
-            kind="line", marker="o", height=3.6, aspect=1.15, facet_kws={"sharey": True},
-        )
-        dgrid = np.array(sorted(sub["d"].unique()), dtype=float)
-        thr = stats.norm.ppf(1 - 0.025 / dgrid)
-        for ax in g.axes.flat:
-            ax.plot(dgrid, thr, "k--", lw=1)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("dimension d (= rows per block)")
-        g.set_ylabels("max over rows of |mean - 1| / s.e.")
-        g.figure.suptitle(
-            f"Per-row bias z-scores, |x| = {ref_norm:g} (dashed: 95% Bonferroni bound for the "
-            f"largest of d null z-scores)", y=1.04,
-        )
-        g._legend.set_title("variant")
-        paths += save_figure(g.figure, folder, "max_row_z_vs_d")
+        sub["bonferroni"] = stats.norm.ppf(1 - 0.025 / sub["d"].to_numpy(dtype=float))
+        sub["x along"] = sub["direction"]
+        fig = plotting.plot_error_vs_r(
+            sub, x="d", y="mean", hue="variant_label", ci=None, closed_form="bonferroni",
+            col="x along", hue_order=order, palette=palette, panel_size=(4.2, 3.6),
+            closed_form_label="95% Bonferroni bound for the largest of d null z-scores",
+            xlabel="dimension d (= rows per block)",
+            ylabel="max over rows of |mean - 1| / s.e.",
+            title=f"Per-row bias z-scores, |x| = {ref_norm:g}")
+        paths += save_figure(fig, folder, "max_row_z_vs_d")
 
     # 3. overall ratio - 1 against |x|
     sub = df[(df.metric == "overall_ratio") & (df.direction != "peers")].copy()
@@ -231,34 +221,14 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
         sub["bias"] = sub["mean"] - 1.0
         sub["lo"] = sub["ci_low"] - 1.0
         sub["hi"] = sub["ci_high"] - 1.0
-        dims = sorted(sub["d"].unique())
-        directions = sorted(sub["direction"].unique())
-        fig, axes = plt.subplots(
-            len(directions), len(dims), figsize=(2.6 * len(dims), 2.6 * len(directions)),
-            sharex=True, squeeze=False,
-        )
-        palette = dict(zip(order, sns.color_palette("deep", len(order)), strict=True))
-        for a, direction in enumerate(directions):
-            for b, d in enumerate(dims):
-                ax = axes[a, b]
-                for lab in order:
-                    s = sub[(sub.direction == direction) & (sub.d == d) & (sub.variant_label == lab)]
-                    s = s.sort_values("x_norm")
-                    if not len(s):
-                        continue
-                    ax.plot(s["x_norm"], s["bias"], "o-", color=palette[lab], ms=3, label=lab)
-                    ax.fill_between(s["x_norm"], s["lo"], s["hi"], color=palette[lab], alpha=0.2)
-                ax.axhline(0, color="k", lw=0.8)
-                ax.set_title(f"d = {d}, x along {direction}", fontsize=9)
-                if b == 0:
-                    ax.set_ylabel("relative bias of the\nkernel estimate")
-                if a == len(directions) - 1:
-                    ax.set_xlabel("|x| = |q + k|")
-        handles, labels = axes[0, 0].get_legend_handles_labels()
-        fig.suptitle("Overall relative bias (mean over the d rows) with 95% CI", y=1.01)
-        fig.tight_layout()
-        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3,
-                   fontsize=8, frameon=False)
+        fig = plotting.plot_error_vs_r(
+            sub, x="x_norm", y="bias", hue="variant_label", ci=("lo", "hi"), closed_form=None,
+            row="direction", col="d", hue_order=order, palette=palette, xscale="linear",
+            yscale="linear", panel_size=(2.6, 2.6), reference=0.0,
+            reference_label="no bias",
+            facet_title=lambda direction, d: f"d = {d}, x along {direction}",
+            xlabel="|x| = |q + k|", ylabel="relative bias of the\nkernel estimate",
+            title="Overall relative bias (mean over the d rows) with 95% CI")
         paths += save_figure(fig, folder, "overall_bias_vs_norm")
     return paths
 

@@ -44,6 +44,7 @@ import json
 import math
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -141,40 +142,34 @@ def _frame(df: pd.DataFrame) -> pd.DataFrame:
 
 def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     """MSE against m per normalisation: mean ± sd over inputs (paper style), theory dashed."""
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
+    from kernelapprox import plotting
 
     set_style()
     sub = _frame(df)
-    col = {"positive-gaussian": "C0", "positive-orthogonal": "C1",
-           "trig-sincos-gaussian": "C2", "trig-sincos-orthogonal": "C3"}
+    sub["sd_low"] = np.maximum(sub["mean"] - sub["sd"], sub["mean"] * 1e-3)  # log axis: > 0
+    sub["sd_high"] = sub["mean"] + sub["sd"]
+    L = sub.groupby("scale")["L"].first().to_dict()
+    what = {"scaled": "Q, K / d^(1/4)"}
     scales = [s_ for s_ in SCALES if (sub["scale"] == s_).any()]
-    fig, axes = plt.subplots(1, len(scales), figsize=(5 * len(scales), 4.2), squeeze=False)
-    for ax, scale in zip(axes[0], scales, strict=True):
-        g0 = sub[sub["scale"] == scale]
-        for key in KEYS:
-            g = g0[g0["spec"] == key].sort_values("m")
-            if g.empty:
-                continue
-            lo = np.maximum(g["mean"] - g["sd"], g["mean"] * 1e-3)
-            ax.plot(g["m"], g["mean"], "o-", color=col[key], ms=4, label=LABEL[key])
-            ax.fill_between(g["m"], lo, g["mean"] + g["sd"], color=col[key], alpha=0.15)
-            if g["theory"].notna().any():
-                ax.plot(g["m"], g["theory"], ls="--", color=col[key], lw=1)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("m (random projections)")
-        ax.set_ylabel("attention-output MSE (value units²)")
-        L = int(g0["L"].iloc[0]) if len(g0) else 0
-        what = "Q, K / d^(1/4)" if scale == "scaled" else f"rows of Q, K of {scale}"
-        ax.set_title(f"L = {L}, d = {D}, {what}", fontsize=10)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    handles.append(Line2D([], [], ls="--", color="k", lw=1))
-    labels.append("delta-method variance (library, iid)")
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1.1), ncol=5,
-               fontsize=8, frameon=False)
-    fig.suptitle(f"Reproduction of {PAPER}: mean ± sd over input samples", y=1.15)
-    fig.tight_layout()
+    ncol = min(3, len(scales))  # the scales in rows of three panels
+    place = {s_: divmod(i, ncol) for i, s_ in enumerate(scales)}
+    sub["panel_row"] = [place[s_][0] for s_ in sub["scale"]]
+    sub["panel_col"] = [place[s_][1] for s_ in sub["scale"]]
+    at = {v: k for k, v in place.items()}
+
+    def title(rv: Any, cv: Any) -> str:
+        scale = at.get((rv, cv))
+        if scale is None:
+            return ""
+        return f"L = {int(L[scale])}, d = {D}, {what.get(scale, f'rows of Q, K of {scale}')}"
+
+    fig = plotting.plot_error_vs_r(
+        sub, x="m", y="mean", hue="label", ci=("sd_low", "sd_high"), closed_form="theory",
+        row="panel_row", col="panel_col", hue_order=[LABEL[k] for k in KEYS],
+        palette={LABEL[k]: f"C{i}" for i, k in enumerate(KEYS)}, facet_title=title,
+        xlabel="m (random projections)", ylabel="attention-output MSE (value units²)",
+        closed_form_label="delta-method variance (library, iid)", panel_size=(5.4, 3.8),
+        title=f"Reproduction of {PAPER}:\nmean ± sd over input samples (bands)")
     return save_figure(fig, folder, "performer_attention_mse")
 
 

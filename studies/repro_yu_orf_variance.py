@@ -190,6 +190,7 @@ def _ratio(df: pd.DataFrame) -> pd.DataFrame:
 
 def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     """(a) the ratio against z: exact, Yu eq. (3), MC; (b) Yu's relative gap against z; (c) max gap vs d."""
+    # hand-written: the closed forms are dense curves in z evaluated here, not columns of results.csv
     import matplotlib.pyplot as plt
     import seaborn as sns
     from matplotlib.lines import Line2D

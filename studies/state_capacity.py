@@ -287,19 +287,21 @@ def capacity_fits(df: pd.DataFrame, n_boot: int = N_BOOT, seed: int = 0
 
 def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     """Accuracy against n and n / F at beta = 8 (one panel per d_v); n50 against r per beta."""
-    import matplotlib.pyplot as plt
     import seaborn as sns
+    from matplotlib.lines import Line2D
+
+    from kernelapprox import plotting
 
     sns.set_theme(style="whitegrid", context="notebook")
     df = _with_labels(df)
     df = df.assign(beta=_beta_col(df))
-    acc = df[(df.metric == "accuracy") & np.isclose(df["beta"], BETA)]
+    acc = df[(df.metric == "accuracy") & np.isclose(df["beta"], BETA)].copy()
     order = _label_order(acc)
     pal = dict(zip(order, sns.color_palette("viridis", len(order)), strict=True))
     pal["exact softmax"] = (0.0, 0.0, 0.0)
     if any("elu" in o for o in order):
         pal[[o for o in order if "elu" in o][0]] = (0.85, 0.2, 0.2)
-    dvs = sorted(acc["dv"].unique())
+    acc["acc_low"], acc["acc_high"] = acc["ci_low"].clip(0, 1), acc["ci_high"].clip(0, 1)
     paths: list[Path] = []
     for name, xcol, xlabel in (("recall_vs_n", "n", "stored pairs n"),
                                ("recall_vs_n_over_F", "n_over_F",
@@ -308,69 +310,59 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
         if xcol == "n_over_F":
             sub = sub[sub.method != "softmax"]
             sub["n_over_F"] = sub["n"] / sub["feature_dim"]
-        fig, axes = plt.subplots(1, len(dvs), figsize=(5.4 * len(dvs), 4.0), sharey=True,
-                                 squeeze=False)
-        for b, dv in enumerate(dvs):
-            ax = axes[0, b]
-            for lab in order:
-                s = sub[(sub.label == lab) & (sub.dv == dv)].sort_values(xcol)
-                if not len(s):
-                    continue
-                ls = "--" if lab.startswith("exact") or "elu" in lab else "-"
-                ax.plot(s[xcol], s["mean"], ls, marker="o", ms=4, color=pal[lab], label=lab)
-                ax.fill_between(s[xcol], s["ci_low"].clip(0, 1), s["ci_high"].clip(0, 1),
-                                color=pal[lab], alpha=0.15)
-            ax.axhline(0.5, color="gray", lw=0.8, ls=":")
-            ax.set_xscale("log", base=2)
+        fig = plotting.plot_error_vs_r(
+            sub, x=xcol, y="mean", hue="label", ci=("acc_low", "acc_high"), closed_form=None,
+            col="dv", hue_order=order, palette=pal, yscale="linear", panel_size=(5.0, 3.6),
+            facet_title=lambda _, dv: f"value dim d_v = {int(dv)} (state F x {int(dv) + 1} "
+                                      "numbers)",
+            reference=0.5, reference_label="accuracy 1/2 (defines n50)",
+            xlabel=xlabel, ylabel="recall accuracy (share of queries)",
+            title=f"Associative recall, keys in d = {D} with q.k = {BETA:g} cos "
+                  f"(‖q + k‖² = {4 * BETA:g} for the stored key); mean over draws, 95% CI")
+        for ax in fig.axes:
             ax.set_ylim(-0.02, 1.02)
-            ax.set_xlabel(xlabel)
-            ax.set_title(f"value dim d_v = {int(dv)} (state F x {int(dv) + 1} numbers)",
-                         fontsize=10)
-            if b == 0:
-                ax.set_ylabel("recall accuracy (share of queries)")
-        handles, labels = axes[0, 0].get_legend_handles_labels()
-        fig.suptitle(f"Associative recall, keys in d = {D} with q.k = {BETA:g} cos "
-                     f"(‖q + k‖² = {4 * BETA:g} for the stored key); mean over draws, 95% CI",
-                     y=1.0)
-        fig.tight_layout()
-        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3,
-                   fontsize=9, frameon=False)
         paths += save_figure(fig, folder, name)
 
-    # n50 against r, one line per beta (d_v = SWEEP_DV), softmax's n50 as a reference
+    # n50 against r, one line per beta (d_v = SWEEP_DV), softmax's n50 dashed in the same colour
     n50, fits = capacity_fits(df)
     if len(n50) and (n50["method"] == "linear").any():
         betas = sorted(n50["beta"].unique())
-        bpal = dict(zip(betas, sns.color_palette("magma", len(betas) + 1)[:-1], strict=True))
         n_max = int(df.loc[df.metric == "accuracy", "n"].max())
-        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        lin = n50[(n50.method == "linear") & (n50.bracket == "interp")].copy()
+        sm = n50[n50.method == "softmax"].set_index("beta")
+        labels = {}
         for beta in betas:
-            g = n50[(n50.method == "linear") & (n50.beta == beta)].sort_values("r")
-            gi = g[g.bracket == "interp"]
             fr = fits[fits.beta == beta]
             p = fr["p"].iloc[0] if len(fr) else math.nan
-            lab = (f"β = {beta:g}: p = {fmt(p, 2)} [{fmt(fr['p_low'].iloc[0], 2)}, "
-                   f"{fmt(fr['p_high'].iloc[0], 2)}]" if np.isfinite(p) else f"β = {beta:g}")
-            yerr = [(gi["n50"] - gi["n50_low"]).clip(lower=0).fillna(0),
-                    (gi["n50_high"] - gi["n50"]).clip(lower=0).fillna(0)]
-            ax.errorbar(gi["r"], gi["n50"], yerr=yerr, marker="o", ms=4, capsize=2,
-                        color=bpal[beta], label=lab)
-            sm = n50[(n50.method == "softmax") & (n50.beta == beta)]
-            if len(sm):
-                y = sm["n50"].iloc[0] if sm["bracket"].iloc[0] == "interp" else n_max
-                ls = "--" if sm["bracket"].iloc[0] == "interp" else ":"
-                ax.axhline(y, color=bpal[beta], lw=1, ls=ls)
+            labels[beta] = (f"β = {beta:g}: p = {fmt(p, 2)} [{fmt(fr['p_low'].iloc[0], 2)}, "
+                            f"{fmt(fr['p_high'].iloc[0], 2)}]" if np.isfinite(p) else
+                            f"β = {beta:g}")
+        lin["β"] = lin["beta"].map(labels)
+        lin["softmax_n50"] = [sm.loc[b, "n50"] if b in sm.index and sm.loc[b, "bracket"] ==
+                              "interp" else np.nan for b in lin["beta"]]
+        lin["n50_lo"] = lin["n50_low"].where(lin["n50_low"].notna(), lin["n50"])
+        lin["n50_hi"] = lin["n50_high"].where(lin["n50_high"].notna(), lin["n50"])
+        bpal = dict(zip([labels[b] for b in betas],
+                        sns.color_palette("magma", len(betas) + 1)[:-1], strict=True))
+        fig = plotting.plot_error_vs_r(
+            lin, x="r", y="n50", hue="β", ci=("n50_lo", "n50_hi"), closed_form="softmax_n50",
+            hue_order=[labels[b] for b in betas], palette=bpal, panel_size=(6.4, 4.4),
+            closed_form_label=f"exact softmax n50 (dotted: > {n_max})",
+            xlabel="positive random features r (= state rows F)",
+            ylabel="collapse point n50 (stored pairs)",
+            title=f"Capacity of the recurrent state against r, per key scale β (d = {D}, "
+                  f"d_v = {SWEEP_DV});\nbands: bootstrap 95% CI over draws")
+        (ax,) = fig.axes
+        for beta in betas:  # softmax still above 1/2 at the largest n: its n50 is > n_max
+            if beta in sm.index and sm.loc[beta, "bracket"] != "interp":
+                ax.axhline(n_max, color=bpal[labels[beta]], lw=1, ls=":")
         rr = np.array([16.0, 1024.0])
-        ax.plot(rr, 0.5 * rr, color="grey", lw=0.8, ls="-.", label="n50 = r/2 (slope 1)")
-        ax.set_xscale("log", base=2)
+        ax.plot(rr, 0.5 * rr, color="grey", lw=0.8, ls="-.")
         ax.set_yscale("log", base=2)
-        ax.set_xlabel("positive random features r (= state rows F)")
-        ax.set_ylabel("collapse point n50 (stored pairs)")
-        ax.set_title(f"Capacity of the recurrent state against r, per key scale β (d = {D}, "
-                     f"d_v = {SWEEP_DV});\nbars: bootstrap 95% CI over draws; dashed: exact "
-                     f"softmax n50 (dotted: > {n_max})", fontsize=9)
-        ax.legend(fontsize=8, frameon=False, loc="upper left")
-        fig.tight_layout()
+        ax.legend(handles=[*ax.get_legend().legend_handles,
+                           Line2D([], [], color="grey", lw=0.8, ls="-.",
+                                  label="n50 = r/2 (slope 1)")],
+                  fontsize=8, frameon=False, loc="upper left")
         paths += save_figure(fig, folder, "n50_vs_r_by_beta")
     return paths
 

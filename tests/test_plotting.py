@@ -164,6 +164,73 @@ def test_error_vs_r_style_by_gives_markers():
     lines = solid_lines(ax)
     assert len(lines) == 2 * len(ESTIMATORS)
     assert {ln.get_marker() for ln in lines} == {"o", "s"}
+    fig = plotting.plot_error_vs_r(df, style_by="regime", closed_form=None,
+                                   style_order=["sphere", "attention"])
+    texts = legend_texts(fig)
+    assert texts.index("sphere") < texts.index("attention")
+    marker = {ln.get_label().split(", ")[1]: ln.get_marker() for ln in solid_lines(fig.axes[0])}
+    assert marker == {"sphere": "o", "attention": "s"}
+    fig = plotting.plot_error_vs_r(df, style_by="regime", closed_form=None,
+                                   style_order=["sphere"])
+    assert len(solid_lines(fig.axes[0])) == len(ESTIMATORS)
+
+
+def legend_texts(fig) -> list[str]:
+    legends = [lg for a in fig.axes if (lg := a.get_legend()) is not None] + fig.legends
+    return [t.get_text() for lg in legends for t in lg.get_texts()]
+
+
+def test_error_vs_r_reference_line_in_every_panel_with_its_label():
+    df = tidy(dims=(16, 64), regimes=("sphere",))
+    fig = plotting.plot_error_vs_r(df, col="d", reference=0.01, reference_label="target 0.01",
+                                   closed_form_label="delta method")
+    for ax in fig.axes:
+        refs = [ln for ln in ax.get_lines() if ln.get_linestyle() == "-."]
+        assert len(refs) == 1
+        assert np.allclose(refs[0].get_ydata(), 0.01)
+        assert len(solid_lines(ax)) == len(ESTIMATORS)  # the reference is not an estimator line
+    texts = legend_texts(fig)
+    assert "target 0.01" in texts and "delta method" in texts and "closed form" not in texts
+    fig = plotting.plot_error_vs_r(df[df["d"] == 16], reference=1.0, yscale="linear")
+    assert "reference 1" in legend_texts(fig)
+
+
+def test_error_vs_r_reference_bad_values():
+    df = tidy(dims=(16,), regimes=("sphere",))
+    with pytest.raises(ValueError, match="log y axis"):
+        plotting.plot_error_vs_r(df, reference=0.0)
+    with pytest.raises(TypeError, match="reference must be a finite number"):
+        plotting.plot_error_vs_r(df, reference="1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="reference must be a finite number"):
+        plotting.plot_error_vs_r(df, reference=float("nan"))
+
+
+def test_error_vs_r_hollow_marks_only_the_flagged_points():
+    df = tidy(dims=(16,), regimes=("sphere",))
+    flagged = (df["estimator"] == "trig") & (df["r"] >= 64)
+    df["unconverged"] = np.where(flagged, "True", "False")  # as read back from a CSV
+    fig = plotting.plot_error_vs_r(df, hollow="unconverged", hollow_label="unconverged MC")
+    (ax,) = fig.axes
+    hollow = [ln for ln in ax.get_lines() if ln.get_linestyle() == "None"]
+    assert len(hollow) == 1
+    assert np.array_equal(hollow[0].get_xdata(), R[R >= 64])
+    assert hollow[0].get_markerfacecolor() in ("white", "w", (1.0, 1.0, 1.0, 1.0))
+    assert "unconverged MC" in legend_texts(fig)
+    df["unconverged"] = False
+    fig = plotting.plot_error_vs_r(df, hollow="unconverged", hollow_label="unconverged MC")
+    assert not [ln for ln in fig.axes[0].get_lines() if ln.get_linestyle() == "None"]
+    assert "unconverged MC" not in legend_texts(fig)
+    with pytest.raises(ValueError, match=r"\['nope'\] not in df"):
+        plotting.plot_error_vs_r(df, hollow="nope")
+
+
+def test_error_vs_r_panel_size_sets_the_figure_size():
+    df = tidy(dims=(16, 64), regimes=("sphere",))
+    small = plotting.plot_error_vs_r(df, col="d").get_size_inches()
+    big = plotting.plot_error_vs_r(df, col="d", panel_size=(5.0, 4.0)).get_size_inches()
+    assert np.allclose(big - small, [2 * (5.0 - 3.6), 4.0 - 2.9])
+    with pytest.raises(ValueError, match="panel_size must be"):
+        plotting.plot_error_vs_r(df, col="d", panel_size=(5.0, 0.0))
 
 
 def rstar_frame(laws=("d", "dlogd")) -> pd.DataFrame:
@@ -273,6 +340,14 @@ def test_forest_one_container_per_hue_rows_in_order_and_reference():
         plotting.plot_forest(slope_frame(), hue="d")
     with pytest.raises(ValueError, match="nothing to draw"):
         plotting.plot_forest(slope_frame(), hue="d", col="regime", col_order=["missing"])
+
+
+def test_forest_reference_label():
+    one = slope_frame().query("regime == 'sphere'")
+    fig = plotting.plot_forest(one, hue="d", reference=-0.5, reference_label="Monte Carlo rate")
+    assert "Monte Carlo rate" in legend_texts(fig) and "reference -0.5" not in legend_texts(fig)
+    fig = plotting.plot_forest(one, hue="d", reference=-0.5)
+    assert "reference -0.5" in legend_texts(fig)
 
 
 def test_ratio_table_and_markdown():
