@@ -359,6 +359,8 @@ def _rescue_underflow(
     replaced rows of the fast path.
     """
     n, dv = raw.shape[-2], v.shape[-1]
+    if raw.device.type == "meta":  # no values to read: shapes only
+        return raw
     with torch.no_grad():
         small = raw[..., dv] < den_floor(raw.dtype)  # (*lead, n); NaN is not small
         if pad is not None and initial_state is None:  # rows before the first valid key: 0 / 0
