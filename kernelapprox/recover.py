@@ -49,6 +49,7 @@ import importlib
 import math
 import re
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -178,8 +179,8 @@ def _check_inputs(inputs: object) -> tuple[dict[str, Any], int]:
         raise ValueError(f"inputs['input_ids'] must be an integer tensor of shape (sequences, n), got {got}")
     mask = inputs.get("attention_mask")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
-        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"inputs['attention_mask'] must have the shape of input_ids {tuple(ids.shape)}, got {got}")
+        got_mask = str(tuple(mask.shape)) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"inputs['attention_mask'] must have the shape of input_ids {tuple(ids.shape)}, got {got_mask}")
     return dict(inputs), ids.shape[0]
 
 
@@ -753,8 +754,9 @@ def finetune(
         fm.requires_grad_(False)
     settings = {"r": rank, "lora_alpha": alpha, "target_modules": names, "fan_in_fan_out": fan_in_fan_out}
     config = LoraConfig(lora_dropout=0.0, bias="none", **settings)  # type: ignore[arg-type]
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         torch.manual_seed(seed)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         peft_model = get_peft_model(model, config)
     _ADAPTERS[model] = (peft_model, settings)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -899,7 +901,9 @@ def load(lin: hf.Linearized, path: str | Path) -> Any:
         settings = dict(ckpt["lora"])
         for p in model.parameters():
             p.requires_grad_(False)
-        peft_model = get_peft_model(model, LoraConfig(lora_dropout=0.0, bias="none", **settings))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft_model = get_peft_model(model, LoraConfig(lora_dropout=0.0, bias="none", **settings))
         _ADAPTERS[model] = (peft_model, settings)
     model.load_state_dict(ckpt["model"])
     for layer, state in ckpt["feature_maps"].items():
