@@ -51,7 +51,7 @@ import re
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +101,7 @@ class History:
     tokens_seen : int
         Non-padded tokens of the sequences drawn, summed over the steps.
     cpu_seconds : float
-        Process CPU time of the stage (``time.process_time``).
+        Process CPU time of the stage (``time.process_time``), callbacks excluded.
 
     Examples
     --------
@@ -185,7 +185,9 @@ def _check_inputs(inputs: object) -> tuple[dict[str, Any], int]:
 
 
 def _check_common(steps: object, lr: object, batch_size: object, seed: object, progress: object,
-                  sequences: int) -> tuple[int, float, int, int, bool]:
+                  sequences: int, callback: object = None) -> tuple[int, float, int, int, bool]:
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable (step, history) or None, got {type(callback).__name__}")
     steps_ = check_positive_int("steps", steps)
     lr_ = check_finite_float("lr", lr, min=0.0, min_open=True)
     bs = check_positive_int("batch_size", batch_size)
@@ -351,6 +353,7 @@ def transfer(
     seed: int = 0,
     weight_decay: float = 0.0,
     progress: bool = True,
+    callback: Callable[[int, History], None] | None = None,
 ) -> History:
     r"""Attention transfer [Zha25]_: train each linearised layer's map so that its attention
     output on the teacher's q, k, v matches the teacher's softmax output.
@@ -397,6 +400,9 @@ def transfer(
         AdamW's decoupled weight decay.
     progress : bool, default True
         A tqdm bar with the mean loss over the layers.
+    callback : callable, optional
+        ``callback(step, history)`` after each step's update (e.g. to evaluate the model every few
+        steps; it runs under ``torch.no_grad``).
 
     Returns
     -------
@@ -441,7 +447,7 @@ def transfer(
     lin = _check_lin(lin)
     teacher = _check_teacher(teacher, lin)
     inputs_, sequences = _check_inputs(inputs)
-    steps, lr, batch_size, seed, progress = _check_common(steps, lr, batch_size, seed, progress, sequences)
+    steps, lr, batch_size, seed, progress = _check_common(steps, lr, batch_size, seed, progress, sequences, callback)
     if not isinstance(loss, str) or loss not in TRANSFER_LOSSES:
         raise ValueError(f"loss must be one of {TRANSFER_LOSSES}, got {loss!r}")
     weight_decay = check_finite_float("weight_decay", weight_decay, min=0.0)
@@ -508,6 +514,11 @@ def transfer(
                 total.backward()
                 opt.step()
                 history.tokens_seen += _tokens(inputs_, idx)
+                if callback is not None:
+                    tick = time.process_time()
+                    with torch.no_grad():
+                        callback(t, history)
+                    start += time.process_time() - tick  # the callback's time is not the stage's
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{sum(values) / len(values):.4g}", refresh=False)
     finally:
@@ -642,6 +653,7 @@ def finetune(
     seed: int = 0,
     merge: bool = False,
     progress: bool = True,
+    callback: Callable[[int, History], None] | None = None,
 ) -> tuple[Any, History]:
     r"""LoRA fine-tuning of the linearised model against the teacher, feature maps frozen [Zha25]_.
 
@@ -689,6 +701,8 @@ def finetune(
         freshly linearised model restore it). Otherwise the adapters stay separate (`unload`
         removes them).
     progress : bool, default True
+    callback : callable, optional
+        ``callback(step, history)`` after each step's update, under ``torch.no_grad``.
 
     Returns
     -------
@@ -714,10 +728,10 @@ def finetune(
     >>> teacher = copy.deepcopy(model)
     >>> ids = {"input_ids": torch.randint(0, 99, (8, 16))}
     >>> lin = hf.linearize(model, "hedgehog", num_features=8, calibration=ids, fit_steps=5)
-    >>> model, h = recover.finetune(lin, teacher, ids, targets=["value"], steps=10, lr=1e-2,
-    ...                             batch_size=4, progress=False)
-    >>> h.loss, h.losses()[-1] < h.losses()[0]
-    ('cosine', True)
+    >>> model, h = recover.finetune(lin, teacher, ids, targets=["value"], steps=3, batch_size=4,
+    ...                             progress=False)
+    >>> h.loss, len(h.losses()), h.tokens_seen
+    ('cosine', 3, 192)
     >>> sorted(n for n, p in model.named_parameters() if p.requires_grad)[:1]
     ['encoder.layer.0.attention.self.value.lora_A.default.weight']
     """
@@ -727,7 +741,7 @@ def finetune(
     lin = _check_lin(lin)
     teacher = _check_teacher(teacher, lin)
     inputs_, sequences = _check_inputs(inputs)
-    steps, lr, batch_size, seed, progress = _check_common(steps, lr, batch_size, seed, progress, sequences)
+    steps, lr, batch_size, seed, progress = _check_common(steps, lr, batch_size, seed, progress, sequences, callback)
     rank = check_positive_int("lora_rank", lora_rank)
     alpha = check_finite_float("lora_alpha", lora_alpha, min=0.0, min_open=True)
     merge = check_bool("merge", merge)
@@ -777,6 +791,11 @@ def finetune(
                 value.backward()
                 opt.step()
                 history.tokens_seen += _tokens(inputs_, idx)
+                if callback is not None:
+                    tick = time.process_time()
+                    with torch.no_grad():
+                        callback(t, history)
+                    start += time.process_time() - tick  # the callback's time is not the stage's
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{v:.4g}", refresh=False)
     finally:
