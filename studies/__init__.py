@@ -16,6 +16,7 @@ STUDY_MODULES: tuple[str, ...] = (
     "estimator_league",
     "diagnose_validation",
     "real_attention",
+    "linearize_recover",
     "repro_yu_orf_variance",
     "repro_performer_attention",
     "repro_sutherland_schneider",
