@@ -242,9 +242,9 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
         rows.append(row("tokens_seen", tokens, stage=stage, **base))
         return m
 
-    def curve(offset: int, stage: str):
+    def curve(offset: int, stage: str, total: int):
         def cb(step: int, history: Any) -> None:
-            if model_runs and (step + 1) % p["eval_every"] == 0:
+            if model_runs and ((step + 1) % p["eval_every"] == 0 or step + 1 == total):
                 m = measure(stage)
                 rows.append(row(curve_metric, m["ppl" if causal else "cos_mean"], stage=stage,
                                 step=offset + step + 1, **base))
@@ -254,12 +254,12 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
     if model_runs:
         rows.append(row(curve_metric, m["ppl" if causal else "cos_mean"], stage="swap", step=0, **base))
     h1 = recover.transfer(lin, teacher, cal, steps=p["transfer_steps"], batch_size=p["batch"], lr=TRANSFER_LR,
-                          seed=seed, progress=False, callback=curve(0, "transfer"))
+                          seed=seed, progress=False, callback=curve(0, "transfer", p["transfer_steps"]))
     record("transfer", True, h1.cpu_seconds, h1.tokens_seen)
     if model_runs:
         _, h2 = recover.finetune(lin, teacher, cal, steps=p["finetune_steps"], batch_size=p["batch"],
                                  lr=FINETUNE_LR, seed=seed, progress=False,
-                                 callback=curve(p["transfer_steps"], "finetune"))
+                                 callback=curve(p["transfer_steps"], "finetune", p["finetune_steps"]))
         record("finetune", False, h2.cpu_seconds, h2.tokens_seen)
     recover.unload(lin)
     return rows
