@@ -82,7 +82,8 @@ for _alias in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"):
     TARGETS.setdefault(_alias, TARGETS["llama"])
 
 # adapters injected by `finetune`: model -> (peft model, the LoRA settings saved by `save`)
-_ADAPTERS: weakref.WeakKeyDictionary[Any, tuple[Any, dict[str, Any]]] = weakref.WeakKeyDictionary()
+# (and the model's requires_grad flags before the injection, given back by `merged` / `unload`)
+_ADAPTERS: weakref.WeakKeyDictionary[Any, tuple[Any, dict[str, Any], dict[str, bool]]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -762,6 +763,7 @@ def finetune(
         raise ValueError(f"targets mix Conv1D and Linear projections: {names}")
 
     start = time.process_time()
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
     for fm in lin.feature_maps.values():
@@ -772,9 +774,10 @@ def finetune(
         torch.manual_seed(seed)
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         peft_model = get_peft_model(model, config)
-    _ADAPTERS[model] = (peft_model, settings)
+    _ADAPTERS[model] = (peft_model, settings, flags)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    was_training = model.training
     model.eval()
     history = History("finetune", loss)
     bar = _progress(range(steps), progress, "finetune")
@@ -803,6 +806,7 @@ def finetune(
             bar.close()
         for p in params:
             p.grad = None
+        model.train(was_training)
     if merge:
         merged(lin)
     history.cpu_seconds = time.process_time() - start
@@ -818,14 +822,21 @@ def merged(lin: hf.Linearized) -> Any:
     entry = _ADAPTERS.pop(model, None)
     if entry is not None:
         entry[0].merge_and_unload()
+        _give_back_flags(model, entry[2])
     return model
+
+
+def _give_back_flags(model: Any, flags: Mapping[str, bool]) -> None:
+    for name, p in model.named_parameters():
+        if name in flags:
+            p.requires_grad_(flags[name])
 
 
 def unload(lin: hf.Linearized) -> Any:
     """Remove `finetune`'s unmerged adapters (``peft``'s ``unload``) and restore the model.
 
     The model is then the original one bit for bit (the adapters never touch the base weights, and
-    `transfer` trains only the maps). Merged adapters cannot be removed: their change is in the
+    `transfer` trains only the maps), its ``requires_grad`` flags as they were before `finetune`. Merged adapters cannot be removed: their change is in the
     weights. Returns ``lin.model``.
 
     Examples
@@ -837,6 +848,7 @@ def unload(lin: hf.Linearized) -> Any:
     entry = _ADAPTERS.pop(lin.model, None)
     if entry is not None:
         entry[0].unload()
+        _give_back_flags(lin.model, entry[2])
     lin.restore()
     return lin.model
 
@@ -918,12 +930,13 @@ def load(lin: hf.Linearized, path: str | Path) -> Any:
         if model in _ADAPTERS:
             raise ValueError("lin.model already has adapters: load into a freshly linearised model")
         settings = dict(ckpt["lora"])
+        flags = {n: p.requires_grad for n, p in model.named_parameters()}
         for p in model.parameters():
             p.requires_grad_(False)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             peft_model = get_peft_model(model, LoraConfig(lora_dropout=0.0, bias="none", **settings))
-        _ADAPTERS[model] = (peft_model, settings)
+        _ADAPTERS[model] = (peft_model, settings, flags)
     model.load_state_dict(ckpt["model"])
     for layer, state in ckpt["feature_maps"].items():
         lin.feature_maps[layer].load_state_dict(state)

@@ -278,6 +278,7 @@ def test_restore_and_unload_give_back_the_original_model_bit_for_bit(kind):
     assert torch.equal(outputs(model, ev), original)
     now = model.state_dict()
     assert set(now) == set(state) and all(torch.equal(now[k], v) for k, v in state.items())
+    assert all(p.requires_grad for p in model.parameters())  # the flags finetune froze, given back
     # transfer alone: restore() is enough (transfer trains the maps, never the model)
     model, teacher, lin = linearised(kind)
     recover.transfer(lin, teacher, ids(1), steps=3, batch_size=3, lr=0.05, progress=False)
