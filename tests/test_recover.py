@@ -158,7 +158,7 @@ def test_hybrid_transfer_uses_the_window_sinks_and_exact_heads(kind):
     _, teacher, lin = linearised(kind)
     lin.window, lin.sinks, lin.exact_heads = 3, 1, {1: {0}}  # the attributes of a hybrid handle
     swapped = copy.deepcopy(lin.feature_maps)
-    h = recover.transfer(lin, teacher, ids(1), steps=8, batch_size=N_SEQ, lr=0.05, progress=False)
+    h = recover.transfer(lin, teacher, ids(1), steps=4, batch_size=N_SEQ, lr=0.05, progress=False)
     first = attention_mse(teacher, ids(1), swapped, window=3, sinks=1, skip_heads={1: {0}})
     plain = attention_mse(teacher, ids(1), swapped)
     for layer in (0, 1):
@@ -172,8 +172,8 @@ def test_transfer_with_cross_entropy_and_padding():
     cal = ids(1)
     cal["attention_mask"] = torch.ones_like(cal["input_ids"])
     cal["attention_mask"][:3, 11:] = 0
-    h = recover.transfer(lin, teacher, cal, steps=8, batch_size=N_SEQ, lr=0.05, loss="mse+ce", progress=False)
-    assert h.tokens_seen == 8 * int(cal["attention_mask"].sum())
+    h = recover.transfer(lin, teacher, cal, steps=4, batch_size=N_SEQ, lr=0.05, loss="mse+ce", progress=False)
+    assert h.tokens_seen == 4 * int(cal["attention_mask"].sum())
     for layer in (0, 1):
         rec = [r for r in h.records if r["layer"] == layer]
         assert all(r["loss"] == pytest.approx(r["mse"] + r["ce"]) for r in rec)
