@@ -17,6 +17,7 @@ STUDY_MODULES: tuple[str, ...] = (
     "diagnose_validation",
     "real_attention",
     "hybrid_attention",
+    "linearize_recover",
     "repro_yu_orf_variance",
     "repro_performer_attention",
     "repro_sutherland_schneider",

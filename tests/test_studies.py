@@ -34,7 +34,7 @@ NAMES = list(STUDIES)
 ALL_STUDIES = {
     "error-vs-r", "dlogd", "orthogonal-gain", "attention-error", "cost-crossover", "state-capacity",
     "qr-sign-bias", "estimator-league", "diagnose-validation", "real-attention",
-    "repro-yu-orf-variance", "repro-performer-attention", "repro-sutherland-schneider", "repro-yu-table2", "hybrid-attention",
+    "repro-yu-orf-variance", "repro-performer-attention", "repro-sutherland-schneider", "repro-yu-table2", "hybrid-attention", "linearize-recover",
 }
 
 
