@@ -221,6 +221,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "a = 0.98 * A.to(xc.dtype)[..., None] * wn2  # A |w_i|^2",
         "OPRF's quadratic term with 0.98 A: the features no longer match their constant D (biased kernel)",
     ),
+    Mutant(
+        "recover-adapters-on-key", "kernelapprox/recover.py",
+        '"value": "attention.self.value", "output": "attention.output.dense"},',
+        '"value": "attention.self.key", "output": "attention.output.dense"},',
+        "LoRA adapters for BERT's value projection placed on the key projection",
+    ),
 )
 
 _PROBE = textwrap.dedent(
