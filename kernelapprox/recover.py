@@ -255,6 +255,16 @@ class _LayerData:
     heads: torch.Tensor  # (H,) bool: heads whose map output enters the model (not exact heads)
 
 
+def _run_callback(callback: Callable[[int, Any], None] | None, step: int, history: Any) -> float:
+    """Call ``callback(step, history)`` without autograd; return the CPU seconds it took (0 without one)."""
+    if callback is None:
+        return 0.0
+    tick = time.process_time()
+    with torch.no_grad():
+        callback(step, history)
+    return time.process_time() - tick
+
+
 def _teacher_layers(teacher: Any, inputs: Mapping[str, Any], layers: list[int],
                     exact: Mapping[int, set[int]]) -> dict[int, _LayerData]:
     """The teacher's q, k, v and softmax attention output of every trained layer, once."""
@@ -515,11 +525,7 @@ def transfer(
                 total.backward()
                 opt.step()
                 history.tokens_seen += _tokens(inputs_, idx)
-                if callback is not None:
-                    tick = time.process_time()
-                    with torch.no_grad():
-                        callback(t, history)
-                    start += time.process_time() - tick  # the callback's time is not the stage's
+                start += _run_callback(callback, t, history)  # its time is not the stage's
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{sum(values) / len(values):.4g}", refresh=False)
     finally:
@@ -794,11 +800,7 @@ def finetune(
                 value.backward()
                 opt.step()
                 history.tokens_seen += _tokens(inputs_, idx)
-                if callback is not None:
-                    tick = time.process_time()
-                    with torch.no_grad():
-                        callback(t, history)
-                    start += time.process_time() - tick  # the callback's time is not the stage's
+                start += _run_callback(callback, t, history)  # its time is not the stage's
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{v:.4g}", refresh=False)
     finally:
