@@ -41,7 +41,7 @@ remainder at ``w = FIT_WINDOW`` with the sinks (``hedgehog-remainder``) or to wh
 the calibration text by :func:`kernelapprox.maps.hedgehog.fit_gain`.
 
 End to end (``kind = "e2e"``): every layer's attention replaced by hybrid attention (``w =
-TARGET_W``, the sinks) through transformers' attention interface; cosine similarity of the
+TARGET_W``, the sinks) by :func:`kernelapprox.hf.linearize` with one map per layer; cosine similarity of the
 sentence embeddings (:func:`kernelapprox.hf.sentence_embeddings`) against the original model's on
 ``E2E_CHUNKS`` evaluation passages of ``N_TOKENS`` tokens.
 
@@ -407,64 +407,36 @@ def _run_heads(cell: dict, ctx: Context) -> list[dict]:
     return rows
 
 
-def _swap(model: Any, attend: Any) -> str:
-    """Switch ``model`` to the attention function ``attend`` (transformers' attention interface)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    name = "kernelapprox_hybrid_study"
-    AttentionInterface.register(name, attend)
-    AttentionMaskInterface.register(name, eager_mask)  # an explicit mask, checked below
-    original = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    return original
-
-
 def _run_e2e(cell: dict, ctx: Context) -> list[dict]:
+    """Every layer hybrid through `kernelapprox.hf.linearize` (``window``, ``sinks``, one map per
+    layer), embeddings compared with the unmodified model, then ``restore()``."""
     from kernelapprox import hf
-    from kernelapprox.attention.hybrid import hybrid_attention
 
     model, _ = _model()
     inputs = _tokens("evaluation", N_TOKENS_QUICK if ctx.quick else N_TOKENS,
                      E2E_CHUNKS_QUICK if ctx.quick else E2E_CHUNKS)
-    base = hf.sentence_embeddings(model, **inputs)
+    with torch.no_grad():
+        base = hf.sentence_embeddings(model, **inputs)
     name, r = cell["estimator"], int(cell["r"])
     H = model.config.num_attention_heads
     d = model.config.hidden_size // H
     maps: dict[int, Any] = {}
-    order: dict[int, int] = {}
-
-    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):  # modules without an index: order of first call
-            layer = order.setdefault(id(module), len(order))
-        if attention_mask is not None and not bool((attention_mask == 0).all()):
-            raise NotImplementedError("the study's passages have no padding; a masked key was found")
-        s = float(scaling) if scaling is not None else d**-0.5
-        qs, ks = query * math.sqrt(s), key * math.sqrt(s)
-        if layer not in maps:
-            if name in HEDGEHOG:
-                fm = _hedgehog(name, r, layer, ctx)
-                _set_gain(fm, TARGET_W, ctx, layer)
-            else:
-                fm = _build(name, r, d, H, None, ctx.seed_for("e2e", name, r, layer) % 2**31)
-            maps[layer] = fm
-        fm = maps[layer]
-        with torch.no_grad():
-            if fm.data_dependent:
-                fm.fit(qs, _non_sink(ks))
-            out = hybrid_attention(qs, ks, value, fm, window=window_arg(TARGET_W), sinks=list(SINKS))
-        assert isinstance(out, torch.Tensor)
-        return out.transpose(1, 2).contiguous(), None
-
-    original = _swap(model, attend)
+    for layer in range(model.config.num_hidden_layers):
+        if name in HEDGEHOG:
+            fm = _hedgehog(name, r, layer, ctx)
+            _set_gain(fm, TARGET_W, ctx, layer)
+        else:  # random maps: one draw per head and layer; Nyström and OPRF/SDERF refit per batch
+            fm = _build(name, r, d, H, None, ctx.seed_for("e2e", name, r, layer) % 2**31)
+        maps[layer] = fm
+    lin = hf.linearize(model, maps, window=window_arg(TARGET_W), sinks=list(SINKS),
+                       check=False)  # the error is what this cell measures
     try:
         with torch.no_grad():
-            emb = hf.sentence_embeddings(model, **inputs)
+            emb = hf.sentence_embeddings(lin.model, **inputs)
     finally:
-        model.set_attn_implementation(original)
+        lin.restore()
     cos = (emb * base).sum(-1)
-    feature_dim = int(next(iter(maps.values())).feature_dim)
+    feature_dim = int(maps[0].feature_dim)
     extra = {"feature_dim": feature_dim, "layer": -1, "head": -1, "w": TARGET_W, "layers_hybrid": len(maps)}
     return [row("embedding_cosine", cos, **extra), row("embedding_cosine_min", float(cos.min()), **extra)]
 
