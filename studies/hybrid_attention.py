@@ -75,11 +75,12 @@ RANDOM = ("positive", "oprf", "sderf")
 R_FITTED_RANDOM = (64, 256)  # oprf, sderf (fitted per batch): two r, the target's among them
 NYSTROM = "nystrom-kmeans++"
 HEDGEHOG = ("hedgehog-remainder", "hedgehog-whole")
-R_HEDGEHOG, R_HEDGEHOG_QUICK = (64,), (16,)
+R_HEDGEHOG, R_HEDGEHOG_QUICK = (64, 128), (16,)  # feature_dim 2r: 128 and 256
 N_TOKENS, N_TOKENS_QUICK = 256, 64
-B_EVAL, B_EVAL_QUICK = 1, 1
+B_EVAL, B_EVAL_QUICK = 2, 1
+B_CAL, B_CAL_QUICK = 2, 1
 DRAWS, DRAWS_QUICK = 8, 2
-FIT_STEPS, FIT_STEPS_QUICK = 60, 10
+FIT_STEPS, FIT_STEPS_QUICK = 200, 10
 FIT_BATCH = 64
 FIT_WINDOW = 64
 E2E_CHUNKS, E2E_CHUNKS_QUICK = 8, 2
@@ -87,7 +88,7 @@ QUICK_LAYERS, QUICK_HEADS = (0, 5), 4
 SINKS = (0, -1)
 TARGET_W, TARGET_R, TARGET_ERR, TARGET_TAIL, TARGET_COS = 64, 256, 0.1, 0.05, 0.95
 E2E = (("positive", TARGET_R), ("oprf", TARGET_R), ("sderf", TARGET_R), (NYSTROM, 128), ("taylor", 0),
-       ("hedgehog-remainder", 64))
+       ("hedgehog-remainder", 64), ("hedgehog-remainder", 128))
 E2E_QUICK = (("positive", 32),)
 
 
@@ -145,7 +146,7 @@ def _inputs(quick: bool, split: str) -> tuple[torch.Tensor, torch.Tensor, torch.
 
     model, _ = _model()
     n = N_TOKENS_QUICK if quick else N_TOKENS
-    b = (B_EVAL_QUICK if quick else B_EVAL) if split == "evaluation" else 1
+    b = (B_EVAL_QUICK if quick else B_EVAL) if split == "evaluation" else (B_CAL_QUICK if quick else B_CAL)
     cap = hf.capture(model, **_tokens(split, n, b))
     q, k = cap.kernel_inputs()
     v = cap.v
@@ -599,15 +600,19 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
             lines.append(f"- The (1 − p)·remainder error (exact when the remainder mass is exact) over the measured "
                          f"median: {fmt(ratio.min())}–{fmt(ratio.max())} (median {fmt(ratio.median())}) over the grid; "
                          "below 1 where the remainder-mass error adds its own term.")
-        hh = tab[tab["estimator"].isin(HEDGEHOG) & (tab["w"] == TARGET_W)].set_index("estimator")["median err"]
-        if len(hh) == 2:
-            lines.append(f"- Hedgehog at w = {TARGET_W}: fitted to the remainder {fmt(hh['hedgehog-remainder'])}, "
-                         f"to whole rows {fmt(hh['hedgehog-whole'])} (both with the gain set for this window).")
+        hh = tab[tab["estimator"].isin(HEDGEHOG) & (tab["w"] == TARGET_W)]
+        for r_h, g in hh.groupby("r"):
+            e = g.set_index("estimator")["median err"]
+            if len(e) == 2:
+                lines.append(f"- Hedgehog r = {int(r_h)} at w = {TARGET_W}: fitted to the remainder "
+                             f"{fmt(e['hedgehog-remainder'])}, to whole rows {fmt(e['hedgehog-whole'])} (both with "
+                             "the gain set for this window).")
     lines.append(f"- Scope: one model (MiniLM, non-causal, d_head = 32), one text, "
                  f"{B_EVAL_QUICK if ctx.quick else B_EVAL} evaluation sequences of "
                  f"{N_TOKENS_QUICK if ctx.quick else N_TOKENS} tokens; "
                  f"{DRAWS_QUICK if ctx.quick else DRAWS} draws per random map; Hedgehog fitted for "
-                 f"{FIT_STEPS_QUICK if ctx.quick else FIT_STEPS} steps on one calibration sequence.")
+                 f"{FIT_STEPS_QUICK if ctx.quick else FIT_STEPS} steps on "
+                 f"{B_CAL_QUICK if ctx.quick else B_CAL} calibration sequences of the same length.")
     return "\n".join(lines) + "\n"
 
 
