@@ -1066,7 +1066,9 @@ def linearize(
     FAVOR++, FAVOR#, Nyström) are fitted on every batch they see, as in use (Nyström: per
     sequence on its valid keys, with ``min(num_features, valid keys)`` landmarks, so a sequence
     of at most ``num_features`` tokens gets exact softmax attention); learned maps (Hedgehog) are
-    fitted per head on ``calibration`` inputs by `kernelapprox.fit_feature_map` before the swap.
+    fitted per head on ``calibration`` inputs by `kernelapprox.fit_feature_map` before the swap
+    (with ``window``/``sinks``: to the remainder, ``fit_feature_map(..., window=, sinks=)``, the
+    part of each row the map carries; whole rows where the exact set covers every calibration key).
     Dropout on attention weights is not applied (use the model in eval mode). Masks other than
     causal/bidirectional with key padding (sliding windows, packed sequences) raise
     ``NotImplementedError``.
@@ -1293,9 +1295,13 @@ def linearize(
             fm = map_for(lc.layer, lc.q.shape[1], lc.q.shape[-1], modules.get(lc.layer))
             if fm.learned and not isinstance(feature_map, FeatureMap):  # one shared map: fitted by the user
                 qc, kc = lc.kernel_inputs()
+                # hybrid: fitted to the remainder, the part of each row the map will carry (whole
+                # rows when the exact set covers every calibration key)
+                remainder = hybrid and w < qc.shape[-2]
                 fit_feature_map(
                     fm, qc.float(), kc.float(), steps=fit_steps, lr=fit_lr, batch_size=fit_batch_size,
                     causal=lc.causal, seed=seed, progress=progress,
+                    **({"window": w, "sinks": sink_spec} if remainder else {}),
                 )
                 fm.requires_grad_(False)
         if isinstance(exact_spec, int) and exact_spec > 0:

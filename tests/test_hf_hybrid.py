@@ -222,6 +222,43 @@ def test_learned_maps_reach_the_state_dict():
         assert "encoder.layer.1.attention.self.kernelapprox_feature_map.weight" in names
 
 
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_learned_maps_are_fitted_to_the_remainder_when_hybrid(arch):
+    """With a window, each layer's Hedgehog map equals `fit_feature_map(..., window=, sinks=)` on
+    the calibration capture (same seed: the same steps bit for bit), not the whole-row fit; a
+    window covering every calibration key falls back to whole rows."""
+    from kernelapprox.maps.hedgehog import HedgehogFeatures, fit_feature_map
+
+    model = build(arch)
+    cal = dict(input_ids=inputs(pad=False, seed=7, n=12)["input_ids"])
+    sinks = 1 if CAUSAL[arch] else [0, -1]
+    qc, kc = hf.capture(model, **cal).layers[0].kernel_inputs()
+
+    def fitted(**kw):
+        fm = HedgehogFeatures(DH, 8, batch_shape=(HEADS,))
+        with hf.linearize(model, lambda layer, h, d: fm if layer == 0 else HedgehogFeatures(d, 8, batch_shape=(h,)),
+                          calibration=cal, fit_steps=3, seed=0, **kw):
+            return fm.weight.detach().clone()
+
+    def by_hand(**kw):
+        ref = HedgehogFeatures(DH, 8, batch_shape=(HEADS,))
+        ref.load_state_dict(init.state_dict())
+        fit_feature_map(ref, qc.float(), kc.float(), steps=3, lr=1e-2, batch_size=128, causal=CAUSAL[arch],
+                        seed=0, progress=False, **kw)
+        return ref.weight.detach()
+
+    torch.manual_seed(0)
+    init = HedgehogFeatures(DH, 8, batch_shape=(HEADS,))
+    torch.manual_seed(0)
+    got = fitted(window=3, sinks=sinks)
+    want = by_hand(window=3, sinks=sinks)
+    whole = by_hand()
+    assert torch.equal(got, want)
+    assert (got - whole).abs().max() > 1e-4  # the remainder fit is a different fit
+    torch.manual_seed(0)
+    assert torch.equal(fitted(window=64, sinks=sinks), whole)  # window >= n: whole rows
+
+
 def test_linearize_twice_without_restore_is_refused():
     model = build("gpt2")
     with hf.linearize(model, "positive", num_features=16):

@@ -91,3 +91,56 @@ def test_perplexity_of_a_uniform_model_is_the_vocabulary_size() -> None:
         model.lm_head.weight.zero_()  # tied to the input embeddings: zero logits everywhere
     ids = {"input_ids": torch.randint(0, 37, (3, 16), generator=torch.Generator().manual_seed(1))}
     assert lr.perplexity(model, ids, batch=2) == pytest.approx(37.0, rel=1e-6)
+
+
+def test_intervals_exact_heads_and_decoding_are_reported(df: pd.DataFrame) -> None:
+    fin = df[df["stage"] == "finetune"]
+    for case in ("encoder-phi", "encoder-hybrid"):
+        rows = fin[fin["case"] == case].set_index("metric")
+        for m in ("cos_mean", "spearman", "top1"):
+            r = rows.loc[m]
+            assert r["ci_low"] <= r["mean"] <= r["ci_high"] and r["ci_low"] < r["ci_high"], (case, m)
+    causal = fin[fin["case"] == "causal-hybrid"].set_index("metric")
+    assert causal.loc["ppl_ratio", "ci_low"] <= causal.loc["ppl_ratio", "mean"] <= causal.loc["ppl_ratio", "ci_high"]
+    assert causal.loc["generate_equals_forward", "mean"] == 1.0
+    ex = df[df["stage"] == "exact_heads"]
+    assert sorted(ex["exact_heads"].astype(int).unique()) == list(lr.EXACT_HEADS_QUICK)
+    # k = 0 is the fine-tuned pure-map model itself (same maps, merged weights)
+    k0 = ex[(ex["exact_heads"] == 0) & (ex["metric"] == "cos_mean")]["mean"].iloc[0]
+    assert k0 == pytest.approx(fin[(fin["case"] == "encoder-phi") & (fin["metric"] == "cos_mean")]["mean"].iloc[0],
+                               abs=1e-5)
+
+
+def _rows(**means_and_cis: tuple[float, float, float]) -> pd.DataFrame:
+    return pd.DataFrame([{"metric": m, "mean": a, "ci_low": b, "ci_high": c} for m, (a, b, c) in means_and_cis.items()])
+
+
+def test_target_verdicts_can_print_met_missed_and_inconclusive() -> None:
+    met = _rows(cos_mean=(0.995, 0.993, 0.997), spearman=(0.99, 0.985, 0.995), top1=(0.98, 0.96, 1.0),
+                cos_min=(0.98, 0.98, 0.98))
+    lines, ok = lr.target_verdicts(met, "x")
+    assert ok and sum("**met**" in s for s in lines) == 4
+    # the same means, the cosine interval now straddling 0.99: inconclusive, not met
+    wide = met.copy()
+    wide.loc[wide["metric"] == "cos_mean", ["ci_low", "ci_high"]] = (0.985, 0.999)
+    lines, ok = lr.target_verdicts(wide, "x")
+    assert not ok and "**inconclusive**" in lines[0]
+    low = met.copy()
+    low.loc[low["metric"] == "top1", ["mean", "ci_low", "ci_high"]] = (0.8, 0.7, 0.9)
+    low.loc[low["metric"] == "cos_min", "mean"] = 0.9
+    lines, ok = lr.target_verdicts(low, "x")
+    assert not ok and "**missed**" in lines[2] and "**missed**" in lines[3]
+
+
+def test_interval_helpers_on_known_cases() -> None:
+    g = torch.Generator().manual_seed(0)
+    e = torch.nn.functional.normalize(torch.randn(20, 8, generator=g, dtype=torch.float64), dim=-1)
+    noisy = torch.nn.functional.normalize(e + 0.5 * torch.randn(20, 8, generator=g, dtype=torch.float64), dim=-1)
+    lo, hi = lr.spearman_ci(noisy, e, n_boot=200)
+    rho = lr.retrieval(noisy, e)["spearman"]
+    assert lo < rho < hi <= 1.0
+    nll = torch.rand(30, generator=g, dtype=torch.float64).numpy() * 10 + 50
+    ratio, lo, hi = lr.ppl_ratio_ci(nll, nll, tokens=31)
+    assert ratio == lo == hi == pytest.approx(1.0)
+    ratio, lo, hi = lr.ppl_ratio_ci(nll + 31 * 0.1, nll, tokens=31)  # +0.1 nats per token on every sequence
+    assert ratio == pytest.approx(float(torch.tensor(0.1).exp())) and lo == pytest.approx(ratio) == hi
