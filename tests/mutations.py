@@ -227,6 +227,12 @@ MUTANTS: tuple[Mutant, ...] = (
         '"value": "attention.self.key", "output": "attention.output.dense"},',
         "LoRA adapters for BERT's value projection placed on the key projection",
     ),
+    Mutant(
+        "recover-student-inputs", "kernelapprox/recover.py",
+        "data = _teacher_layers(teacher, inputs_, list(maps), exact)",
+        "data = _teacher_layers(lin.model, inputs_, list(maps), exact)",
+        "attention transfer trained on the linearised model's own q, k, v and outputs, not the teacher's",
+    ),
 )
 
 _PROBE = textwrap.dedent(
