@@ -12,7 +12,7 @@ measurement is:
 * **drivers** `kernel_error` and `attention_error` that evaluate ``S`` independent
   projections of a feature map through its ``batch_shape`` (one batched matmul per chunk of draws,
   memory bounded by ``max_bytes``; never a Python loop over single draws; fused float64 power
-  sums; close to the bare batched-matmul floor, ``studies/bench_mc.py``), and
+  sums; close to the bare batched-matmul floor, ``benchmarks/mc.py``), and
   `batched_draws`, the generator they are built on.
 
 All statistics are computed in float64 by default.
@@ -873,7 +873,7 @@ def kernel_error(
     $e^2$ feeds both the power sums (taken as products with a vector of ones, one read each) and
     the per-draw metrics; scratch tensors are reused across chunks; no Python loop over draws.
     This keeps the driver close to the same work written as bare batched matmuls
-    (``python -m studies.bench_mc``; see docs/performance.md). The
+    (``python -m benchmarks mc``; see docs/performance.md). The
     statistics do not depend on ``dtype`` beyond the rounding of the features: they are float64.
 
     Parameters

@@ -1,4 +1,4 @@
-"""The training benchmark (``studies.bench_train``) on a shrunken problem: two AdamW steps of the
+"""The training benchmark (``benchmarks.train``) on a shrunken problem: two AdamW steps of the
 FAVOR+ model (one block of width 16, sequences of 16), eager and compiled (``aot_eager``: Dynamo and AOTAutograd, no code generation),
 give finite losses and the same loss curve; the table has one row per run."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-from studies import bench_train as bt
+from benchmarks import train as bt
 
 
 @pytest.fixture

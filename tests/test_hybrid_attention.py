@@ -428,7 +428,7 @@ def test_block_window_large_norms_and_16_bit():
 def test_bench_core_hybrid_rows_on_a_small_shape():
     """The hybrid rows of studies.bench_core at a shape that runs in seconds: every time and ratio
     positive and finite, and the memory rows measured in fresh subprocesses."""
-    from studies import bench_core
+    from benchmarks import core as bench_core
 
     res = bench_core.bench_hybrid(1, 2, 256, 8, 16, torch.device("cpu"), torch.float32, repeats=1, window=16,
                                   rounds=1)

@@ -80,8 +80,8 @@ def test_wheel_contents(wheel: Path) -> None:
                  "kernelapprox/attention/chunk.py", "kernelapprox/theory/moments.py",
                  "kernelapprox/maps/base.py", "kernelapprox/kernelapprox.mplstyle"):
         assert must in names, must
-    # the reproduction harness, the tests and the root conftest stay in the repository
-    assert not any(n.startswith(("studies/", "tests/")) or n == "conftest.py" for n in names)
+    # the reproduction harness, the benchmarks, the tests and the root conftest stay in the repository
+    assert not any(n.startswith(("studies/", "benchmarks/", "tests/")) or n == "conftest.py" for n in names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
 
 
@@ -113,10 +113,12 @@ def test_wheel_installs_in_a_clean_venv(wheel: Path, tmp_path: Path) -> None:
         "s = importlib.util.find_spec('kernelapprox');"
         "print(s.origin);"
         "print(importlib.util.find_spec('studies'));"
+        "print(importlib.util.find_spec('benchmarks'));"
         "print(md.version('kernelapprox'))"
     )
     out = subprocess.run([str(py), "-c", probe], check=True, capture_output=True, text=True,
                          cwd=tmp_path, timeout=60).stdout.split("\n")
     assert out[0].startswith(str(env)), out  # resolved inside the new environment
     assert out[1] == "None"  # no top-level `studies` package installed
-    assert out[2] == "0.1.0"
+    assert out[2] == "None"  # nor `benchmarks`
+    assert out[3] == "0.1.0"

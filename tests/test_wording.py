@@ -1,10 +1,10 @@
 """The project's texts speak about the library, not about how it was written.
 
-Every file a user reads (the package, the studies, the tests, the documentation, the committed
-reports and the README) is scanned for phrases that describe the development process instead of
-the mathematics or the code: tracker numbers, internal notes, review rounds. Such phrases mean
-nothing to a reader of the library, and a figure label or a results column carrying one would
-propagate it into papers that cite the reports.
+Every file a user reads (the package, the studies, the benchmarks, the tests, the documentation,
+the committed reports and the README) is scanned for phrases that describe the development
+process instead of the mathematics or the code: tracker numbers, internal notes, review rounds.
+Such phrases mean nothing to a reader of the library, and a figure label or a results column
+carrying one would propagate it into papers that cite the reports.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ PATTERN = re.compile("|".join(f"(?:{p})" for p in _PHRASES), re.IGNORECASE)
 SCANNED = {
     "kernelapprox": (".py", ".md", ".mplstyle"),
     "studies": (".py", ".md"),
+    "benchmarks": (".py", ".md"),
     "tests": (".py", ".md"),
     "docs": (".py", ".md", ".yml"),
     "reports": (".md", ".csv", ".json"),
