@@ -83,6 +83,21 @@ Metrics (one value per draw; mean and 95% t-interval over draws via :func:`studi
   their kernel rows are kept but left out of the kernel figure and rankings;
 * ``frac_den_nonpos`` (signed maps only): share of rows with attention denominator <= 0.
 
+The per-draw values of ``attn_rel_err``, ``kernel_rel_mse`` and ``kernel_rel_mse_median`` are
+stored (``draw_values``, a JSON list): draw ``s`` is the same data for every estimator of a
+regime (common random numbers), so the draws pair the estimators.
+
+Rankings (rule fixed before the data, :func:`ranking`): within one regime and one target (an F
+or a FLOP budget), every pair of estimators (uniform weights included) is compared by a paired t
+test of the log per-draw error (a difference of logs is a ratio of errors; the errors span five
+orders of magnitude), Holm-corrected over all pairs at α = 0.05
+(:func:`studies.verdicts.paired_ranking`). The tier of an estimator is 1 + the number of
+estimators significantly better, so estimators the tests cannot separate share a tier; the
+summary prints tiers, not places from point estimates. The estimator with the lowest mean log
+error is set against uniform weights by :func:`studies.verdicts.beats_baseline` (Holm over the
+comparisons of every estimator with uniform weights): "no estimator beats uniform weights" where
+its corrected interval contains 0.
+
 Figure 4 reproduces the variance-against-scale comparison of Chefs' Random Tables
 (Likhosherstov et al., NeurIPS 2022, arXiv:2205.15317) at d = 64: the log relative variance
 ``log(Var K̂/K²)`` of one random feature (r = 1; ratios do not depend on r for iid rows) of

@@ -84,6 +84,7 @@ def grid(quick: bool) -> list[dict]:
 
     beta = 8 with d_v in {16, 64} (the d_v comparison), and the other betas at d_v = 64.
     """
+    betas: tuple[float, ...]
     if quick:
         ns, rs, dvs, draws, betas = [16, 64, 256, 1024], [16, 256], [64], DRAWS_QUICK, BETAS_QUICK
     else:
@@ -145,6 +146,7 @@ def recall_linear(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
 
     # check=False: the closed-form diagnostic rightly warns that this is no softmax approximation
     # (relative variance ~ e^{4 beta}/r); recall is what is measured here
+    assert isinstance(fm, ka.FeatureMap)
     _, state = ka.linear_attention(keys, keys, values, fm, causal=True, return_state=True,
                                    check=False)
     fq, _ = fm.log_features(queries)  # per-row scale cancels in the ratio
@@ -536,10 +538,11 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
         rr = np.array([16.0, 1024.0])
         ax.plot(rr, 0.5 * rr, color="grey", lw=0.8, ls="-.")
         ax.set_yscale("log", base=2)
-        ax.legend(handles=[*ax.get_legend().legend_handles,
-                           Line2D([], [], color="grey", lw=0.8, ls="-.",
-                                  label="n50 = r/2 (slope 1)")],
-                  fontsize=8, frameon=False, loc="upper left")
+        legend = ax.get_legend()
+        handles: list[Any] = [*(legend.legend_handles if legend is not None else []),
+                              Line2D([], [], color="grey", lw=0.8, ls="-.",
+                                     label="n50 = r/2 (slope 1)")]
+        ax.legend(handles=handles, fontsize=8, frameon=False, loc="upper left")
         paths += save_figure(fig, folder, "n50_vs_r_by_beta")
     return paths
 
@@ -646,17 +649,23 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
     if fF:
         dvs = sorted(main.loc[main.method == "linear", "dv"].unique())
         lo_dv, hi_dv = int(dvs[0]), int(dvs[-1])
-        agree = [v for v in fF if v.label == "agrees"]
-        apart = [v for v in fFdv if v.label == "differs"]
-        if len(agree) == len(fF) and len(apart) == len(fFdv):
-            head = ("at every r the collapse follows the feature dimension r, not the state size "
-                    "r·d_v, as Schlag, Irie & Schmidhuber (2021) bound the capacity of the "
-                    "fast-weight state by the key-feature dimension")
-        else:
-            head = (f"the collapse follows r (ratio within ×√2 of 1) at {len(agree)} of {len(fF)} "
-                    f"r and is set apart from r·d_v (×{hi_dv // lo_dv}) at {len(apart)} of "
-                    f"{len(fFdv)}; where neither is settled the d_v effect is at the noise level "
-                    "of these draws")
+        rs = [int(r) for r in sorted(main.loc[(main.method == "linear")
+                                              & (main.bracket == "interp"), "r"].unique())]
+        groups: dict[str, list[str]] = {}
+        for r, a, b in zip(rs, fF, fFdv, strict=False):
+            if a.label == "agrees" and b.label == "differs":
+                kind = "follows r"
+            elif b.label == "agrees" and a.label == "differs":
+                kind = "follows r·d_v"
+            elif a.label == "differs" and b.label == "differs":
+                kind = (f"grows with d_v (×{fmt(2 ** a.evidence['estimate'], 3)}), by less than "
+                        f"the state size (×{hi_dv // lo_dv})")
+            else:
+                kind = "not settled by these draws (inconclusive)"
+            groups.setdefault(kind, []).append(f"r = {r}")
+        head = ("n50 " + "; ".join(f"{k} at {', '.join(v)}" for k, v in groups.items())
+                + ("; Schlag, Irie & Schmidhuber (2021) bound the capacity of the fast-weight "
+                   "state by the key-feature dimension, whatever d_v"))
         f.append(f"d_v = {lo_dv} → {hi_dv} (×{hi_dv // lo_dv} state) at β = {BETA:g}; rule stated "
                  f"in advance: the paired bootstrap 95% CI of log₂ of the n50 ratio against 0 ± "
                  f"{DV_TOL_LOG2:g} (follows F) and against {math.log2(hi_dv / lo_dv):g} ± "
