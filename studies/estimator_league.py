@@ -965,15 +965,16 @@ def _key(x: Any) -> str:
 
 
 def family(err: pd.DataFrame, regime: str, sigma: float, mode: str, sel: float,
-           with_baseline: bool = True) -> pd.DataFrame:
+           with_baseline: bool = True, natives: bool = False) -> pd.DataFrame:
     """The rows compared in one ranking: one regime, the estimators at one target of ``mode``
-    (``equal_F``: F = ``sel``, plus the fixed-F maps at their own F; ``equal_flops``: the FAVOR+
-    budget of r = ``sel``), and uniform weights when ``with_baseline``."""
+    (``equal_F``: F = ``sel``; ``equal_flops``: the FAVOR+ budget of r = ``sel``), and uniform
+    weights when ``with_baseline``. ``natives``: add the fixed-F maps at their own F (shown in
+    the equal-F table beside the ranked estimators, not ranked: their F is not ``sel``)."""
     s = _at(err, str(err["metric"].iloc[0]) if len(err) else "", regime, sigma)
     by = "target" if mode == "equal_F" else "budget_r"
     sel_rows = s[(s["mode"] == mode) & (s[by] == sel)]
     parts = [sel_rows]
-    if mode == "equal_F":
+    if mode == "equal_F" and natives:
         parts.append(s[(s["mode"] == "native") & ~s["label"].isin(set(sel_rows["label"]))])
     if with_baseline:
         parts.append(s[s["mode"] == "baseline"])
@@ -1078,7 +1079,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         for name, regime, sigma in regs:
             res = ranks.get((name, mode, float(sel)))
             rank = res[0].evidence["rank"] if res is not None else {}
-            for x in family(err, regime, sigma, mode, sel).itertuples():
+            for x in family(err, regime, sigma, mode, sel, natives=True).itertuples():
                 key = _key(x)
                 rec = recs.setdefault(key, {"estimator": key})
                 if mode == "equal_flops" and x.mode == "equal_flops":
@@ -1094,8 +1095,9 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
 
     if F_mid is not None:
         out += [f"Attention-output error ‖Ô − O‖_F/‖O‖_F at equal feature dimension F = {int(F_mid)} "
-                f"(mean over draws, and tier; maps with a fixed F at their own F; sorted by the "
-                f"tier, then the mean, of the second regime). {rule}", "",
+                f"(mean over draws, and tier; maps with a fixed F at their own F, shown for "
+                f"reference and not ranked (tier –); sorted by the tier, then the mean, of the "
+                f"second regime). {rule}", "",
                 df_to_markdown(table("equal_F", F_mid), digits=3), ""]
     if b_mid is not None:
         B = flop_budget(int(b_mid))

@@ -24,7 +24,9 @@ at most as many orthogonal associations as the key-feature dimension F, whatever
 comparison below tests exactly that.  Values are ``N(0, I_{d_v})``; a retrieved vector is
 decoded as the stored value with the largest cosine similarity, and accuracy is the share of
 queries decoded to their own value.  One value per draw (fresh keys, values, queries and
-projection), mean and 95% t-interval over draws.
+projection), mean and 95% t-interval over draws; the seeds name neither d_v, beta nor the
+method, so draw s at n has the same keys, queries and (for one r) projection in every cell, and
+n50 ratios are paired.
 
 Methods:
 
@@ -39,8 +41,10 @@ Methods:
 The state holds ``F (d_v + 1)`` numbers.  For each method the collapse point ``n50`` (the n where
 accuracy falls through 1/2, interpolated in log n) is set against ``F`` and ``F d_v``; ``d_v`` is
 varied (16, 64) to tell which of the two sets the capacity, and the capacity exponent p of
-``n50 ~ r^p`` is fitted per beta, with a bootstrap CI over draws (`capacity_fits`).  The claims
-are scoped to this map (orthogonal PositiveRF), these betas, d = 64 and nearest-value decoding.
+``n50 ~ r^p`` is fitted per beta.  Every n50 and p has a paired bootstrap 95% CI over draws
+(`n50_bootstrap`, `capacity_fits`), and the verdicts follow rules stated in advance
+(`capacity_verdicts`, margins `DV_TOL_LOG2` and `P_TOL`).  The claims are scoped to this map
+(orthogonal PositiveRF), these betas, d = 64 and nearest-value decoding.
 """
 
 from __future__ import annotations
