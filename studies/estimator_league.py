@@ -1132,7 +1132,8 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         elu = s[(s["estimator"] == BASELINE_ESTIMATOR)]
         e = float(elu["mean"].iloc[0]) if len(elu) else math.nan
         sub = []
-        for mode, sels, lab in (("equal_F", fds, "F = {}"), ("equal_flops", bud, "FAVOR+ r = {} budget")):
+        for mode, sels, lab in (("equal_F", fds, "equal F = {}"),
+                                 ("equal_flops", bud, "equal FLOPs (FAVOR+ r = {} budget)")):
             for sel in sels:
                 res = ranks.get((name, mode, float(sel)))
                 if res is None:
