@@ -1,6 +1,6 @@
 r"""estimator-league: every registered estimator of exp(qᵀk), at equal feature dimension and at equal FLOPs.
 
-Data: 4 draws per cell (quick: 3), each with fresh data and a fresh projection for random maps
+Data: 12 draws per cell (quick: 3), each with fresh data and a fresh projection for random maps
 (one batched map, ``batch_shape=(S,)``; the same data serve every estimator of a regime).
 ``d = 64``, ``n = 1024`` tokens (quick: 256), values ``v ~ N(0, I_d)``; regimes
 
@@ -83,6 +83,21 @@ Metrics (one value per draw; mean and 95% t-interval over draws via :func:`studi
   their kernel rows are kept but left out of the kernel figure and rankings;
 * ``frac_den_nonpos`` (signed maps only): share of rows with attention denominator <= 0.
 
+The per-draw values of ``attn_rel_err``, ``kernel_rel_mse`` and ``kernel_rel_mse_median`` are
+stored (``draw_values``, a JSON list): draw ``s`` is the same data for every estimator of a
+regime (common random numbers), so the draws pair the estimators.
+
+Rankings (rule fixed before the data, :func:`ranking`): within one regime and one target (an F
+or a FLOP budget), every pair of estimators (uniform weights included) is compared by a paired t
+test of the log per-draw error (a difference of logs is a ratio of errors; the errors span five
+orders of magnitude), Holm-corrected over all pairs at α = 0.05
+(:func:`studies.verdicts.paired_ranking`). The tier of an estimator is 1 + the number of
+estimators significantly better, so estimators the tests cannot separate share a tier; the
+summary prints tiers, not places from point estimates. The estimator with the lowest mean log
+error is set against uniform weights by :func:`studies.verdicts.beats_baseline` (Holm over the
+comparisons of every estimator with uniform weights): "no estimator beats uniform weights" where
+its corrected interval contains 0.
+
 Figure 4 reproduces the variance-against-scale comparison of Chefs' Random Tables
 (Likhosherstov et al., NeurIPS 2022, arXiv:2205.15317) at d = 64: the log relative variance
 ``log(Var K̂/K²)`` of one random feature (r = 1; ratios do not depend on r for iid rows) of
@@ -96,6 +111,7 @@ variance is reliable; and the log-variance ratios positive/OPRF and trig/OPRF.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import time
 from collections.abc import Callable
@@ -110,6 +126,7 @@ import kernelapprox as ka
 import kernelapprox.montecarlo as mc
 from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
 from studies.estimators import SAMPLERS, EstimatorSpec, get, select
+from studies.verdicts import Verdict, beats_baseline, format_verdict, paired_ranking, score_table
 
 D = 64
 DV = 64
@@ -118,7 +135,7 @@ SIGMAS_QUICK = (0.5, 1.0, 2.0)
 PEAKED_SIGMA = 1.25
 PEAKED_TAU = 0.5
 N_TOKENS, N_TOKENS_QUICK = 1024, 256
-DRAWS, DRAWS_QUICK = 8, 3
+DRAWS, DRAWS_QUICK = 12, 3
 FEATURE_DIMS, FEATURE_DIMS_QUICK = (128, 256, 512), (128,)
 BUDGET_R, BUDGET_R_QUICK = (128, 256, 512), (128,)
 KERNEL_ROWS, KERNEL_COLS = 64, 128
@@ -131,6 +148,7 @@ FLOPS_SAMPLER = "orthogonal"  # equal-FLOPs runs: one sampler per random family 
 UNIFORM = "uniform"
 UNIFORM_LABEL = "uniform weights (baseline)"
 BASELINE_ESTIMATOR = "elu"
+RANK_ALPHA = 0.05  # family level of the rankings (Holm over every pair of a ranked column)
 FLOPS_N = N_TOKENS  # batch size over which data-dependent fits are amortised in the FLOP counts
 
 # Chefs' Random Tables reproduction (figure 4)
@@ -466,6 +484,12 @@ def evaluate(spec: EstimatorSpec, r: int, ref: dict[str, torch.Tensor], ctx: Con
 # ----------------------------------------------------------------------------------------------
 # Cells
 # ----------------------------------------------------------------------------------------------
+def _draw_json(x: torch.Tensor) -> str:
+    """Per-draw values (S,) as a JSON list (9 significant digits): draw ``s`` is the same data for
+    every estimator of a regime, so the columns pair by draw (`ranking`)."""
+    return json.dumps([float(f"{float(v):.9g}") for v in x.reshape(-1)])
+
+
 def _uniform_cell(cell: dict, ctx: Context) -> list[dict]:
     ref = _ref_for(cell, ctx)
     v, out = ref["v"], ref["out"]
@@ -475,7 +499,7 @@ def _uniform_cell(cell: dict, ctx: Context) -> list[dict]:
              "r": 0, "feature_dim": 0, "flops_per_token": float(2 * DV), "flops_source": "formula"}
     n = int(cell["n"])
     return [
-        row("attn_rel_err", err, **extra),
+        row("attn_rel_err", err, draw_values=_draw_json(err), **extra),
         row("attn_entropy", ref["entropy"], **extra),
         row("attn_max_weight", ref["wmax"], **extra),
         row("log_n", math.log(n), **extra),
@@ -516,9 +540,12 @@ def _league_cell(cell: dict, ctx: Context) -> list[dict]:
         extra.update(feature_dim=info["feature_dim"], fit=info["fit"], fit_steps=info["fit_steps"],
                      fit_s=round(info["fit_s"], 4))
         m = res["metrics"]
-        rows.append(row("attn_rel_err", m["attn_rel_err"], **extra))
-        rows.append(row("kernel_rel_mse", m["kernel_rel_mse"], theory=info["theory"], **extra))
-        rows.append(row("kernel_rel_mse_median", m["kernel_rel_mse_median"], **extra))
+        rows.append(row("attn_rel_err", m["attn_rel_err"], draw_values=_draw_json(m["attn_rel_err"]),
+                        **extra))
+        rows.append(row("kernel_rel_mse", m["kernel_rel_mse"], theory=info["theory"],
+                        draw_values=_draw_json(m["kernel_rel_mse"]), **extra))
+        rows.append(row("kernel_rel_mse_median", m["kernel_rel_mse_median"],
+                        draw_values=_draw_json(m["kernel_rel_mse_median"]), **extra))
         if "frac_den_nonpos" in m:
             rows.append(row("frac_den_nonpos", m["frac_den_nonpos"], **extra))
         if spec.learned and math.isfinite(info["fit_loss_last"]):
@@ -932,8 +959,98 @@ def _names(labels: list[str], limit: int = 16) -> str:
     return head + (f" and {len(labels) - limit} more" if len(labels) > limit else "")
 
 
+def _key(x: Any) -> str:
+    """The name of a method in the tables and rankings (a fixed-F map carries its own F)."""
+    return str(x.label) + ("" if x.mode != "native" else f" (own F = {int(x.feature_dim)})")
+
+
+def family(err: pd.DataFrame, regime: str, sigma: float, mode: str, sel: float,
+           with_baseline: bool = True, natives: bool = False) -> pd.DataFrame:
+    """The rows compared in one ranking: one regime, the estimators at one target of ``mode``
+    (``equal_F``: F = ``sel``; ``equal_flops``: the FAVOR+ budget of r = ``sel``), and uniform
+    weights when ``with_baseline``. ``natives``: add the fixed-F maps at their own F (shown in
+    the equal-F table beside the ranked estimators, not ranked: their F is not ``sel``)."""
+    s = _at(err, str(err["metric"].iloc[0]) if len(err) else "", regime, sigma)
+    by = "target" if mode == "equal_F" else "budget_r"
+    sel_rows = s[(s["mode"] == mode) & (s[by] == sel)]
+    parts = [sel_rows]
+    if mode == "equal_F" and natives:
+        parts.append(s[(s["mode"] == "native") & ~s["label"].isin(set(sel_rows["label"]))])
+    if with_baseline:
+        parts.append(s[s["mode"] == "baseline"])
+    return pd.concat(parts)
+
+
+def ranking(rows: pd.DataFrame, *, what: str, baseline: str | None = UNIFORM_LABEL
+            ) -> tuple[Verdict, Verdict | None] | None:
+    r"""Tiers of the methods in ``rows`` from paired per-draw differences, and the best against
+    the baseline.
+
+    Rule (fixed before the data): draw $s$ is the same data for every method of a regime (common
+    random numbers), so the unit is the draw. The score of a method on a draw is the log of its
+    per-draw value (``draw_values``): the errors span five orders of magnitude and are
+    right-skewed, and a difference of logs is a ratio of errors. Every pair of methods is tested
+    by a paired t test over the draws, Holm-corrected over all pairs of the family at
+    $lpha$ = `RANK_ALPHA` (`studies.verdicts.paired_ranking`): the tier (rank) of a method is
+    1 + the number of methods significantly better, so methods the tests cannot separate share
+    a tier. The best method (lowest mean log score) against ``baseline``:
+    `studies.verdicts.beats_baseline` (Holm over the m − 1 comparisons to the baseline).
+
+    Parameters
+    ----------
+    rows : pandas.DataFrame
+        Tidy rows of one metric (columns ``label``, ``mode``, ``feature_dim``, ``draw_values``),
+        one per method, e.g. from `family`.
+    what : str
+        The name of the score in the ranking's statement.
+    baseline : str or None
+        The baseline's method name (`_key`); None or absent: no baseline verdict.
+
+    Returns
+    -------
+    tuple or None
+        ``(ranking verdict, baseline verdict or None)``; None when fewer than 2 methods have
+        per-draw values.
+    """
+    long = []
+    for x in rows.itertuples():
+        dv = getattr(x, "draw_values", None)
+        if not isinstance(dv, str):
+            continue
+        vals = np.asarray(json.loads(dv), dtype=float)
+        vals = np.log(np.clip(vals, 1e-300, 1e300))  # finite logs (an exact 0 or overflow)
+        long += [{"draw": i, "method": _key(x), "score": v} for i, v in enumerate(vals)]
+    if not long:
+        return None
+    scores = score_table(pd.DataFrame(long), unit="draw", method="method", value="score")
+    if scores.shape[1] < 2 or scores.shape[0] < 2:
+        return None
+    rank = paired_ranking(scores, lower_is_better=True, alpha=RANK_ALPHA, correction="holm",
+                          ci="t", what=what)
+    base = None
+    if baseline is not None and baseline in scores.columns:
+        base = beats_baseline(scores, baseline, lower_is_better=True, alpha=RANK_ALPHA,
+                              correction="holm", ci="t", what="estimator")
+    return rank, base
+
+
+def _tiers(v: Verdict, means: dict[str, float] | None = None, n_tiers: int = 2,
+           limit: int = 8) -> str:
+    """The first ``n_tiers`` tiers of a `paired_ranking` verdict, in its order."""
+    rank: dict[str, int] = v.evidence["rank"]
+    order: list[str] = v.evidence["order"]
+    tiers = sorted(set(rank.values()))[:n_tiers]
+    parts = []
+    for t in tiers:
+        names = [n for n in order if rank[n] == t]
+        shown = [f"{n} {fmt(means[n], 3)}" if means and n in means else n for n in names]
+        parts.append(f"tier {t} ({len(names)}): {_names(shown, limit)}")
+    return "; ".join(parts)
+
+
 def summarize(df: pd.DataFrame, ctx: Context) -> str:
-    """Key tables (equal F, equal FLOPs, CRT ratios) and a finding in bullets, from the numbers."""
+    """Key tables (equal F, equal FLOPs, CRT ratios) with tiers from `ranking`, and a finding in
+    bullets, from the numbers."""
     lg = _league(df)
     out = ["## Key results", ""]
     bullets: list[str] = []
@@ -943,35 +1060,51 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
     F_mid = fds[len(fds) // 2] if fds else None
     bud = sorted(err.loc[err["mode"] == "equal_flops", "budget_r"].dropna().unique())
     b_mid = bud[len(bud) // 2] if bud else None
+    what = "log attention error per draw"
+    ranks: dict[tuple[str, str, float], tuple[Verdict, Verdict | None] | None] = {}
+    for name, regime, sigma in regs:
+        for mode, sels in (("equal_F", fds), ("equal_flops", bud)):
+            for sel in sels:
+                ranks[(name, mode, float(sel))] = ranking(family(err, regime, sigma, mode, sel),
+                                                          what=what)
+    n_draws = int(err["n_draws"].max()) if len(err) else 0
+    rule = (f"Tiers: paired t tests of the log error per draw (the {n_draws} draws are the same "
+            f"data for every estimator of a regime), Holm-corrected over all pairs of a column's "
+            f"estimators at α = {RANK_ALPHA:g} (`studies.verdicts.paired_ranking`); the tier of an "
+            "estimator is 1 + the number of estimators significantly better, so estimators the "
+            "tests cannot separate share a tier.")
 
-    def table(mode: str, sel: float | None, by: str) -> pd.DataFrame:
+    def table(mode: str, sel: float) -> pd.DataFrame:
         recs: dict[str, dict[str, Any]] = {}
         for name, regime, sigma in regs:
-            s = _at(err, "attn_rel_err", regime, sigma)
-            s = s[(s["mode"] == mode) & (s[by] == sel)] if sel is not None else s.iloc[0:0]
-            base = _at(err, "attn_rel_err", regime, sigma)
-            base = base[(base["mode"] == "baseline")
-                        | ((base["mode"] == "native") & ~base["label"].isin(set(s["label"])))]
-            for x in pd.concat([s, base]).itertuples():
-                key = x.label + ("" if x.mode != "native" else f" (own F = {int(x.feature_dim)})")
+            res = ranks.get((name, mode, float(sel)))
+            rank = res[0].evidence["rank"] if res is not None else {}
+            for x in family(err, regime, sigma, mode, sel, natives=True).itertuples():
+                key = _key(x)
                 rec = recs.setdefault(key, {"estimator": key})
                 if mode == "equal_flops" and x.mode == "equal_flops":
                     rec["r / F"] = f"{int(x.r)} / {int(x.feature_dim)}"
                 rec[name] = x.mean
+                rec[f"tier ({name})"] = rank.get(key, "–")
         tab = pd.DataFrame(list(recs.values()))
         if len(tab) and regs:
-            tab = tab.sort_values(regs[min(1, len(regs) - 1)][0], na_position="last")
+            col = regs[min(1, len(regs) - 1)][0]
+            tab = tab.assign(_t=pd.to_numeric(tab[f"tier ({col})"], errors="coerce"))
+            tab = tab.sort_values(["_t", col], na_position="last").drop(columns="_t")
         return tab
 
     if F_mid is not None:
         out += [f"Attention-output error ‖Ô − O‖_F/‖O‖_F at equal feature dimension F = {int(F_mid)} "
-                f"(mean over draws; maps with a fixed F at their own F; sorted by the second column):", "",
-                df_to_markdown(table("equal_F", F_mid, "target"), digits=3), ""]
+                f"(mean over draws, and tier; maps with a fixed F at their own F, shown for "
+                f"reference and not ranked (tier –); sorted by the tier, then the mean, of the "
+                f"second regime). {rule}", "",
+                df_to_markdown(table("equal_F", F_mid), digits=3), ""]
     if b_mid is not None:
         B = flop_budget(int(b_mid))
         out += [f"At equal FLOPs per token: budget {B:.4g} (FAVOR+ with r = {int(b_mid)}); `r / F` is "
-                f"what the budget buys each estimator:", "",
-                df_to_markdown(table("equal_flops", b_mid, "budget_r"), digits=3), ""]
+                f"what the budget buys each estimator (maps whose fixed cost exceeds the budget are "
+                f"in the skipped table); tiers as above:", "",
+                df_to_markdown(table("equal_flops", b_mid), digits=3), ""]
     skipped = lg[lg["metric"] == "skipped"]
     if len(skipped):
         sk = skipped.drop_duplicates(["label", "mode", "target"])[["label", "mode", "target", "reason"]]
@@ -985,53 +1118,55 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         out += [f"Row entropy of exact attention (uniform = log n = {fmt(float(logn.iloc[0]) if len(logn) else math.nan)}):",
                 "", df_to_markdown(e_tab.reset_index(drop=True)), ""]
 
-    # ---- findings per regime
+    # ---- findings per regime: tiers and the best against uniform weights, from `ranking`
+    bullets.append(f"Rankings (rule fixed before the data): {rule} Against uniform weights: the "
+                   "estimator with the lowest mean log error, its Holm-corrected interval of the "
+                   "log-error difference to uniform weights over the comparisons of every "
+                   "estimator with uniform weights (`studies.verdicts.beats_baseline`); "
+                   "\"worse than uniform\" counts the estimators whose corrected difference "
+                   "excludes 0 on the worse side.")
     for name, regime, sigma in regs:
         s = _at(err, "attn_rel_err", regime, sigma)
         uni = s[s["estimator"] == UNIFORM]
         u = float(uni["mean"].iloc[0]) if len(uni) else math.nan
         elu = s[(s["estimator"] == BASELINE_ESTIMATOR)]
         e = float(elu["mean"].iloc[0]) if len(elu) else math.nan
-        parts = []
-        for F in fds:
-            sF = s[(s["mode"] == "equal_F") & (s["target"] == F)].sort_values("mean")
-            if len(sF):
-                b = sF.iloc[0]
-                second = f"; 2nd {sF.iloc[1]['label']} {fmt(sF.iloc[1]['mean'], 3)}" if len(sF) > 1 else ""
-                parts.append(f"F = {int(F)}: {b['label']} {fmt(b['mean'], 3)}{second}")
-        fl = []
-        for rb in bud:
-            sB = s[(s["mode"] == "equal_flops") & (s["budget_r"] == rb)].sort_values("mean")
-            if len(sB):
-                b = sB.iloc[0]
-                fl.append(f"FAVOR+ r = {int(rb)} budget: {b['label']} {fmt(b['mean'], 3)} (r = {int(b['r'])}, "
-                          f"F = {int(b['feature_dim'])})")
-        worse: list[str] = []
-        n_cand = 0
-        if F_mid is not None and math.isfinite(u):
-            sF = s[((s["mode"] == "equal_F") & (s["target"] == F_mid)) | (s["mode"] == "native")]
-            n_cand = sF["label"].nunique()
-            # significantly worse: the 95% CI of the estimator's mean error lies above uniform's mean
-            worse = sorted(set(sF.loc[sF["ci_low"] > u, "label"]))
+        sub = []
+        for mode, sels, lab in (("equal_F", fds, "equal F = {}"),
+                                 ("equal_flops", bud, "equal FLOPs (FAVOR+ r = {} budget)")):
+            for sel in sels:
+                res = ranks.get((name, mode, float(sel)))
+                if res is None:
+                    continue
+                rk, base = res
+                fam = family(err, regime, sigma, mode, sel)
+                means = {_key(x): float(x.mean) for x in fam.itertuples()}
+                m = len(rk.evidence["order"])
+                sub.append(f"{lab.format(int(sel))} ({m} methods, **{rk.label}**): "
+                           + _tiers(rk, means))
+                if base is not None:
+                    worse = sorted(p["a"] for p in base.evidence["pairs"]
+                                   if p["significant"] and p["diff"] > 0)
+                    sub.append(f"{lab.format(int(sel))} against uniform weights: "
+                               + format_verdict(base)[2:]
+                               + f"; worse than uniform: {len(worse)} of {m - 1} — {_names(worse)}")
+        sub.append(f"uniform weights {fmt(u, 3)}, elu+1 {fmt(e, 3)} (mean attention error)")
         ent_r = ent[(ent["regime"] == regime) & np.isclose(ent["sigma"], sigma)]
         ent_txt = f", exact-attention row entropy {fmt(float(ent_r['mean'].iloc[0]), 3)} nats" if len(ent_r) else ""
-        sub = [f"best at equal F (and 2nd): {p}" for p in parts]
-        if fl:
-            sub.append("best at equal FLOPs: " + "; ".join(fl))
-        sub.append(f"uniform weights {fmt(u, 3)}, elu+1 {fmt(e, 3)}")
-        sub.append("worse than uniform (95% CI above it)"
-                   + (f" at F = {int(F_mid)} (fixed-F maps at their own F)" if F_mid is not None else "")
-                   + f": {len(worse)} of {n_cand} — {_names(worse)}")
         bullets.append(f"**{name}**{ent_txt}:" + "".join(f"\n  - {x}" for x in sub))
     km = lg[(lg["metric"] == "kernel_rel_mse_median") & (lg["mode"] == "equal_F") & (lg["target"] == F_mid)]
     km = km[km["learned"].astype(str) != "True"] if "learned" in km.columns else km
     kparts = []
     for name, regime, sigma in regs:
-        s = km[(km["regime"] == regime) & np.isclose(km["sigma"], sigma)].sort_values("mean")
-        if len(s):
-            kparts.append(f"{name}: {s.iloc[0]['label']} {fmt(s.iloc[0]['mean'], 3)}")
+        fam = km[(km["regime"] == regime) & np.isclose(km["sigma"], sigma)]
+        res = ranking(fam, what="log median kernel error per draw", baseline=None) if len(fam) else None
+        if res is not None:
+            means = {_key(x): float(x.mean) for x in fam.itertuples()}
+            kparts.append(f"{name} (**{res[0].label}**): {_tiers(res[0], means, n_tiers=1)}")
     if kparts and F_mid is not None:
-        bullets.append(f"Kernel (median over pairs of (K̂ − K)²/K², F = {int(F_mid)}), best: " + "; ".join(kparts) + ".")
+        bullets.append(f"Kernel (median over pairs of (K̂ − K)²/K², F = {int(F_mid)}, learned maps left "
+                       "out), tier 1 by the same rule on the log per-draw median:"
+                       + "".join(f"\n  - {p}" for p in kparts))
         bullets.append(_variance_vs_typical(lg, F_mid))
     lrn = lg[(lg["metric"] == "fit_loss_last")]
     if len(lrn):
@@ -1107,5 +1242,5 @@ STUDY = Study(
     plot=plot,
     summarize=summarize,
     headline="attention_error_equal_F.png",
-    cache_version="1",
+    cache_version="2",
 )

@@ -68,8 +68,12 @@ def test_outputs(report: Path, df: pd.DataFrame) -> None:
         assert section in summary
     finding = summary.split("## Finding", 1)[1].split("## Provenance", 1)[0]
     assert finding.count("\n- ") >= 5 and any(ch.isdigit() for ch in finding)
-    for phrase in ("best at equal F", "equal FLOPs", "worse than uniform", "Chefs' Random Tables"):
+    for phrase in ("tier 1", "against uniform weights", "Holm", "equal FLOPs", "worse than uniform",
+                   "Chefs' Random Tables"):
         assert phrase.lower() in finding.lower(), phrase
+    assert "2nd" not in finding  # tiers from paired tests, not places from point estimates
+    # every regime's best is set against uniform weights by beats_baseline
+    assert finding.count("against uniform weights: **") >= len(league._regimes(True))
     prov = json.loads((report / "provenance.json").read_text())
     assert prov["quick"] is True and prov["n_cells"] == len(league.grid(True))
     index = (report.parent / "README.md").read_text()

@@ -225,6 +225,21 @@ def test_corrected_interval_excludes_zero_iff_the_corrected_test_rejects(ci, cor
         assert r["level"] >= 0.95
 
 
+def test_paired_t_matches_scipy_ttest_1samp():
+    # the closed-form t test of pairwise_differences is scipy.stats.ttest_1samp (p-value and the
+    # interval at the reported level), to float rounding: rtol 1e-9 covers the ufunc evaluation
+    # of the t CDF and quantile against scipy.stats.t's
+    rng = np.random.default_rng(11)
+    for n, effect in ((3, 0.0), (8, 0.4), (16, 2.0), (40, 0.05)):
+        a, b = rng.normal(size=n), rng.normal(size=n) + effect
+        (r,) = pairwise_differences({"a": a, "b": b}, correction="none")
+        ref = stats.ttest_1samp(a - b, 0.0)
+        c = ref.confidence_interval(confidence_level=r["level"])
+        assert r["p"] == pytest.approx(float(ref.pvalue), rel=1e-9, abs=1e-300)
+        assert r["ci_low"] == pytest.approx(float(c.low), rel=1e-9)
+        assert r["ci_high"] == pytest.approx(float(c.high), rel=1e-9)
+
+
 # --- bootstrap of a median ---------------------------------------------------------------------
 # Coverage: M independent data sets, each with an interval at level 0.95; the number covering the
 # true median is Binomial(M, 0.95) when the interval is exact, so the coverage has standard error
