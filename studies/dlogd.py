@@ -1420,9 +1420,11 @@ def boots_cache(df: pd.DataFrame, rst: pd.DataFrame) -> dict:
 
 STUDY = Study(
     name="dlogd",
-    description="How does r for a uniform error ε grow with d? Δ-space sup search with a "
-    "convergence check, r*(ε, δ) fitted by WLS/AICc against c·d, c·d·log(C·d), the uniform "
-    "bounds' shapes and d^p; positive features beside e^{2R‖ω_max‖}/r.",
+    description="Gaussian random Fourier features at fixed R: how does r for a uniform error ε "
+    "grow with d? Δ-space sup search with a convergence check and its systematic, the exponent "
+    "of r*(ε, δ) across statistics × d ranges (envelope), WLS/AICc against c·d, "
+    "c·d·(1 + a/√d), c·d·log(C·d), the uniform bounds' shapes and d^p; positive features "
+    "beside e^{2R‖ω_max‖}/r.",
     grid=grid,
     run_cell=run_cell,
     plot=plot,
