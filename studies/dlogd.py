@@ -745,9 +745,23 @@ def search_systematic(conv: pd.DataFrame) -> pd.DataFrame:
 
 
 def add_systematic(rst: pd.DataFrame, sysd: pd.DataFrame) -> pd.DataFrame:
-    """The r* table with the search systematic: ``sys_log``, ``se_tot`` (draws and search in
-    quadrature, the WLS weight), ``r_star_hi_sys`` (upper CI end times e^{sys_log}) and
-    ``lower_bound`` (r* printed as "≥": the search is not converged at that d)."""
+    """The r* table with the search systematic.
+
+    Parameters
+    ----------
+    rst : pandas.DataFrame
+        One row per (spec, R, d, eps) with r_star, r_star_hi and se_log (`rstar_table`).
+    sysd : pandas.DataFrame
+        `search_systematic` (may be empty: no convergence rows, no systematic).
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``rst`` with ``b`` and ``sys_log`` (0 where no convergence cell), ``se_tot`` (the
+        floored draw se and sys_log in quadrature: the WLS weight), ``r_star_hi_sys`` (upper CI
+        end times e^{sys_log}) and ``lower_bound`` (r* printed as "≥": the search is not
+        converged at that d).
+    """
     out = rst.drop(columns=[c for c in ("sys_log", "se_tot", "r_star_hi_sys", "lower_bound", "b")
                             if c in rst], errors="ignore")
     if len(sysd):
@@ -770,6 +784,12 @@ def rstar_statistics(df: pd.DataFrame) -> pd.DataFrame:
     ``median (δ = 0.5)`` and ``q90 (δ = 0.1)``: the quantile 1 − δ of the draws; ``mean sup``:
     the mean over draws.  NaN where the crossing is censored (outside the r grid or at its
     first point).
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+        Study results; the ``sup_adv`` rows of ``kind == "sup"`` are used (``values``: the
+        per-draw sups of one (spec, R, d, r) as a JSON list).
 
     Returns
     -------
@@ -808,6 +828,13 @@ def exponent_table(df: pd.DataFrame, rst: pd.DataFrame) -> tuple[pd.DataFrame, p
       tolerance 0: ``differs`` = the shape is excluded, ``inconclusive`` = not excluded;
     - ``C_star``: every d·log(C·d) with C < C_star has a local exponent above the envelope's
       upper end on the d used (excluded); above C_star it is not.
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+        Study results (the ``sup_adv`` rows, see `rstar_statistics`).
+    rst : pandas.DataFrame
+        `rstar_table`'s table (its ``sys_log`` column gives the search bias; absent: none).
 
     Returns
     -------
