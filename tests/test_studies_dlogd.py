@@ -15,12 +15,16 @@ import torch
 
 import kernelapprox as ka
 from studies.dlogd import (
+    TOL_P,
+    add_systematic,
     aicc,
     c_star,
     dlogcd_exponent,
+    exponent_table,
     fit_models,
     fits_table,
     rstar_table,
+    search_systematic,
     trig_sup_delta,
 )
 
@@ -194,3 +198,95 @@ def test_censoring_is_explicit() -> None:
     assert "d = 128 censored" in s and "4–128" not in s and ft.loc[0.3, "n_d"] == 4
     # the uncensored d follow r* ∝ d exactly (A = 1): p ≈ 1 within the bootstrap CI
     assert ft.loc[0.3, "p_lo"] <= 1.0 <= ft.loc[0.3, "p_hi"]
+
+
+def test_finite_d_model_recovers_its_correction() -> None:
+    """Exact r* = 3 d (1 + 2/√d): the c·d·(1 + a/√d) fit recovers a = 2 and wins AICc.
+
+    The profile grid over a has step (50 + 0.999·2)/1000 = 0.052, refined to 1e-3 around the
+    best, so |a − 2| < 2e-3 and c = 3 to 1e-3; the residual is then ~1e-7 in log r* against
+    c·d's 0.2, so ΔAICc[c·d·(1+a/√d)] = 0 and c·d loses by far more than 10.
+    """
+    se = np.full(DS.size, 0.03)
+    f = fit_models(DS, 3.0 * DS * (1 + 2.0 / np.sqrt(DS)), se)
+    m = f["c·d·(1+a/√d)"]
+    assert abs(m["a"] - 2.0) < 2e-3 and m["c"] == pytest.approx(3.0, rel=1e-3)
+    assert m["daicc"] == 0.0 and f["c·d"]["daicc"] > 10
+
+
+def test_search_systematic_rule() -> None:
+    """From the first d where 4x gains > 0.1% on a draw, every larger d carries b = max(16x, 4x).
+
+    d = 32 gains 0.05% (converged), d = 64 gains 0.5% (first unconverged), d = 128 gains 0.01%
+    but lies above it: b(64) = max(2%, 0.5%) = 2%, b(128) = 3% (its 16x gain); sys_log =
+    2 ln(1 + b) (r* ∝ sup²).  The r* table then prints d >= 64 as a lower bound and adds the
+    systematic to the weight's se in quadrature.
+    """
+    conv = pd.DataFrame({"spec": "trig-sincos-orthogonal", "R": 1.0, "d": [16, 32, 64, 128],
+                         "gain_4x_max_%": [0.0, 0.05, 0.5, 0.01],
+                         "gain_16x_max_%": [5.0, 0.1, 2.0, 3.0]})
+    s = search_systematic(conv).set_index("d")
+    assert s["converged"].tolist() == [True, True, False, False]
+    assert s.loc[16, "b"] == 0.0 and s.loc[32, "b"] == 0.0
+    assert s.loc[64, "b"] == pytest.approx(0.02) and s.loc[128, "b"] == pytest.approx(0.03)
+    assert s.loc[128, "sys_log"] == pytest.approx(2 * math.log(1.03))
+    rst = pd.DataFrame({"spec": "trig-sincos-orthogonal", "R": 1.0, "d": [32, 64, 128],
+                        "r_star": [100.0, 200.0, 400.0], "r_star_hi": [110.0, 220.0, 440.0],
+                        "se_log": [0.02, 0.02, 0.02]})
+    out = add_systematic(rst, search_systematic(conv)).set_index("d")
+    assert out["lower_bound"].tolist() == [False, True, True]
+    assert out.loc[64, "se_tot"] == pytest.approx(math.hypot(0.02, 2 * math.log(1.02)))
+    assert out.loc[128, "r_star_hi_sys"] == pytest.approx(440.0 * 1.03**2)
+
+
+def _power_frame(p_extra: float, noise: float = 0.002) -> pd.DataFrame:
+    """Sup values sup = sqrt(d^{1 + p_extra} / r) (x noise per draw), r = {2,4,8,16,32} d,
+    64 draws: r*(ε) = d^{1 + p_extra}/ε² exactly for the noise-free median, mean and q90."""
+    rng = np.random.default_rng(2)
+    rows = []
+    for d in DS.astype(int):
+        for rod in (2, 4, 8, 16, 32):
+            r = rod * d
+            v = np.sqrt(0.1 * d ** (1 + p_extra) / r) * np.exp(rng.normal(0, noise, 64))
+            rows.append({"kind": "sup", "spec": "trig-sincos-orthogonal", "R": 1.0, "d": int(d),
+                         "metric": "sup_adv", "r": r, "values": json.dumps(v.tolist()),
+                         "mean": float(v.mean())})
+    return pd.DataFrame(rows)
+
+
+def test_exponent_verdict_flips_when_the_results_do() -> None:
+    """The envelope verdict follows the data: r* ∝ d agrees with 1 ± TOL_P, r* ∝ d^1.2 differs.
+
+    Tolerance derivation: with per-draw log-noise σ = 0.002 and 64 draws, each statistic of log
+    sup has se ≤ 1.3 σ/√64 = 3.3e-4, so log r* (= 2 log sup + const) has se ≤ 6.5e-4 per d.
+    The widest variant is a 3-point fit (d ≥ 32; S_xx = 2 ln²2 = 0.96): slope se ≤
+    6.5e-4/√0.96 = 6.6e-4, and t(0.975, 1 dof) = 12.7 gives a half-width ≤ 0.0084, asserted
+    < 0.015 (< TOL_P = 0.05; all d: 6 points, half-width ~1e-3).  So the envelope lies inside 1 ± 0.05 for p = 1
+    ("agrees") and inside 1.2 ± 0.02, outside [0.95, 1.05], for p = 1.2 ("differs").  The same
+    in-memory perturbation (sup × d^{0.1}) is all that changes between the two calls.
+    """
+    base = _power_frame(0.0)
+    rst, _ = rstar_table(base, n_boot=60)
+    var, cells = exponent_table(base, rst)
+    assert len(cells) >= 1 and (cells["n_variants"] >= 9).all()
+    c = cells.set_index("eps")
+    eps = [e for e in c.index if np.isfinite(c.loc[e, "p"])]
+    assert eps
+    for e in eps:
+        assert c.loc[e, "linear"] == "agrees", c.loc[e, "linear_statement"]
+        assert 1 - TOL_P <= c.loc[e, "p_lo"] and c.loc[e, "p_hi"] <= 1 + TOL_P
+        # the half-width of every variant's interval is within the derived bound
+        v = var[(var["eps"] == e) & var["p"].notna()]
+        assert ((v["high"] - v["low"]) / 2 < 0.015).all(), v.to_dict("records")
+    # perturb the committed-style results in memory: sup x d^{0.1}  =>  r* ∝ d^{1.2}
+    pert = base.copy()
+    pert["values"] = [json.dumps((np.asarray(json.loads(x)) * d**0.1).tolist())
+                      for x, d in zip(pert["values"], pert["d"], strict=True)]
+    rst2, _ = rstar_table(pert, n_boot=60)
+    _, cells2 = exponent_table(pert, rst2)
+    c2 = cells2.set_index("eps")
+    flipped = [e for e in eps if e in c2.index]
+    assert flipped
+    for e in flipped:
+        assert c2.loc[e, "linear"] == "differs", c2.loc[e, "linear_statement"]
+        assert abs(c2.loc[e, "p"] - 1.2) < 0.02
