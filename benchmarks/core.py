@@ -37,7 +37,8 @@ Prints these groups of ratios for B=4, H=8, n=4096, d=64, r=256:
 8. hybrid attention (``--only hybrid``): ``hybrid_attention`` with a window of w = 64 and
    FAVOR+ (r = 256) on the rest, the sliding token window (``window_mode="token"``) and the
    block-aligned one (``"block"``), each / ``linear_attention`` of the same causality
-   (non-causal target <= 1.6x), forward without autograd; and their peak memory at n = 4096 and
+   (non-causal target <= 1.6x), forward without autograd; non-causal also with ``window = 33``
+   (``|i - j| <= 32``: 65 keys, the causal window's size); and their peak memory at n = 4096 and
    16384 (the ``VmHWM`` method of group 3, B = 4, H = 8; a ratio near 4 = linear in n).
 
 Times are medians over repeats after warm-up (``torch.cuda.synchronize`` on GPU). Peak memory
@@ -402,6 +403,12 @@ def bench_hybrid(B, H, n, d, r, device, dtype, repeats, window: int = 64, rounds
         for mode in ("token", "block"):
             fns[f"{kind}/hybrid_{mode}"] = lambda c=causal, m=mode: ka.hybrid_attention(
                 q, k, v, fm, window=window, causal=c, window_mode=m)
+    # non-causal with a window of `window` keys in all (|i - j| <= window // 2), the causal
+    # window's size: ``window`` alone is |i - j| < window, 2 window - 1 keys
+    half = window // 2 + 1
+    for mode in ("token", "block"):
+        fns[f"parallel_keys{window}/hybrid_{mode}"] = lambda m=mode: ka.hybrid_attention(
+            q, k, v, fm, window=half, causal=False, window_mode=m)
     best = {name: float("inf") for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -410,6 +417,8 @@ def bench_hybrid(B, H, n, d, r, device, dtype, repeats, window: int = 64, rounds
     for kind in ("parallel", "causal"):
         for mode in ("token", "block"):
             out[f"hybrid/{kind}_{mode}/linear"] = best[f"{kind}/hybrid_{mode}"] / best[f"{kind}/linear"]
+        out[f"hybrid/parallel_keys{window}_{mode}/linear"] = (best[f"parallel_keys{window}/hybrid_{mode}"]
+                                                             / best["parallel/linear"])
     return out
 
 
