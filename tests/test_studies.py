@@ -302,7 +302,9 @@ def test_error_vs_r_verdicts_flip() -> None:
             for (e, d, reg, rr), gv, ov in zip(units, g, o, strict=True)
             for s, val in (("gaussian", gv), ("orthogonal", ov))]
     frame = pd.DataFrame(rows)
-    assert evr.orthogonal_verdict(frame).label == "beats"
+    ov = evr.orthogonal_verdict(frame)
+    assert ov is not None and ov.label == "beats"
     swapped = frame.assign(sampler=frame["sampler"].map({"gaussian": "orthogonal",
                                                          "orthogonal": "gaussian"}))
-    assert evr.orthogonal_verdict(swapped).label == "worse"
+    sv = evr.orthogonal_verdict(swapped)
+    assert sv is not None and sv.label == "worse"
