@@ -48,6 +48,26 @@ Metrics, one value per draw (mean and 95% t-interval over draws):
   data, compared with ``rel_rmse`` (root mean square of the per-draw relative errors) **at every
   r** (the first-order theory holds only where $\hat D_i$ concentrates).
 
+Verdict rules (fixed before the runs; ``studies.verdicts``)
+-----------------------------------------------------------
+* Differences of the relative output error (the paired per-draw differences of
+  ``COMPARISONS``, one family per comparison over its (regime, n, r) cells; positive − the best
+  trigonometric map per regime at the largest n and r, one family over the regimes; each random
+  map − uniform weights at the largest n, one family per regime over its (estimator, r) cells):
+  each cell's standard error from its 95% t-interval (se = half-width / t₀.₉₇₅,ₙ₋₁), a two-sided
+  t p-value, Holm's correction over the family (``adjust_pvalues``), the interval at the level at
+  which Holm tests the cell ($1 - \alpha\,p/\tilde p$, $\alpha = 0.05$, as
+  ``pairwise_differences`` does), then ``compare_to_reference`` against 0 ± ``TOL_DIFF`` = 0.01
+  (absolute: one hundredth of relative output error): ``agrees`` = a tie within 0.01,
+  ``differs`` = a resolved difference (its sign says which is lower), ``inconclusive`` otherwise.
+  The unpaired differences (positive − trig, random − uniform) treat the two means as
+  independent (their draws share the data, a positive correlation, so the interval is
+  conservative).
+* First-order theory: measured RMS relative error / delta-method prediction, one number per
+  (regime, estimator, r) with no interval (the prediction uses the first draw's data), against
+  1 within a factor ``HOLD`` = 2: ``compare_to_reference`` of the log ratio (a zero-width interval)
+  against 0 ± log 2, so the call is ``agrees`` or ``differs``.
+
 References
 ----------
 .. [Cho21] K. Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
@@ -71,6 +91,7 @@ import torch
 import kernelapprox.montecarlo as mc
 from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure
 from studies.estimators import EstimatorSpec, get, select
+from studies.verdicts import Verdict, adjust_pvalues, compare_to_reference, format_verdict
 
 D = 64
 HEADS = 2
@@ -101,6 +122,92 @@ UNIFORM = "uniform"
 UNIFORM_LABEL = "uniform weights 1/n (baseline)"
 #: The delta-method prediction "holds" where measured / predicted lies in [1/HOLD, HOLD].
 HOLD = 2.0
+TOL_DIFF = 0.01  # margin of a tie between two relative output errors (module docstring)
+ALPHA = 0.05  # family level of the Holm-corrected differences
+LABELS = ("agrees", "differs", "inconclusive")
+
+
+def difference_verdicts(mean: np.ndarray, se: np.ndarray, dof: np.ndarray,
+                        what: list[str]) -> list[Verdict]:
+    r"""Holm-corrected verdicts of a family of differences against 0 ± ``TOL_DIFF``.
+
+    Parameters
+    ----------
+    mean, se, dof : numpy.ndarray, shape (m,)
+        Each difference, its standard error and the degrees of freedom of its t distribution.
+    what : list of str, length m
+        How the statements name each difference.
+
+    Returns
+    -------
+    list of Verdict, length m
+        ``compare_to_reference`` of each difference's interval at the level at which Holm tests
+        it, $1 - lpha p_i / 	ilde p_i$ (``1 - alpha / m`` where ``p = 0``); ``evidence`` also
+        holds ``p`` and ``p_adj``.
+    """
+    from scipy import stats
+
+    mean, se, dof = (np.asarray(x, dtype=float) for x in (mean, se, dof))
+    m = mean.size
+    if m == 0:
+        return []
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tstat = np.where(se > 0, np.abs(mean) / se, np.where(mean == 0, 0.0, np.inf))
+    p = np.clip(2 * stats.t.sf(tstat, dof), 0.0, 1.0)
+    p_adj = adjust_pvalues(p, "holm")
+    out = []
+    for i in range(m):
+        g = ALPHA * p[i] / p_adj[i] if p_adj[i] > 0 else ALPHA / m
+        half = float(stats.t.ppf(1 - min(g, ALPHA) / 2, dof[i]) * se[i]) if se[i] > 0 else 0.0
+        v = compare_to_reference(float(mean[i]), float(mean[i]) - half, float(mean[i]) + half,
+                                 0.0, tolerance=TOL_DIFF, relative=False, what=what[i])
+        out.append(Verdict(v.label, v.statement, {**v.evidence, "p": float(p[i]),
+                                                  "p_adj": float(p_adj[i])}))
+    return out
+
+
+def cell_se(ci_low: np.ndarray, ci_high: np.ndarray, n_draws: np.ndarray) -> np.ndarray:
+    """Standard errors from 95% t-intervals over ``n_draws`` draws (half-width / t quantile).
+
+    Parameters
+    ----------
+    ci_low, ci_high, n_draws : numpy.ndarray, shape (m,)
+
+    Returns
+    -------
+    numpy.ndarray, shape (m,)
+    """
+    from scipy import stats
+
+    n = np.asarray(n_draws, dtype=float)
+    return (np.asarray(ci_high, float) - np.asarray(ci_low, float)) / (
+        2 * stats.t.ppf(0.975, np.maximum(n - 1, 1)))
+
+
+def _counts(verdicts: list[Verdict]) -> str:
+    return ", ".join(f"{lab} {sum(v.label == lab for v in verdicts)}" for lab in LABELS) + \
+        f" of {len(verdicts)}"
+
+
+def comparison_verdicts(dd: pd.DataFrame) -> list[Verdict]:
+    """Per-cell verdicts of one comparison's paired differences (module docstring).
+
+    Parameters
+    ----------
+    dd : pandas.DataFrame, shape (m, ...)
+        ``rel_err_diff`` rows of one comparison (``mean``, ``ci_low``, ``ci_high``,
+        ``n_draws``, ``data``, ``sigma``, ``n``, ``r``).
+
+    Returns
+    -------
+    list of Verdict, length m
+        In the row order of ``dd``; one Holm family.
+    """
+    se = cell_se(dd["ci_low"].to_numpy(), dd["ci_high"].to_numpy(), dd["n_draws"].to_numpy())
+    what = [f"{x.comparison}, {regime_name(x.data, x.sigma)}, n = {int(x.n)}, r = {int(x.r)}"
+            for x in dd.itertuples()]
+    return difference_verdicts(dd["mean"].to_numpy(float), se,
+                               np.maximum(dd["n_draws"].to_numpy(float) - 1, 1), what)
 
 
 def regime_name(data: str, sigma: float) -> str:
@@ -654,22 +761,37 @@ def _figure_notes(df: pd.DataFrame, rmax: int, n_big: int) -> list[str]:
     notes = []
     parts = []
     for (data, sigma), s in err.groupby(["data", "sigma"], sort=False):
-        pos = s[s.spec == "positive-orthogonal"]["mean"]
-        trg = s[s.estimator.isin(_signed_families())]["mean"]
+        pos = s[s.spec == "positive-orthogonal"]
+        trg = s[s.estimator.isin(_signed_families())]
         if len(pos) and len(trg):
-            parts.append((regime_name(data, sigma), float(pos.iloc[0]), float(trg.min())))
+            p0, t0 = pos.iloc[0], trg.loc[trg["mean"].idxmin()]
+            parts.append((regime_name(data, sigma), p0, t0))
     if parts:
-        agree = [p for p in parts if p[1] < p[2]]
-        differ = [p for p in parts if p[1] >= p[2]]
+        ps = [p for _, p, _ in parts]
+        ts = [t for _, _, t in parts]
+        se_p = cell_se(np.array([x.ci_low for x in ps]), np.array([x.ci_high for x in ps]),
+                       np.array([x.n_draws for x in ps]))
+        se_t = cell_se(np.array([x.ci_low for x in ts]), np.array([x.ci_high for x in ts]),
+                       np.array([x.n_draws for x in ts]))
+        vs = difference_verdicts(
+            np.array([p["mean"] - t["mean"] for p, t in zip(ps, ts, strict=True)]),
+            np.hypot(se_p, se_t),
+            np.array([min(p.n_draws, t.n_draws) - 1 for p, t in zip(ps, ts, strict=True)]),
+            [f"{name}: FAVOR+ (orthogonal) {fmt(float(p['mean']), 2)} − {t['label']} "
+             f"{fmt(float(t['mean']), 2)}" for name, p, t in parts])
+        lower = [n for (n, _, _), v in zip(parts, vs, strict=True)
+                 if v.label == "differs" and v.evidence["estimate"] < 0]
+        higher = [n for (n, _, _), v in zip(parts, vs, strict=True)
+                  if v.label == "differs" and v.evidence["estimate"] > 0]
         notes.append(
             f"- `attention_error_vs_r.png` (headline; n = {n_big}, r = {rmax}): Choromanski et al. "
-            "2021 (Performer) prefer positive to trigonometric features for attention. "
-            + (f"Agrees in {', '.join(f'{a} ({fmt(b, 2)} vs {fmt(c, 2)})' for a, b, c in agree)}, "
-               "because sin/cos denominators go ≤ 0 there. " if agree else "")
-            + (f"Differs in {', '.join(f'{a} ({fmt(b, 2)} vs {fmt(c, 2)})' for a, b, c in differ)}, "
-               "because at small ‖q+k‖ the bounded trig features have the lower variance."
-               if differ else "")
-        )
+            "2021 (Performer) prefer positive to trigonometric features for attention. Positive − "
+            f"best trigonometric relative error per regime, Holm over {len(vs)} regimes, against "
+            f"0 ± {TOL_DIFF:g}: {_counts(vs)}; positive lower in "
+            f"{', '.join(lower) or 'none'} (sin/cos denominators go ≤ 0 there), higher in "
+            f"{', '.join(higher) or 'none'} (at small ‖q+k‖ the bounded trig features have the "
+            "lower variance).")
+        notes += [f"  {format_verdict(v)}" for v in vs]
     notes.append("- `attention_error_vs_features.png`: the same at equal feature dimension F "
                  "(hyperbolic and sin/cos use r = F/2 projections); no paper comparison.")
     notes.append("- `attention_tv_vs_r.png`: total-variation distance of attention rows; same "
@@ -679,24 +801,19 @@ def _figure_notes(df: pd.DataFrame, rmax: int, n_big: int) -> list[str]:
         s = dd[dd.comparison == comp]
         if not len(s):
             continue
-        sig = s[(s.ci_high < 0) | (s.ci_low > 0)]
-        lower, higher = int((sig["mean"] < 0).sum()), int((sig["mean"] > 0).sum())
+        vs = comparison_verdicts(s)
+        lower = sum(v.label == "differs" and v.evidence["estimate"] < 0 for v in vs)
+        higher = sum(v.label == "differs" and v.evidence["estimate"] > 0 for v in vs)
         if a == "positive-orthogonal":
             claim = ("Choromanski et al. 2021 (Thm 2) and Yu et al. 2016 predict a lower kernel MSE "
                      "with orthogonal rows")
-            why = ("agrees where resolved; the other cells are within noise" if lower and not higher
-                   else "not resolved in most cells, because the orthogonal gain is a small correction to "
-                   "a heavy-tailed error at these draw counts")
         else:
             claim = ("Likhosherstov et al. 2022 (FAVOR++) predict a lower kernel variance than "
-                     "FAVOR+")
-            why = ("agrees" if lower and not higher else
-                   "no difference resolved at these draw counts" if not (lower or higher) else
-                   "differs where higher, because the kernel variance is carried by rare huge "
-                   "features, not by the typical draw that sets the output error")
-        notes.append(f"- `paired_differences.png`, {comp}: {claim}; the output error is lower in "
-                     f"{lower}, higher in {higher} of {len(s)} (regime, n, r) cells (95% CI excludes "
-                     f"0): {why}.")
+                     "FAVOR+; the kernel variance is carried by rare huge features, not by the "
+                     "typical draw that sets the output error")
+        notes.append(f"- `paired_differences.png`, {comp}: {claim}. Per (regime, n, r) cell, Holm "
+                     f"over {len(vs)} cells, against 0 ± {TOL_DIFF:g}: {_counts(vs)}; of the "
+                     f"differing, the output error is lower in {lower}, higher in {higher}.")
     notes.append("- `theory_ratio_vs_r.png`: the library's delta-method prediction "
                  "(`ka.theory.attention_variance`) against the measured RMS error, per r; the green "
                  f"band is ×{HOLD:g}.")
@@ -766,14 +883,24 @@ def _findings(df: pd.DataFrame, regimes: list[tuple[str, float]], rmax: int, Feq
             )
         re_ = e[e.sampler != "none"]
         beats = []
-        for _, s in re_.groupby("spec"):
-            ok = s[s.ci_high < uni].sort_values("r")
-            if len(ok):
-                beats.append(f"{s['label'].iloc[0]} from r = {int(ok['r'].iloc[0])}")
+        vu: list[Verdict] = []
+        if len(re_) and len(u[u.metric == "rel_err"]):
+            u0 = u[u.metric == "rel_err"].iloc[0]
+            se_u = cell_se(np.array([u0.ci_low]), np.array([u0.ci_high]), np.array([u0.n_draws]))
+            se_r = cell_se(re_["ci_low"].to_numpy(), re_["ci_high"].to_numpy(),
+                           re_["n_draws"].to_numpy())
+            vu = difference_verdicts(
+                re_["mean"].to_numpy(float) - uni, np.hypot(se_r, se_u[0]),
+                np.minimum(re_["n_draws"].to_numpy(float), float(u0.n_draws)) - 1,
+                [f"{x.label}, r = {int(x.r)} − uniform" for x in re_.itertuples()])
+            below = re_[[v.label == "differs" and v.evidence["estimate"] < 0 for v in vu]]
+            for _, s in below.groupby("spec"):
+                beats.append(f"{s['label'].iloc[0]} from r = {int(s['r'].min())}")
         best = re_.loc[re_["mean"].idxmin()] if len(re_) else None
         if best is not None:
             lines.append(
-                "  - vs uniform weights (95% CI entirely below it): "
+                f"  - vs uniform weights (random − uniform relative error, Holm over {len(vu)} "
+                f"(estimator, r) cells, against 0 ± {TOL_DIFF:g}: {_counts(vu)}); lower: "
                 + ("; ".join(beats) if beats else f"no random estimator up to r = {rmax}")
                 + f" (best random: {best['label']} {fmt(float(best['mean']), 3)} at "
                 f"r = {int(best['r'])}, against {fmt(uni, 3)})."
@@ -790,13 +917,19 @@ def _findings(df: pd.DataFrame, regimes: list[tuple[str, float]], rmax: int, Feq
     m = theory_ratio(df)
     for (data, sigma), s in m.groupby(["data", "sigma"], sort=False):
         dev = np.maximum(s["ratio"], 1 / s["ratio"])
-        ok_r = sorted(int(r) for r, g in s.assign(dev=dev).groupby("r") if (g["dev"] <= HOLD).all())
-        bad = s.assign(dev=dev)[dev > HOLD]
-        txt = (f"holds (every iid estimator within ×{HOLD:g}) at "
-               + (f"r = {', '.join(map(str, ok_r))}" if ok_r else "no r tested"))
+        lr = np.log(s["ratio"].to_numpy(float))
+        vt = [compare_to_reference(x, x, x, 0.0, tolerance=math.log(HOLD), relative=False)
+              for x in lr]
+        ok_r = sorted(int(r) for r in s["r"].unique()
+                      if all(v.label == "agrees" for v, rr in zip(vt, s["r"], strict=True)
+                             if rr == r))
+        bad = s.assign(dev=dev)[[v.label != "agrees" for v in vt]]
+        txt = (f"log(measured / theory) against 0 ± log {HOLD:g}: {_counts(vt)} (estimator, r); "
+               "r where every iid estimator agrees: "
+               + (", ".join(map(str, ok_r)) if ok_r else "none"))
         if len(bad):
             w = bad.loc[bad["dev"].idxmax()]
-            txt += (f"; off at r = {', '.join(str(int(r)) for r in sorted(bad['r'].unique()))}, "
+            txt += (f"; differs at r = {', '.join(str(int(r)) for r in sorted(bad['r'].unique()))}, "
                     f"by up to ×{fmt(float(w['dev']), 2)} ({w['label']}, r = {int(w['r'])}, "
                     f"measured/theory = {fmt(float(w['ratio']), 2)})")
         lines.append(f"- First-order (delta-method) theory, n = 256, {regime_name(data, sigma)}: "
@@ -804,16 +937,17 @@ def _findings(df: pd.DataFrame, regimes: list[tuple[str, float]], rmax: int, Feq
 
     dd = df[df.metric == "rel_err_diff"]
     for comp, s in dd.groupby("comparison", sort=False):
-        sig = s[(s.ci_high < 0) | (s.ci_low > 0)]
-        neg, pos = int((sig["mean"] < 0).sum()), int((sig["mean"] > 0).sum())
+        vs = comparison_verdicts(s)
+        neg = sum(v.label == "differs" and v.evidence["estimate"] < 0 for v in vs)
+        pos = sum(v.label == "differs" and v.evidence["estimate"] > 0 for v in vs)
         head = s[(s.r == rmax) & (s.n == n_big)]
         parts = [f"{regime_name(x.data, x.sigma)} {fmt(x.mean, 2)} [{fmt(x.ci_low, 2)}, "
                  f"{fmt(x.ci_high, 2)}]" for x in head.itertuples()]
         lines.append(
-            f"- {comp} (paired, per draw): the 95% CI excludes 0 in {len(sig)} of {len(s)} "
-            f"(regime, n, r) cells ({neg} lower, {pos} higher; {fmt(0.05 * len(s), 2)} expected by "
-            f"chance if there were no difference); at n = {n_big}, r = {rmax}: "
-            + "; ".join(parts) + ". Ranked only where the CI excludes 0."
+            f"- {comp} (paired, per draw; Holm over {len(s)} (regime, n, r) cells, against "
+            f"0 ± {TOL_DIFF:g}): {_counts(vs)} ({neg} lower, {pos} higher among the differing); "
+            f"at n = {n_big}, r = {rmax} (uncorrected 95% CI): " + "; ".join(parts)
+            + ". Ranked only where the verdict is differs."
         )
 
     trig = df[(df.metric == "frac_den_nonpos") & df.estimator.isin(_signed_families())]

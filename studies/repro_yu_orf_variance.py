@@ -19,6 +19,17 @@ orthogonal block). Three curves per $d$ are drawn here on one plot:
 
 The ratio does not depend on the norms of $x, y$ (for the softmax-kernel map the factor
 $e^{(\|x\|^2+\|y\|^2)/2}$ cancels), so the pairs are $x = z u/2$, $y = -z u/2$.
+
+Verdict rules (fixed before the runs; ``studies.verdicts.compare_to_reference``)
+--------------------------------------------------------------------------------
+Every verdict is per (d, z) point: the Monte Carlo 95% CI against a curve's value ± a relative
+tolerance of ``TOL_REL`` = 10%, ``agrees`` / ``differs`` / ``inconclusive`` (Schuirmann's two
+one-sided tests at 2.5% each; no correction over points: the summary reports the counts, and the
+points of one d share their draws, so they are not independent).
+
+* exact closed form vs MC (the reproduction of the figure's curves);
+* Yu's eq. (3) vs MC (where their leading-order form holds);
+* Yu's Lemma 1 (iid variance) vs the MC iid relative variance.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import kernelapprox as ka
 import kernelapprox.montecarlo as mc
 from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
 from studies.estimators import get
+from studies.verdicts import Verdict, compare_to_reference, format_verdict
 
 DIMS = [2, 4, 8, 16, 32]
 Z_MAX = 4.0
@@ -42,6 +54,40 @@ CHUNK = 2000  # draws per batched map (memory: CHUNK x P x 2D doubles)
 PAPER = "Yu et al. 2016, Fig. 2"
 GAP_DIMS = [2, 4, 8, 16, 32, 64, 128, 256]  # closed forms only, beyond the MC range
 Z_FINE = np.linspace(0.02, Z_MAX, 400)
+TOL_REL = 0.10  # relative tolerance of every per-point verdict (module docstring)
+LABELS = ("agrees", "differs", "inconclusive")
+
+
+def point_verdicts(sub: pd.DataFrame, ref: str, what: str) -> list[Verdict]:
+    """Per-point verdicts: each row's MC CI against ``sub[ref]`` ± ``TOL_REL`` (relative).
+
+    Parameters
+    ----------
+    sub : pandas.DataFrame, shape (n_points, ...)
+        Rows with ``mean``, ``ci_low``, ``ci_high`` and the column ``ref``.
+    ref : str
+        Column of the reference curve (``"exact"``, ``"yu"``).
+    what : str
+        How the statements name the estimate.
+
+    Returns
+    -------
+    list of Verdict, length n_points
+        In the row order of ``sub``.
+    """
+    return [compare_to_reference(float(r["mean"]), float(r["ci_low"]), float(r["ci_high"]),
+                                 float(r[ref]), tolerance=TOL_REL,
+                                 what=f"{what} at d = {int(r['d'])}, z = {fmt(float(r['z']))}")
+            for _, r in sub.iterrows()]
+
+
+def count_labels(verdicts: list[Verdict]) -> dict[str, int]:
+    """Counts of ``agrees`` / ``differs`` / ``inconclusive`` in ``verdicts`` (every label shown)."""
+    return {lab: sum(v.label == lab for v in verdicts) for lab in LABELS}
+
+
+def _counts_text(c: dict[str, int]) -> str:
+    return ", ".join(f"{lab} {c[lab]}" for lab in LABELS)
 
 
 def max_abs_gap(d: int) -> float:
@@ -305,10 +351,28 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
          "O(1/d) and the dropped f(z)/d² term is of the same order.",
          f"- ORF is worse than iid (ratio > 1) at large z for small d (max MC ratio "
          f"{fmt(sub['mean'].max())}; exact {fmt(sub['exact'].max())}).",
-         f"- **{PAPER}: agrees** — the library's exact curve and Monte Carlo reproduce the "
-         "published shape (ratio < 1 at small z, → 1 at large z, lower for larger d); Yu's "
-         "leading-order eq. (3) **differs** at small d and small z because it drops the "
-         "O(1/d²) remainder f(z)/d² of their Lemma 2."]
+         ]
+    v_exact = point_verdicts(sub, "exact", "MC ratio")
+    v_yu = point_verdicts(sub, "yu", "MC ratio")
+    v_iid = point_verdicts(iid, "exact", "MC iid relative variance")
+    c_exact, c_iid = count_labels(v_exact), count_labels(v_iid)
+    f.append(f"- {PAPER}, exact closed form (the library) vs Monte Carlo, per (d, z) point, MC 95% "
+             f"CI against exact ± {fmt(100 * TOL_REL, 2)}% (relative): {_counts_text(c_exact)} "
+             f"of {len(v_exact)} points.")
+    f.append(f"- Yu's Lemma 1 (iid variance) vs Monte Carlo, same rule: {_counts_text(c_iid)} of "
+             f"{len(v_iid)} points.")
+    by_d = "; ".join(
+        f"d = {int(d)}: " + _counts_text(count_labels([v for v, dd in zip(v_yu, sub["d"],
+                                                                         strict=True)
+                                                       if dd == d]))
+        for d in sorted(sub["d"].unique()))
+    f.append(f"- Yu's leading-order eq. (3) vs Monte Carlo, same rule ({_counts_text(count_labels(v_yu))}"
+             f" of {len(v_yu)} points); per d: {by_d}. Where it differs it drops the O(1/d²) "
+             "remainder f(z)/d² of their Lemma 2.")
+    worst_yu = max(zip(v_yu, sub["yu"] / sub["mean"], strict=True),
+                   key=lambda t: abs(float(np.log(t[1]))))[0]
+    shown = [v for v in v_exact if v.label != "agrees"][:3] or [v_exact[int(dev.abs().argmax())]]
+    f += [f"  {format_verdict(v)}" for v in [*shown, worst_yu]]
     lines += f + [""]
     return "\n".join(lines)
 

@@ -263,3 +263,48 @@ def test_dlogd_adversarial_dominates_dense_and_pointwise_theory(out_dir: Path) -
     # r* grows with d at least linearly on the quick grid (Sudakov: r* ≳ d/ε²)
     rs = trig.sort_values("d")["r_star"].to_numpy()
     assert (np.diff(np.log(rs)) / np.log(2) > 0.8).all(), rs
+
+
+def test_error_vs_r_verdicts_flip() -> None:
+    """The error-vs-r verdicts move with the numbers they rest on.
+
+    Closed form: a committed iid point whose log(RMS / closed form) CI lies inside
+    0 ± log 1.25 agrees; scaling its MSE (mean and CI) by 4 doubles the RMS (log ratio + 0.69,
+    beyond the margin by more than the CI's half-width, < 0.22 since it agreed) and it differs.
+    Rate: noise-free RMS ∝ r^-1/2 gives a slope of exactly −1/2 (a zero-width interval, agrees);
+    ∝ r^-1/4 differs. Orthogonal vs iid: log RMS lower by 0.2 on every unit with noise of sd 0.01
+    beats iid (t ≈ 0.2 / (0.01 / sqrt(12)) ≈ 70); the swap is worse.
+    """
+    from studies import error_vs_r as evr
+
+    df = pd.read_csv(REPO / "reports/error-vs-r/results.csv")
+    ent = evr.rms_frame(df, "rel_mse_entry")
+    th = ent[ent["theory_rms"].notna() & (ent["sampler"] == "gaussian") & (ent["theory_rms"] > 0)
+             & (ent["rms"] > 0)]
+    v = evr.theory_verdicts(th)
+    i = next(k for k, x in enumerate(v) if x.label == "agrees")
+    pt = th.iloc[[i]].copy()
+    for col in ("rms", "rms_lo", "rms_hi"):
+        pt[col] = 2.0 * pt[col]
+    assert evr.theory_verdicts(pt)[0].label == "differs"
+
+    r = np.array([8.0, 16, 32, 64, 128, 256])
+    base = pd.DataFrame({"spec": "x", "d": 16, "regime": "attention", "r": r})
+    assert evr.slope_verdicts(base.assign(rms=3 * r ** -0.5))[0].label == "agrees"
+    assert evr.slope_verdicts(base.assign(rms=3 * r ** -0.25))[0].label == "differs"
+
+    rng = np.random.default_rng(0)
+    units = [(e, d, "attention", rr) for e in ("positive", "trig-sincos") for d in (16, 64)
+             for rr in (8, 16, 32)]
+    g = np.exp(rng.normal(size=len(units)))
+    o = g * np.exp(-0.2 + 0.01 * rng.normal(size=len(units)))
+    rows = [{"estimator": e, "d": d, "regime": reg, "r": rr, "sampler": s, "rms": val}
+            for (e, d, reg, rr), gv, ov in zip(units, g, o, strict=True)
+            for s, val in (("gaussian", gv), ("orthogonal", ov))]
+    frame = pd.DataFrame(rows)
+    ov = evr.orthogonal_verdict(frame)
+    assert ov is not None and ov.label == "beats"
+    swapped = frame.assign(sampler=frame["sampler"].map({"gaussian": "orthogonal",
+                                                         "orthogonal": "gaussian"}))
+    sv = evr.orthogonal_verdict(swapped)
+    assert sv is not None and sv.label == "worse"

@@ -260,3 +260,26 @@ def test_crossover_interpolation() -> None:
     assert cost_crossover._crossover(ns, np.array([0.5, 2.0, 1.5]))[1] == "> 512"
     x, how = cost_crossover._crossover(ns, np.array([0.5, 2.0, 0.5]))
     assert how == "interpolated" and x == pytest.approx(256 * 2 ** 0.5, rel=1e-9)
+
+
+def test_attention_error_difference_verdicts_flip() -> None:
+    """Holm-corrected verdicts of the committed paired differences: a cell moved to
+    −0.5 with a half-width of 0.02 differs (t ≈ 0.5 / (0.02 / 2.04) ≈ 51 over 31 degrees of
+    freedom, p far below the Holm threshold α / 54), and one set to 0 ± 0.001 agrees (a tie
+    within 0.01: its Holm-level interval is at most ≈ 1.9× the 95% one, about ± 0.002)."""
+    df = pd.read_csv(Path(__file__).resolve().parent.parent
+                     / "reports/attention-error/results.csv")
+    dd = df[(df.metric == "rel_err_diff") & (df.comparison == attention_error.COMPARISONS[0][2])]
+    dd = dd.reset_index(drop=True)
+    v = attention_error.comparison_verdicts(dd)
+    i = next(k for k, x in enumerate(v) if x.label == "inconclusive")
+    assert all(x.evidence["p_adj"] >= x.evidence["p"] for x in v)
+
+    moved = dd.copy()
+    moved.loc[i, ["mean", "ci_low", "ci_high"]] = [-0.5, -0.52, -0.48]
+    mv = attention_error.comparison_verdicts(moved)
+    assert mv[i].label == "differs" and mv[i].evidence["estimate"] < 0
+
+    tie = dd.copy()
+    tie.loc[i, ["mean", "ci_low", "ci_high"]] = [0.0, -0.001, 0.001]
+    assert attention_error.comparison_verdicts(tie)[i].label == "agrees"

@@ -162,3 +162,38 @@ def test_capacity_fits_recovers_a_known_exponent() -> None:
     assert (n50["n50_low"] <= n50["n50"]).all() and (n50["n50"] <= n50["n50_high"]).all()
     with pytest.raises(ValueError, match="n_boot"):
         sc.capacity_fits(pd.DataFrame(recs), n_boot=3)
+
+
+def test_orthogonal_gain_verdicts_flip_when_a_point_moves() -> None:
+    """Per-point verdicts on the committed ratios: a converged trig point that agrees with its
+    closed form (± 25%) differs once its CI is scaled by 1.6 (the interval then starts above
+    1.25 × the closed form, since the committed lower end is > 0.8 × it), and is inconclusive
+    once its CI is stretched across the margin; against 1 (no gain) a CI excluding 1 differs and
+    one containing 1 is inconclusive."""
+    from pathlib import Path
+
+    df = pd.read_csv(Path(__file__).resolve().parent.parent / "reports/orthogonal-gain/results.csv")
+    sub = og._ratio_frame(df)
+    trig = sub[(sub["sampler"] == "orthogonal") & sub["converged"]
+               & (sub["estimator"] == "trig-sincos")]
+    v = og.point_verdicts(trig)
+    i = next(k for k, x in enumerate(v) if x.label == "agrees")
+    m = trig.iloc[[i]].copy()
+    th = float(m["theory"].iloc[0])
+    assert float(m["ci_low"].iloc[0]) > 0.75 * th  # agrees: inside [0.75, 1.25] x theory
+
+    moved = m.copy()
+    moved[["mean", "ci_low", "ci_high"]] = 1.6 * m[["mean", "ci_low", "ci_high"]].to_numpy(float)
+    assert og.point_verdicts(moved)[0].label == "differs"
+
+    wide = m.copy()
+    wide[["mean", "ci_low", "ci_high"]] = [[th, 0.9 * th, 1.4 * th]]
+    assert og.point_verdicts(wide)[0].label == "inconclusive"
+
+    gain = m.copy()
+    gain[["mean", "ci_low", "ci_high"]] = [[0.5, 0.45, 0.55]]
+    assert og.point_verdicts(gain, 1.0)[0].label == "differs"
+    gain[["mean", "ci_low", "ci_high"]] = [[0.95, 0.85, 1.05]]
+    assert og.point_verdicts(gain, 1.0)[0].label == "inconclusive"
+    assert og.count_labels(og.point_verdicts(gain, 1.0)) == {"agrees": 0, "differs": 0,
+                                                            "inconclusive": 1}

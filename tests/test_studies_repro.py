@@ -279,3 +279,40 @@ def test_performer_verdict_flips_with_the_data(slope, flip, reproduced) -> None:
     sub = pa._frame(_performer_frame(slope, flip))
     ok, lines = pa._figure_verdicts(sub)
     assert (ok == ["norm=1"]) is reproduced, lines
+
+
+def test_repro_yu_verdicts_flip_when_a_point_moves() -> None:
+    """The per-point verdicts follow the committed Monte Carlo CIs: moving one point's interval
+    off the exact curve turns its ``agrees`` into ``differs`` (a shift of +30%, beyond the 10%
+    margin, with the CI's relative width kept) or ``inconclusive`` (a CI stretched across the
+    margin's upper end), and the summary's counts change with it."""
+    from pathlib import Path
+
+    df = pd.read_csv(Path(__file__).resolve().parent.parent
+                     / "reports/repro-yu-orf-variance/results.csv")
+    sub = yu._ratio(df)
+    v = yu.point_verdicts(sub, "exact", "MC ratio")
+    i = next(k for k, x in enumerate(v) if x.label == "agrees")
+    base = yu.count_labels(v)
+    row_id = sub.index[i]
+    exact = float(sub.loc[row_id, "exact"])
+
+    moved = df.copy()
+    moved.loc[row_id, ["mean", "ci_low", "ci_high"]] = (
+        1.3 * moved.loc[row_id, ["mean", "ci_low", "ci_high"]].to_numpy(float))
+    mv = yu.point_verdicts(yu._ratio(moved), "exact", "MC ratio")
+    assert mv[i].label == "differs"
+    assert yu.count_labels(mv)["differs"] == base["differs"] + 1
+    assert yu.count_labels(mv)["agrees"] == base["agrees"] - 1
+
+    wide = df.copy()
+    wide.loc[row_id, ["mean", "ci_low", "ci_high"]] = [exact, 0.95 * exact, 1.2 * exact]
+    assert yu.point_verdicts(yu._ratio(wide), "exact", "MC ratio")[i].label == "inconclusive"
+
+    def exact_line(text: str) -> str:
+        return next(s for s in text.splitlines() if "exact closed form (the library) vs Monte" in s)
+
+    before = exact_line(yu.summarize(df, None))  # type: ignore[arg-type]
+    after = exact_line(yu.summarize(moved, None))  # type: ignore[arg-type]
+    assert f"agrees {base['agrees']}," in before and f"differs {base['differs']}," in before
+    assert f"agrees {base['agrees'] - 1}," in after and f"differs {base['differs'] + 1}," in after
