@@ -1301,7 +1301,7 @@ def linearize(
                 fit_feature_map(
                     fm, qc.float(), kc.float(), steps=fit_steps, lr=fit_lr, batch_size=fit_batch_size,
                     causal=lc.causal, seed=seed, progress=progress,
-                    **({"window": w, "sinks": sink_spec} if remainder else {}),
+                    window=w if remainder else None, sinks=sink_spec if remainder else 0,
                 )
                 fm.requires_grad_(False)
         if isinstance(exact_spec, int) and exact_spec > 0:
