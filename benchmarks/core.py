@@ -417,6 +417,7 @@ def bench_hybrid(B, H, n, d, r, device, dtype, repeats, window: int = 64, rounds
     for kind in ("parallel", "causal"):
         for mode in ("token", "block"):
             out[f"hybrid/{kind}_{mode}/linear"] = best[f"{kind}/hybrid_{mode}"] / best[f"{kind}/linear"]
+    for mode in ("token", "block"):
         out[f"hybrid/parallel_keys{window}_{mode}/linear"] = (best[f"parallel_keys{window}/hybrid_{mode}"]
                                                              / best["parallel/linear"])
     return out
