@@ -89,7 +89,7 @@ import pandas as pd
 import torch
 
 import kernelapprox.montecarlo as mc
-from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure
+from studies._engine import Context, Study, df_to_markdown, fmt, one_thread, row, save_figure
 from studies.estimators import EstimatorSpec, get, select
 from studies.verdicts import Verdict, adjust_pvalues, compare_to_reference, format_verdict
 
@@ -261,12 +261,8 @@ def _build(spec: EstimatorSpec, d: int, r: int, batch_shape: tuple[int, ...], se
            dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """``spec.build`` on one CPU thread: the orthogonal sampler's batched QR of small blocks was
     measured ~20x slower with 2 threads than with 1 on a loaded 2-core machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return spec.build(d, r, batch_shape=batch_shape, seed=seed, dtype=dtype, device=device)
-    finally:
-        torch.set_num_threads(old)
 
 
 def _output_error(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:

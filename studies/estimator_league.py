@@ -124,7 +124,7 @@ import torch
 
 import kernelapprox as ka
 import kernelapprox.montecarlo as mc
-from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
+from studies._engine import Context, Study, df_to_markdown, fmt, one_thread, row, save_figure, set_style
 from studies.estimators import SAMPLERS, EstimatorSpec, get, select
 from studies.verdicts import Verdict, beats_baseline, format_verdict, paired_ranking, score_table
 
@@ -396,12 +396,8 @@ def _build(spec: EstimatorSpec, r: int, batch: tuple[int, ...], seed: int, ctx: 
            dtype: torch.dtype | None = None) -> ka.FeatureMap:
     """``spec.build`` on one thread (small batched QRs are slower with 2 threads on a loaded
     2-core machine; see attention-error)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return spec.build(D, r, batch_shape=batch, seed=seed, dtype=dtype or ctx.dtype, device=ctx.device)
-    finally:
-        torch.set_num_threads(old)
 
 
 def _draw_metrics(fm: ka.FeatureMap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -558,16 +554,12 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
     """A league cell (one estimator, one regime, every target) or the CRT cell, on one torch
     thread: the cells are small and two threads on the shared 2-core machine were measured 2.7x
     slower (one regime: 47 s against 17 s; OpenMP regions wait for a descheduled thread)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         if cell["part"] == "crt":
             return _crt_cell(cell, ctx)
         if cell["spec"] == UNIFORM:
             return _uniform_cell(cell, ctx)
         return _league_cell(cell, ctx)
-    finally:
-        torch.set_num_threads(old)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import torch
 from scipy import stats
 
 import kernelapprox.montecarlo as mc
-from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure
+from studies._engine import Context, Study, df_to_markdown, fmt, one_thread, row, save_figure
 
 VARIANTS: dict[str, str] = {
     "corrected": "sign-corrected QR (library)",
@@ -112,12 +112,8 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
     measured 20x slower with 2 threads than with 1 on a loaded 2-core machine (77 s vs 3.6 s for
     4000 blocks of 64 x 64).
     """
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return _run_cell(cell, ctx)
-    finally:
-        torch.set_num_threads(old)
 
 
 def _run_cell(cell: dict, ctx: Context) -> list[dict]:

@@ -58,7 +58,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure
+from studies._engine import Context, Study, df_to_markdown, fmt, one_thread, row, save_figure
 from studies.verdicts import Verdict, compare_to_reference, format_verdict
 
 D = 64
@@ -134,13 +134,9 @@ def _feature_map(method: str, r: int, batch: int, seed: int, dtype: torch.dtype,
 
     if method == "elu":
         return ka.EluFeatures(D).to(device=device, dtype=dtype)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # batched small QRs: much slower multi-threaded on a loaded machine
-    try:
+    with one_thread():  # batched small QRs: much slower multi-threaded on a loaded machine
         return ka.PositiveRF(D, r, sampler="orthogonal", seed=seed, batch_shape=(batch,),
                              dtype=dtype, device=device)
-    finally:
-        torch.set_num_threads(old)
 
 
 def recall_linear(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
@@ -185,12 +181,8 @@ def run_cell(cell: dict, ctx: Context) -> list[dict]:
     """Recall accuracy against n for one method (and r, d_v); n50 of the curve (on one torch
     thread: the batched small matmuls and QRs wait for a descheduled second thread on a shared
     2-core machine)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return _run_cell(cell, ctx)
-    finally:
-        torch.set_num_threads(old)
 
 
 def _run_cell(cell: dict, ctx: Context) -> list[dict]:

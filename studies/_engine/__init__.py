@@ -21,7 +21,7 @@ Modules:
 - :mod:`~studies._engine.provenance`: code hash, git commit, the command that reproduces a run;
 - :mod:`~studies._engine.report`: tables, summary, index, publishing a report folder;
 - :mod:`~studies._engine.figures`: the figure style, byte-stable files;
-- :mod:`~studies._engine.helpers`: points on spheres and balls, log-log slopes;
+- :mod:`~studies._engine.helpers`: points on spheres and balls, log-log slopes, `one_thread`;
 - :mod:`~studies._engine.cli`: ``python -m studies``.
 """
 
@@ -29,7 +29,7 @@ from studies._engine.cache import CacheWarning
 from studies._engine.cli import main
 from studies._engine.executors import CellError
 from studies._engine.figures import save_figure, set_style
-from studies._engine.helpers import ball_points, loglog_slope, sphere_points
+from studies._engine.helpers import ball_points, loglog_slope, one_thread, sphere_points
 from studies._engine.model import ROW_KEYS, Context, Study, get_study, load_studies, row
 from studies._engine.provenance import REPO_ROOT, code_hash
 from studies._engine.report import ReportFolderError, df_to_markdown, fmt, write_index
@@ -48,6 +48,7 @@ __all__ = [
     "code_hash",
     "df_to_markdown",
     "fmt",
+    "one_thread",
     "get_study",
     "load_studies",
     "loglog_slope",

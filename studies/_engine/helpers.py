@@ -1,8 +1,9 @@
-"""Shared helpers of the studies: points on spheres and balls, log-log slopes."""
+"""Shared helpers of the studies: points on spheres and balls, log-log slopes, one-thread sections."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -38,3 +39,19 @@ def loglog_slope(x: Sequence[float], y: Sequence[float], level: float = 0.95) ->
     return float(res.slope), float(res.slope - half), float(res.slope + half)
 
 
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block on one torch thread, restoring the previous count after it.
+
+    Small batched kernels (QRs of 64 x 64 blocks, the short matmuls of a study cell) were
+    measured 3-20x slower with 2 threads than with 1 on a loaded 2-core machine: OpenMP regions
+    wait for a descheduled second thread.
+    """
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
