@@ -27,9 +27,10 @@ per independent draw of the features.
 * Trig sin/cos features (shift-invariant): the sup equals $\sup_{\|\Delta\|\le 2R}
   |\frac1r\sum_i\cos(\omega_i^\top\Delta) − e^{-\|\Delta\|^2/2}|$ (proof in `trig_sup_delta`),
   searched by projected normalised-gradient ascent from hundreds of random starts (float64,
-  successive halving of the starts).  ``sup_vs_budget`` measures what 4× and 16× larger budgets
-  still add per d; where the standard budget is not converged (`search_systematic`) the
-  measured increment is a one-sided systematic of log r*, and r* is printed as a lower bound.
+  successive halving of the starts).  ``sup_vs_budget`` measures what budgets up to 64× the
+  standard one still add per d, on the same draws; where the standard budget is not converged
+  (`search_systematic`) the extrapolated gain corrects log r*, its residual is a systematic,
+  and the standard r* is printed as a lower bound.
 * Positive features (not shift-invariant): a (q, k) search (float64, projected steps) from the
   worst pairs of a dense sample and from $q = k = R\,\omega_j/\|\omega_j\|$ for the longest rows,
   beside the analytic value $e^{2R\|\omega_{\max}\|-2R^2}/r$ at $q = k \parallel \omega_{\max}$.
@@ -47,15 +48,20 @@ Analysis and verdict rules (fixed before the numbers are read):
   differs / inconclusive).
 * Bound shapes: a bound's d-shape (or d·log(C·d)) is "excluded" only where the envelope lies
   outside its local exponent on the d used (`compare_to_reference`, tolerance 0, "differs").
-* Search: the rule of `search_systematic` (4× budget gain > `CONV_TOL` at some d makes every
-  larger d not converged; the systematic there is the measured 16× or 4× budget gain).
+* Search: `convergence_table` reruns the search on the same draws at 1/16 … 64× the standard
+  budget; the standard budget is converged at d when no draw gains more than `CONV_TOL` up to
+  64×.  Elsewhere the sup is extrapolated beyond 64× (geometric tail of the last increments,
+  `_extrapolate`); its mean gain over the standard budget corrects log r* (the "+ search bias"
+  variants) and the spread of the draws' gains plus the extrapolated tail is a systematic of
+  log r* (`search_systematic`); r* at the standard budget is printed as "≥" there.
 * Models: the 90%-quantile r*(d) is also fitted by weighted least squares in log r* (weights
   1/se², se = bootstrap se and search systematic in quadrature) with c·d, c·d·(1 + a/√d)
   (a finite-d correction), c·d·log(C·d) (C free), each uniform bound's own d-shape with a free
   constant, and c·d^p, compared by AICc and Akaike weights.
 
-With 8 draws (d ≥ 64) the 90% quantile lies between the two largest draws, so its bootstrap
-interval undercovers; the median is the primary statistic for that reason.
+With `N_DRAWS` = 32 draws per (d, r) the 90% quantile lies between the 28th and 29th
+largest of 32 draws; the median is the primary statistic (its bootstrap interval covers better
+at this sample size).
 """
 
 from __future__ import annotations
@@ -105,15 +111,18 @@ SEARCH = {"full": dict(P=512, T=96), "quick": dict(P=256, T=60)}
 POS_SEARCH = {"full": dict(P=24, T=40), "quick": dict(P=8, T=20)}
 
 
+#: Independent feature draws per (d, r) in the full grid (the same at every d).
+N_DRAWS = 32
+
+
 def draws(d: int, quick: bool) -> int:
-    """Independent feature draws per (d, r): fewer at large d, where the sup concentrates."""
-    if quick:
-        return 12
-    return 32 if d <= 16 else (16 if d <= 32 else 8)
+    """Independent feature draws per (d, r): `N_DRAWS` at every d (12 in the quick grid)."""
+    return 12 if quick else N_DRAWS
 
 
-#: Convergence check: budgets (starts, steps) as multiples 1/16, 1/4, 1, 4 of the standard one.
-BUDGETS = [(128, 24), (256, 48), (512, 96), (1024, 192)]
+#: Convergence check: budgets (starts, steps) as multiples 1/16, 1/4, 1, 4, 16, 64 of the
+#: standard one (quick: 1/16 … 4 of the quick standard), on the same draws.
+BUDGETS = [(128, 24), (256, 48), (512, 96), (1024, 192), (2048, 384), (4096, 768)]
 BUDGETS_QUICK = [(64, 15), (128, 30), (256, 60), (512, 120)]
 
 
@@ -642,14 +651,14 @@ def fits_table(rst: pd.DataFrame, boots: dict, dmax: int | None = None,
             continue
         d = used["d"].to_numpy(float)
         se = (used["se_tot"] if "se_tot" in used else used["se_log"]).to_numpy(float)
-        sl = (used["sys_log"] if "sys_log" in used else 0.0 * used["d"]).to_numpy(float)
+        sl = (used["corr_log"] if "corr_log" in used else 0.0 * used["d"]).to_numpy(float)
         fit = fit_models(d, used["r_star"].to_numpy(float), se, R, eps)
         reps = np.vstack([boots[(est, R, eps)][int(x)] for x in d]).T  # (B, n_d)
         reps = reps[np.isfinite(reps).all(axis=1)]
         w = 1.0 / np.maximum(np.nan_to_num(se, nan=SE_FLOOR), SE_FLOOR) ** 2
         bp = np.array([_wls_power(np.log(d), np.log(rr), w)[1] for rr in reps])
         p_lo, p_hi = (np.quantile(bp, [0.025, 0.975]) if bp.size > 20 else (np.nan, np.nan))
-        # one-sided search bias: the exponent of r*·e^{sys_log} minus that of r*, added above
+        # one-sided search bias: the exponent of r*·e^{corr_log} minus that of r*, added above
         shift = (_wls_power(np.log(d), np.log(used["r_star"].to_numpy(float)) + sl, w)[1]
                  - _wls_power(np.log(d), np.log(used["r_star"].to_numpy(float)), w)[1])
         p_hi = p_hi + max(0.0, shift)
@@ -671,22 +680,88 @@ def fits_table(rst: pd.DataFrame, boots: dict, dmax: int | None = None,
     return pd.DataFrame(out)
 
 
+def _extrapolate(m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    r"""Extrapolated sup per draw from the best sup found at budgets 4× apart.
+
+    ``m`` (budgets, draws) is the running maximum over the budgets (the sup is at least the
+    largest value any budget found).  With the last three budgets' values $a_0\le a_1\le a_2$
+    and the increments $g_1 = a_1 - a_0$, $g_2 = a_2 - a_1$: converged at the largest budget
+    where $g_2\le$ `CONV_TOL` $a_2$ (tail 0); else, where the increments decay ($g_2 < g_1$),
+    a geometric tail in log budget, $\rho = g_2/g_1$, tail $= g_2\rho/(1-\rho)$; else the
+    sup is only bounded below by $a_2$ (``ok`` False, tail NaN).
+
+    Returns
+    -------
+    (s_inf, tail, ok) : tuple of numpy.ndarray, each of shape (draws,)
+    """
+    a0, a1, a2 = m[-3], m[-2], m[-1]
+    g1, g2 = a1 - a0, a2 - a1
+    flat = g2 <= CONV_TOL * a2
+    decays = (~flat) & (g2 < g1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rho = np.where(decays, g2 / np.where(g1 > 0, g1, 1.0), 0.0)
+        tail = np.where(flat, 0.0, np.where(decays, g2 * rho / (1 - rho), np.nan))
+    ok = flat | decays
+    return a2 + np.nan_to_num(tail, nan=0.0), tail, ok
+
+
+def _std_budget(budgets: Any) -> float:
+    """The standard budget among a convergence cell's budgets (full, else quick `SEARCH`)."""
+    b = {float(x) for x in np.asarray(budgets, float)}
+    for k in ("full", "quick"):
+        if float(SEARCH[k]["P"] * SEARCH[k]["T"]) in b:
+            return float(SEARCH[k]["P"] * SEARCH[k]["T"])
+    return sorted(b)[-2]
+
+
 def convergence_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Mean sup per (estimator, R, d, budget) and the relative increase standard -> 4x budget."""
+    r"""The sup against the search budget per (estimator, R, d), with the extrapolated sup.
+
+    Per draw (the same draws and features at every budget): the standard budget's sup
+    $s_1$, the largest budget's running maximum, the gains (per draw, relative to $s_1$) and
+    the extrapolated sup $s_\infty$ of `_extrapolate`.  ``b_%`` is the mean over draws of
+    $s_\infty/s_1 - 1$ (the standard budget's bias), ``u_%`` its residual uncertainty: the
+    largest distance of a draw's gain from that mean plus the draw's extrapolated tail
+    (relative to $s_1$).
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+        Study results; rows with ``metric == "sup_budget"`` (columns P, T, budget and
+        ``values``: the per-draw sups as a JSON list).
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per (spec, R, d): r, n_draws, top (largest budget / standard), sup_1/16,
+        sup_std, sup_4x, sup_top (means), gain_4x_% and gain_4x_max_% (4× vs standard),
+        gain_top_max_% (largest vs standard), b_%, u_%, extrapolated (every draw's
+        increments decay or vanish).
+    """
     c = df[df["metric"] == "sup_budget"]
     out = []
     for (e, R, d), g in c.groupby(["spec", "R", "d"], sort=True):
         g = g.sort_values("budget")
-        m = g["mean"].to_numpy(float)
-        v = [np.asarray(json.loads(x), float) for x in g["values"]]
-        inc = v[-1] / v[-2] - 1  # per draw: 4x budget vs standard
-        inc16 = v[-1] / v[1] - 1  # per draw: 4x budget vs 1/4 (a 16x step)
+        bud = g["budget"].to_numpy(float)
+        j = int(np.flatnonzero(bud == _std_budget(bud))[0])
+        v = np.vstack([np.asarray(json.loads(x), float) for x in g["values"]])
+        m = np.maximum.accumulate(v, axis=0)
+        s1 = v[j]
+        inc4 = v[j + 1] / s1 - 1 if j + 1 < len(v) else np.zeros_like(s1)
+        top = m[-1] / s1 - 1
+        s_inf, tail, ok = _extrapolate(m)
+        gain = s_inf / s1 - 1
+        b = float(np.mean(gain))
+        u = float(np.max(np.abs(gain - b) + np.nan_to_num(tail, nan=0.0) / s1))
         out.append({"spec": e, "R": R, "d": int(d), "r": int(g["r"].iloc[0]),
-                    "sup_1/16": m[0], "sup_1/4": m[1], "sup_std": m[-2], "sup_4x": m[-1],
-                    "gain_4x_%": 100 * float(np.mean(inc)),
-                    "gain_4x_max_%": 100 * float(np.max(inc)),
-                    "gain_16x_max_%": 100 * float(np.max(inc16)),
-                    "gain_from_1/16_%": 100 * (m[-2] / m[0] - 1)})
+                    "n_draws": int(v.shape[1]), "top": f"{bud[-1] / bud[j]:g}×",
+                    "sup_1/16": float(v[0].mean()), "sup_std": float(s1.mean()),
+                    "sup_4x": float(v[min(j + 1, len(v) - 1)].mean()),
+                    "sup_top": float(m[-1].mean()),
+                    "gain_4x_%": 100 * float(np.mean(inc4)),
+                    "gain_4x_max_%": 100 * float(np.max(inc4)),
+                    "gain_top_max_%": 100 * float(np.max(top)),
+                    "b_%": 100 * b, "u_%": 100 * u, "extrapolated": bool(ok.all())})
     return pd.DataFrame(out)
 
 
@@ -699,7 +774,8 @@ def _sup_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 # --- search bias, statistics and analysis choices ------------------------------------------
 #: Convergence rule: the standard search budget is converged at d when no draw of the
-#: convergence cell gains more than CONV_TOL (relative) from the standard to the 4x budget.
+#: convergence cell gains more than CONV_TOL (relative) from the standard to the largest
+#: budget (64× in the full grid).
 CONV_TOL = 1e-3
 #: Exponent rule: "agrees" with r* ∝ d when the envelope interval of p lies in 1 ± TOL_P.
 #: (An exponent off by 0.05 changes r*/d by a factor 128^0.05 = 1.27 over d = 4..512.)
@@ -710,71 +786,72 @@ FIT_RANGES = {"all d": (0.0, math.inf), "d ≥ 32": (32.0, math.inf), "d ≤ 128
 
 
 def search_systematic(conv: pd.DataFrame) -> pd.DataFrame:
-    r"""One-sided systematic of the standard search budget per (estimator, R, d).
+    r"""Bias and systematic of the standard search budget per (estimator, R, d).
 
-    Rule: the standard budget is *not converged* from the smallest d on whose convergence cell
-    some draw gains more than ``CONV_TOL`` from the standard to the 4× budget (the search gets
-    harder with d; two draws per d can miss it at one d, so every larger d counts too).  At
-    those d the sup may be low by the measured budget increment
-    $b_d = \max(0, g_{16\times}, g_{4\times})$, the largest per-draw relative gain of the 4×
-    budget over the 1/4 one (a 16× step) or over the standard one.  Since
+    Rule: the standard budget is *converged* at d when no draw gains more than ``CONV_TOL``
+    from the standard to the largest budget (``gain_top_max_%``); there ``b = u = 0``.
+    Elsewhere the sup of the standard budget is low by the measured, extrapolated
+    $b_d$ (``b_%`` of `convergence_table`) with residual uncertainty $u_d$ (``u_%``).  Since
     $\sup\approx A\sqrt{d/r}$, a sup low by $b$ puts $r^* = A^2 d/\varepsilon^2$ low by the
-    factor $(1+b)^2$: ``sys_log`` $= 2\ln(1+b_d)$, one-sided (upwards) in $\log r^*$.
+    factor $(1+b)^2$: ``corr_log`` $= 2\ln(1+b_d)$ is the correction of $\log r^*$ (the
+    "+ search bias" variants) and ``sys_log`` $= 2\ln(1+u_d)$ its systematic (added to the
+    draw se in quadrature).  ``extrapolated`` is False where some draw's increments do not
+    decay: there even the corrected r* is a lower bound.
 
     Parameters
     ----------
     conv : pandas.DataFrame
-        `convergence_table` (columns spec, R, d, gain_4x_max_%, gain_16x_max_%).
+        `convergence_table` (columns spec, R, d, gain_top_max_%, b_%, u_%, extrapolated).
 
     Returns
     -------
     pandas.DataFrame
-        Columns spec, R, d, converged (bool), b (relative), sys_log.
+        Columns spec, R, d, converged (bool), b, u (relative), corr_log, sys_log, extrapolated.
     """
+    cols = ["spec", "R", "d", "converged", "b", "u", "corr_log", "sys_log", "extrapolated"]
     out = []
-    for (e, R), g in conv.groupby(["spec", "R"], sort=True):
-        g = g.sort_values("d")
-        bad = g[g["gain_4x_max_%"] > 100 * CONV_TOL]["d"]
-        d0 = float(bad.min()) if len(bad) else math.inf
-        for _, x in g.iterrows():
-            nc = x["d"] >= d0
-            b = max(0.0, x["gain_16x_max_%"] / 100, x["gain_4x_max_%"] / 100) if nc else 0.0
-            out.append({"spec": e, "R": R, "d": int(x["d"]), "converged": not nc, "b": b,
-                        "sys_log": 2 * math.log1p(b)})
-    return pd.DataFrame(out, columns=["spec", "R", "d", "converged", "b", "sys_log"])
+    for _, x in conv.iterrows():
+        conv_d = bool(x["gain_top_max_%"] <= 100 * CONV_TOL)
+        b = 0.0 if conv_d else max(0.0, float(x["b_%"]) / 100)
+        u = 0.0 if conv_d else max(0.0, float(x["u_%"]) / 100)
+        out.append({"spec": x["spec"], "R": x["R"], "d": int(x["d"]), "converged": conv_d,
+                    "b": b, "u": u, "corr_log": 2 * math.log1p(b), "sys_log": 2 * math.log1p(u),
+                    "extrapolated": bool(x["extrapolated"])})
+    return pd.DataFrame(out, columns=cols)
 
 
 def add_systematic(rst: pd.DataFrame, sysd: pd.DataFrame) -> pd.DataFrame:
-    """The r* table with the search systematic.
+    """The r* table with the search bias and systematic.
 
     Parameters
     ----------
     rst : pandas.DataFrame
         One row per (spec, R, d, eps) with r_star, r_star_hi and se_log (`rstar_table`).
     sysd : pandas.DataFrame
-        `search_systematic` (may be empty: no convergence rows, no systematic).
+        `search_systematic` (may be empty: no convergence rows, no correction).
 
     Returns
     -------
     pandas.DataFrame
-        ``rst`` with ``b`` and ``sys_log`` (0 where no convergence cell), ``se_tot`` (the
-        floored draw se and sys_log in quadrature: the WLS weight), ``r_star_hi_sys`` (upper CI
-        end times e^{sys_log}) and ``lower_bound`` (r* printed as "≥": the search is not
-        converged at that d).
+        ``rst`` with ``b``, ``corr_log`` and ``sys_log`` (0 where no convergence cell),
+        ``se_tot`` (the floored draw se and sys_log in quadrature: the WLS weight),
+        ``r_star_hi_sys`` (upper CI end times e^{corr_log + sys_log}) and ``lower_bound`` (the
+        standard budget is not converged at that d: its r* is printed as "≥").
     """
-    out = rst.drop(columns=[c for c in ("sys_log", "se_tot", "r_star_hi_sys", "lower_bound", "b")
-                            if c in rst], errors="ignore")
+    extra = ("b", "corr_log", "sys_log", "se_tot", "r_star_hi_sys", "lower_bound", "extrapolated")
+    out = rst.drop(columns=[c for c in extra if c in rst], errors="ignore")
     if len(sysd):
-        out = out.merge(sysd[["spec", "R", "d", "b", "sys_log"]], on=["spec", "R", "d"],
-                        how="left")
+        out = out.merge(sysd[["spec", "R", "d", "b", "corr_log", "sys_log", "extrapolated"]],
+                        on=["spec", "R", "d"], how="left")
     else:
-        out = out.assign(b=np.nan, sys_log=np.nan)
-    out["b"] = out["b"].fillna(0.0)
-    out["sys_log"] = out["sys_log"].fillna(0.0)
+        out = out.assign(b=np.nan, corr_log=np.nan, sys_log=np.nan, extrapolated=True)
+    for c in ("b", "corr_log", "sys_log"):
+        out[c] = out[c].fillna(0.0)
+    out["extrapolated"] = out["extrapolated"].fillna(True).astype(bool)
     se = np.maximum(np.nan_to_num(out["se_log"].to_numpy(float), nan=SE_FLOOR), SE_FLOOR)
     out["se_tot"] = np.sqrt(se**2 + out["sys_log"].to_numpy(float) ** 2)
-    out["r_star_hi_sys"] = out["r_star_hi"] * np.exp(out["sys_log"])
-    out["lower_bound"] = out["sys_log"] > 0
+    out["r_star_hi_sys"] = out["r_star_hi"] * np.exp(out["corr_log"] + out["sys_log"])
+    out["lower_bound"] = out["corr_log"] > 0
     return out
 
 
@@ -817,8 +894,9 @@ def exponent_table(df: pd.DataFrame, rst: pd.DataFrame) -> tuple[pd.DataFrame, p
     r"""Exponents of r* ∝ d^p across statistics × fit ranges × search bias, with verdicts.
 
     For each trig (estimator, R, ε) with at least 3 uncensored d (90% quantile), the series are
-    the `STATISTICS` of r*, each also multiplied by $e^{\mathrm{sys\_log}}$ (the search bias
-    at the d where the search is not converged, `search_systematic`), fitted over each of
+    the `STATISTICS` of r*, each also multiplied by $e^{\mathrm{corr\_log}}$ (the extrapolated
+    search bias at the d where the search is not converged, `search_systematic`) and by
+    $e^{\mathrm{corr\_log}+\mathrm{sys\_log}}$ (bias plus its residual), fitted over each of
     `FIT_RANGES` by `studies.verdicts.slope_with_uncertainty` (OLS in log-log, t interval,
     95%).  The interval of p is the envelope over all these variants; the primary estimate is
     the median r* over all d, without the bias.  Verdicts (`compare_to_reference`):
@@ -834,7 +912,8 @@ def exponent_table(df: pd.DataFrame, rst: pd.DataFrame) -> tuple[pd.DataFrame, p
     df : pandas.DataFrame
         Study results (the ``sup_adv`` rows, see `rstar_statistics`).
     rst : pandas.DataFrame
-        `rstar_table`'s table (its ``sys_log`` column gives the search bias; absent: none).
+        `rstar_table`'s table (its ``corr_log`` and ``sys_log`` columns give the search bias
+        and its residual; absent: none).
 
     Returns
     -------
@@ -846,7 +925,9 @@ def exponent_table(df: pd.DataFrame, rst: pd.DataFrame) -> tuple[pd.DataFrame, p
     from studies.verdicts import compare_to_reference, slope_with_uncertainty
 
     st = rstar_statistics(df)
-    sysl = rst.set_index(["spec", "R", "d"])["sys_log"].groupby(level=[0, 1, 2]).first() \
+    corr = rst.set_index(["spec", "R", "d"])["corr_log"].groupby(level=[0, 1, 2]).first() \
+        if "corr_log" in rst else None
+    resid = rst.set_index(["spec", "R", "d"])["sys_log"].groupby(level=[0, 1, 2]).first() \
         if "sys_log" in rst else None
     var_rows, cell_rows = [], []
     for (e, R, eps), g in st.groupby(["spec", "R", "eps"], sort=True):
@@ -856,13 +937,18 @@ def exponent_table(df: pd.DataFrame, rst: pd.DataFrame) -> tuple[pd.DataFrame, p
         if int(np.isfinite(g["q90 (δ = 0.1)"]).sum()) < 3:
             continue
         d = g["d"].to_numpy(float)
-        sl = np.array([float(sysl.get((e, R, int(x)), 0.0)) if sysl is not None else 0.0
+        cl = np.array([float(corr.get((e, R, int(x)), 0.0)) if corr is not None else 0.0
+                       for x in d])
+        rl = np.array([float(resid.get((e, R, int(x)), 0.0)) if resid is not None else 0.0
                        for x in d])
         ys: dict[str, np.ndarray] = {}
         for k in STATISTICS:
             ys[k] = g[k].to_numpy(float)
         for k in STATISTICS:
-            ys[f"{k} + search bias"] = g[k].to_numpy(float) * np.exp(sl)
+            ys[f"{k} + search bias"] = g[k].to_numpy(float) * np.exp(cl)
+        if np.any(rl > 0):
+            for k in STATISTICS:
+                ys[f"{k} + bias + residual"] = g[k].to_numpy(float) * np.exp(cl + rl)
         try:
             s = slope_with_uncertainty(d, ys, ranges=list(FIT_RANGES.values()))
         except ValueError:
@@ -1017,6 +1103,8 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
         cv = cv.copy()
         cp = sorted({(e, R) for e, R in zip(cv["spec"], cv["R"], strict=True)})
         last = cv.sort_values("budget").groupby(["spec", "R", "d"])["mean"].transform("last")
+        std_b = _std_budget(cv["budget"])
+        top_x = cv["budget"].max() / std_b
         cv["rel"] = cv["mean"] / last
         cv["panel"] = [f"{get(e).label}, R = {R:g}" for e, R in zip(cv["spec"], cv["R"],
                                                                      strict=True)]
@@ -1028,14 +1116,16 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
             col_order=[f"{get(e).label}, R = {R:g}" for e, R in cp], hue_order=curves,
             palette=dict(zip(curves, sns.color_palette("viridis", len(curves)), strict=True)),
             yscale="linear", panel_size=(4.4, 3.4), reference=1.0,
-            reference_label="value at 4× budget",
+            reference_label=f"value at {top_x:g}× budget",
             facet_title=lambda _, p: str(p),
-            xlabel="search budget = starts × steps", ylabel="mean sup / its value at 4× budget",
-            title="Does the sup estimate stop growing with the search budget? (2 draws per d; "
-                  "the same draws at every budget; dashed: the standard budget)")
+            xlabel="search budget = starts × steps",
+            ylabel=f"mean sup / its value at {top_x:g}× budget",
+            title="Does the sup estimate stop growing with the search budget? "
+                  f"({conv_draws(0)} draws per d; the same draws at every budget; dashed: the "
+                  "standard budget)")
         for ax, (e, R) in zip([a for a in fig.axes if a.get_visible()], cp, strict=False):
             g = cv[(cv["spec"] == e) & (cv["R"] == R)]
-            ax.axvline(sorted(g["budget"].unique())[-2], color="grey", lw=0.8, ls="--")
+            ax.axvline(std_b, color="grey", lw=0.8, ls="--")
         paths += save_figure(fig, folder, "sup_vs_budget")
 
     # 4) positive features: measured sup vs the analytic value at q = k ∥ ω_max
@@ -1136,10 +1226,10 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
     lines += [f"r*(ε, δ = {DELTA:g}) from the 90% quantile of the draws, with bootstrap 95% CI "
               "(ε: sup error normalised by e^{R²}; '>' / '≤': outside the r grid, censored; "
               "'≥': the search is not converged at that d, so r* is a lower bound and the upper "
-              "CI end carries the search systematic e^{sys_log}). With "
-              f"{', '.join(str(n) for n in nd)} draws per cell, the 90% quantile of 8 draws "
-              "lies between the two largest draws (0.7·x₍₇₎ + 0.3·x₍₈₎), so its bootstrap "
-              "CI undercovers there; the headline uses the median.", "", df_to_markdown(tab), ""]
+              "CI end carries the extrapolated search bias and its residual, "
+              "e^{corr_log + sys_log}). "
+              f"{', '.join(str(n) for n in nd)} draws per cell; the headline uses the median.",
+              "", df_to_markdown(tab), ""]
     if len(var):
         v = var.copy()
         v["p [95% CI]"] = [f"{fmt(p)} [{fmt(a)}, {fmt(b)}] (n = {n})" if np.isfinite(p)
@@ -1150,8 +1240,9 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                              values="p [95% CI]", aggfunc="first").reset_index()
         wide = wide[["spec", "R", "eps", "statistic", *[k for k in FIT_RANGES if k in wide]]]
         lines += ["Exponent p of r* ∝ d^p per analysis choice: statistic of the draws × fit "
-                  "range × search bias ('+ search bias': r*·e^{sys_log} at the d where the search "
-                  "is not converged); OLS in log-log with a t 95% CI "
+                  "range × search bias ('+ search bias': r*·e^{corr_log}, the extrapolated bias, "
+                  "at the d where the search is not converged; '+ bias + residual': "
+                  "r*·e^{corr_log + sys_log}); OLS in log-log with a t 95% CI "
                   "(`studies.verdicts.slope_with_uncertainty`; n = number of uncensored d):", "",
                   df_to_markdown(wide), ""]
     if len(cells):
@@ -1198,16 +1289,22 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
     if len(conv):
         std = SEARCH["quick" if ctx.quick else "full"]
         sysd = search_systematic(conv)
-        ct = conv.merge(sysd, on=["spec", "R", "d"], how="left")
-        ct["b_%"] = 100 * ct["b"]
-        cols = [c for c in ct.columns if c not in ("b", "converged")] + ["converged"]
-        lines += ["Convergence of the Δ-space search (2 draws per d, the same draws and starts "
-                  "at every budget; budget = starts × steps, standard "
-                  f"{std['P']} × {std['T']}; gain_4x = 4× budget vs standard, gain_16x = 4× vs "
-                  "1/4 budget, per draw). Rule (`search_systematic`): the standard budget is "
-                  f"not converged from the smallest d where a draw gains > {_pct(CONV_TOL)} "
-                  "from 4×; there b = max(gain_16x, gain_4x) and sys_log = 2 ln(1 + b) is a "
-                  "one-sided systematic of log r* (r* ∝ sup²):", "",
+        ct = conv.drop(columns=["b_%", "u_%", "extrapolated"]).merge(
+            sysd, on=["spec", "R", "d"], how="left")
+        ct["b_%"], ct["u_%"] = 100 * ct["b"], 100 * ct["u"]
+        cols = [c for c in ct.columns if c not in ("b", "u", "corr_log", "sys_log", "converged",
+                                                   "extrapolated")]
+        cols += ["converged", "extrapolated"]
+        lines += ["Convergence of the Δ-space search (the same draws and starts at every budget; "
+                  f"budget = starts × steps, standard {std['P']} × {std['T']}, top = largest "
+                  "budget / standard; gains per draw relative to the standard budget: gain_4x "
+                  "at 4×, gain_top at the largest budget). Rule (`search_systematic`): converged "
+                  f"at d when no draw gains > {_pct(CONV_TOL)} up to the largest budget; "
+                  "elsewhere b = the mean extrapolated gain (geometric tail of the last two "
+                  "increments, `_extrapolate`) corrects log r* by 2 ln(1 + b) (r* ∝ sup²) and "
+                  "u = the spread of the draws' gains plus the extrapolated tail gives the "
+                  "systematic sys_log = 2 ln(1 + u); extrapolated = False: some draw's "
+                  "increments do not decay, the corrected r* is itself a lower bound:", "",
                   df_to_markdown(ct[cols]), ""]
     pos = positive_table(df)
     if len(pos):
@@ -1233,10 +1330,13 @@ def figure_lines(cells: pd.DataFrame, conv: pd.DataFrame, pos: pd.DataFrame) -> 
                    "excluded by it in " + ", ".join(f"{b}: {n}" for b, n in ex.items())
                    + f" of {len(cells)} cells.")
     if len(conv):
+        top = conv["top"].iloc[0]
+        nc = conv[conv["gain_top_max_%"] > 100 * CONV_TOL]
         out.append(f"`sup_vs_budget.png`: the sup estimate against starts × steps per d; 4× the "
                    f"standard budget adds up to {fmt(conv['gain_4x_max_%'].max(), 2)}% to a draw "
-                   f"and 16× over the 1/4 budget up to {fmt(conv['gain_16x_max_%'].max(), 2)}% "
-                   "(not converged at the larger d; see the convergence table).")
+                   f"and {top} up to {fmt(conv['gain_top_max_%'].max(), 2)}% "
+                   f"(the standard budget is not converged in {len(nc)} of {len(conv)} "
+                   "(estimator, R, d) cells; see the convergence table).")
     out.append("`sup_error_vs_r.png`: the 90% quantile of the sup error against r per d "
                "(dotted: the ε levels of r*; dashed for positive features: the analytic value).")
     if len(pos):
@@ -1312,17 +1412,20 @@ def findings(df: pd.DataFrame, rst: pd.DataFrame, fits: pd.DataFrame, conv: pd.D
             g = g.sort_values("d")
             nc = g[~g["converged"]]
             gc = conv[(conv["spec"] == e) & (conv["R"] == R)].sort_values("d")
+            top = gc["top"].iloc[0]
             gains = ", ".join(f"d = {int(d)}: {fmt(x, 2)}%" for d, x in
-                              zip(gc["d"], gc["gain_4x_max_%"], strict=True))
+                              zip(gc["d"], gc["gain_top_max_%"], strict=True))
             if len(nc):
-                bs = ", ".join(f"{_pct(b)} (d = {int(d)})" for d, b in zip(nc["d"], nc["b"],
-                                                                          strict=True))
-                tail = (f"not converged from d = {int(nc['d'].min())}: one-sided systematic "
-                        f"b = {bs}, r* printed as '≥' there; converged (4× adds ≤ "
-                        f"{_pct(CONV_TOL)} to every draw) only at d < {int(nc['d'].min())}")
+                bs = ", ".join(f"b = {_pct(b)} ± {_pct(u)} (d = {int(d)}"
+                               + ("" if x else "; increments not decaying: lower bound") + ")"
+                               for d, b, u, x in zip(nc["d"], nc["b"], nc["u"],
+                                                     nc["extrapolated"], strict=True))
+                tail = (f"not converged at d = {_dset(nc['d'].tolist())}: extrapolated bias of "
+                        f"the standard budget {bs}; r* printed as '≥' there, corrected by "
+                        "(1 + b)² in the '+ search bias' variants")
             else:
-                tail = f"converged at every d (4× adds ≤ {_pct(CONV_TOL)} to every draw)"
-            f.append(f"Search convergence, {get(e).label}, R = {fmt(R)}: 4× the standard "
+                tail = f"converged at every d ({top} adds ≤ {_pct(CONV_TOL)} to every draw)"
+            f.append(f"Search convergence, {get(e).label}, R = {fmt(R)}: {top} the standard "
                      f"budget raises the sup of a draw by up to {gains}; {tail}.")
     s8 = sup[(sup["R"] == 1.0) & (sup["r/d"] == 8) & sup["spec"].isin(TRIG)
              & sup["d"].isin([4, 64, 128])].sort_values(["spec", "d"])

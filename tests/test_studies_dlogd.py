@@ -16,9 +16,11 @@ import torch
 import kernelapprox as ka
 from studies.dlogd import (
     TOL_P,
+    _extrapolate,
     add_systematic,
     aicc,
     c_star,
+    convergence_table,
     dlogcd_exponent,
     exponent_table,
     fit_models,
@@ -214,29 +216,64 @@ def test_finite_d_model_recovers_its_correction() -> None:
     assert m["daicc"] == 0.0 and f["c·d"]["daicc"] > 10
 
 
-def test_search_systematic_rule() -> None:
-    """From the first d where 4x gains > 0.1% on a draw, every larger d carries b = max(16x, 4x).
+def test_extrapolate_geometric_tail_and_lower_bound() -> None:
+    """Three budgets 4x apart: increments 0.02 then 0.01 decay with ratio 1/2, so the tail
+    beyond the largest budget is 0.01·(1/2)/(1 − 1/2) = 0.01; a flat draw (no gain) has tail 0;
+    growing increments (0.01 then 0.02) cannot be extrapolated (lower bound only)."""
+    m = np.array([[0.30, 0.30, 0.30],
+                  [0.32, 0.30, 0.31],
+                  [0.33, 0.30, 0.33]])  # (budgets, draws), running maxima
+    s_inf, tail, ok = _extrapolate(m)
+    assert tail[0] == pytest.approx(0.01) and s_inf[0] == pytest.approx(0.34)
+    assert tail[1] == 0.0 and s_inf[1] == pytest.approx(0.30)
+    assert np.isnan(tail[2]) and not ok[2] and s_inf[2] == pytest.approx(0.33)
+    assert ok[:2].all()
 
-    d = 32 gains 0.05% (converged), d = 64 gains 0.5% (first unconverged), d = 128 gains 0.01%
-    but lies above it: b(64) = max(2%, 0.5%) = 2%, b(128) = 3% (its 16x gain); sys_log =
-    2 ln(1 + b) (r* ∝ sup²).  The r* table then prints d >= 64 as a lower bound and adds the
-    systematic to the weight's se in quadrature.
-    """
-    conv = pd.DataFrame({"spec": "trig-sincos-orthogonal", "R": 1.0, "d": [16, 32, 64, 128],
-                         "gain_4x_max_%": [0.0, 0.05, 0.5, 0.01],
-                         "gain_16x_max_%": [5.0, 0.1, 2.0, 3.0]})
-    s = search_systematic(conv).set_index("d")
-    assert s["converged"].tolist() == [True, True, False, False]
-    assert s.loc[16, "b"] == 0.0 and s.loc[32, "b"] == 0.0
-    assert s.loc[64, "b"] == pytest.approx(0.02) and s.loc[128, "b"] == pytest.approx(0.03)
-    assert s.loc[128, "sys_log"] == pytest.approx(2 * math.log(1.03))
-    rst = pd.DataFrame({"spec": "trig-sincos-orthogonal", "R": 1.0, "d": [32, 64, 128],
-                        "r_star": [100.0, 200.0, 400.0], "r_star_hi": [110.0, 220.0, 440.0],
-                        "se_log": [0.02, 0.02, 0.02]})
-    out = add_systematic(rst, search_systematic(conv)).set_index("d")
-    assert out["lower_bound"].tolist() == [False, True, True]
-    assert out.loc[64, "se_tot"] == pytest.approx(math.hypot(0.02, 2 * math.log(1.02)))
-    assert out.loc[128, "r_star_hi_sys"] == pytest.approx(440.0 * 1.03**2)
+
+def _conv_frame(gains: list[list[float]]) -> pd.DataFrame:
+    """sup_budget rows of one cell: budgets x1/16 ... x64 of the standard (512 x 96), two
+    draws; gains[k] = per-draw sup at budget k relative to the standard one."""
+    budgets = [(128, 24), (256, 48), (512, 96), (1024, 192), (2048, 384), (4096, 768)]
+    base = np.array([0.30, 0.20])
+    rows = []
+    for (P, T), g in zip(budgets, gains, strict=True):
+        v = base * (1 + np.asarray(g))
+        rows.append({"metric": "sup_budget", "spec": "trig-sincos-orthogonal", "R": 1.0,
+                     "d": 128, "r": 1024, "P": P, "T": T, "budget": P * T,
+                     "mean": float(v.mean()), "values": json.dumps(v.tolist())})
+    return pd.DataFrame(rows)
+
+
+def test_convergence_table_bias_and_systematic() -> None:
+    """Draw 1 gains 1%, 2%, 2.5% at 4x, 16x, 64x (increments 1%, 0.5%: ratio 1/2, tail 0.5%,
+    extrapolated gain 3%); draw 2 gains nothing. b = mean(3%, 0%) = 1.5%; u = the largest
+    |gain − b| plus that draw's tail = 1.5% + 0.5% = 2%.  Not converged (2.5% > 0.1%):
+    corr_log = 2 ln(1.015), sys_log = 2 ln(1.02), r* printed as a lower bound, the upper CI end
+    multiplied by (1.015·1.02)², the WLS se gets sys_log in quadrature.  A second cell with no
+    gain anywhere is converged with b = u = 0."""
+    zero = [[0.0, 0.0]] * 6
+    c1 = _conv_frame([[-0.1, 0.0], [-0.05, 0.0], [0.0, 0.0], [0.01, 0.0], [0.02, 0.0],
+                      [0.025, 0.0]])
+    c2 = _conv_frame(zero).assign(d=64)
+    conv = convergence_table(pd.concat([c1, c2], ignore_index=True)).set_index("d")
+    assert conv.loc[128, "top"] == "64×"
+    assert conv.loc[128, "gain_4x_max_%"] == pytest.approx(1.0)
+    assert conv.loc[128, "gain_top_max_%"] == pytest.approx(2.5)
+    assert conv.loc[128, "b_%"] == pytest.approx(1.5) and conv.loc[128, "u_%"] == pytest.approx(2.0)
+    assert bool(conv.loc[128, "extrapolated"])
+    s = search_systematic(conv.reset_index()).set_index("d")
+    assert not s.loc[128, "converged"] and s.loc[64, "converged"]
+    assert s.loc[64, "b"] == 0.0 and s.loc[64, "sys_log"] == 0.0
+    assert s.loc[128, "corr_log"] == pytest.approx(2 * math.log(1.015))
+    assert s.loc[128, "sys_log"] == pytest.approx(2 * math.log(1.02))
+    rst = pd.DataFrame({"spec": "trig-sincos-orthogonal", "R": 1.0, "d": [64, 128],
+                        "r_star": [200.0, 400.0], "r_star_hi": [220.0, 440.0],
+                        "se_log": [0.02, 0.02]})
+    out = add_systematic(rst, s.reset_index()).set_index("d")
+    assert out["lower_bound"].tolist() == [False, True]
+    assert out.loc[128, "se_tot"] == pytest.approx(math.hypot(0.02, 2 * math.log(1.02)))
+    assert out.loc[128, "r_star_hi_sys"] == pytest.approx(440.0 * (1.015 * 1.02) ** 2)
+    assert out.loc[64, "r_star_hi_sys"] == pytest.approx(220.0)
 
 
 def _power_frame(p_extra: float, noise: float = 0.002) -> pd.DataFrame:
