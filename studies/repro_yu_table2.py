@@ -312,9 +312,9 @@ def _claim(df: pd.DataFrame, pairs: list[tuple[str, str]], *, better: str, what:
 
 STUDY = Study(
     name="repro-yu-table2",
-    description="Yu et al. 2016 Table 2 / Fig. 3 style on scikit-learn's bundled digits and "
-    "breast-cancer data: Gram error and LinearSVC accuracy of RFF/ORF/SORF/QMC/simplex/positive "
-    "vs RBFSampler.",
+    description="an analogue (other data, not a reproduction) of Yu et al. 2016 Table 2 / Fig. 3 "
+    "on scikit-learn's bundled digits and breast-cancer data: Gram error and LinearSVC accuracy "
+    "of RFF/ORF/SORF/QMC/simplex/positive vs RBFSampler.",
     grid=grid,
     run_cell=run_cell,
     plot=plot,

@@ -327,3 +327,19 @@ def test_exponent_verdict_flips_when_the_results_do() -> None:
     for e in flipped:
         assert c2.loc[e, "linear"] == "differs", c2.loc[e, "linear_statement"]
         assert abs(c2.loc[e, "p"] - 1.2) < 0.02
+
+
+def test_attention_scale_table_matches_the_iid_variances() -> None:
+    """At 90° (q·k = 0, K = 1, ‖Δ‖² = 2ρ²) the iid closed forms are, per feature,
+    trig sin/cos: e^{2ρ²} Var cos(ωᵀΔ) = e^{2ρ²}(1 − e^{−2ρ²})²/2 and positive: e^{‖q+k‖²} − 1
+    = e^{2ρ²} − 1; at attention scale ρ² = √d, at fixed R = 1 ρ² = 1 (no d dependence)."""
+    from studies.dlogd import ATT_SCALES, attention_scale_table
+
+    t = attention_scale_table()
+    t = t[t["pair"] == "angle 90°"]
+    for _, x in t.iterrows():
+        rho2 = math.sqrt(x["d"]) if x["scale"] == ATT_SCALES[0] else 1.0
+        want = (math.exp(2 * rho2) * (1 - math.exp(-2 * rho2)) ** 2 / 2
+                if x["spec"] == "trig-sincos-gaussian" else math.expm1(2 * rho2))
+        assert x["m1"] == pytest.approx(want, rel=1e-9), x.to_dict()
+        assert x["r_10"] == pytest.approx(100 * want, rel=1e-9)
