@@ -1026,6 +1026,22 @@ def ranking(rows: pd.DataFrame, *, what: str, baseline: str | None = UNIFORM_LAB
     return rank, base
 
 
+def _tier_summary(rk: Any) -> str:
+    """What a `paired_ranking` verdict says about the top and the whole order, in words.
+
+    ``ordered`` (every neighbour separated) -> "fully ordered"; else the number of distinct
+    tiers; and whether tier 1 has one member (separated from every other method) or is shared
+    (its members tie).
+    """
+    ranks = rk.evidence["rank"]
+    n1 = sum(1 for v in ranks.values() if v == 1)
+    order = "fully ordered" if rk.label == "ordered" else \
+        f"{len(set(ranks.values()))} distinct tiers, some neighbours tie"
+    top = "tier 1 has one member, separated from every other" if n1 == 1 else \
+        f"**tier 1 shared by {n1}: they tie**"
+    return f"{order}; {top}"
+
+
 def _tiers(v: Verdict, means: dict[str, float] | None = None, n_tiers: int = 2,
            limit: int = 8) -> str:
     """The first ``n_tiers`` tiers of a `paired_ranking` verdict, in its order."""
@@ -1134,7 +1150,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                 fam = family(err, regime, sigma, mode, sel)
                 means = {_key(x): float(x.mean) for x in fam.itertuples()}
                 m = len(rk.evidence["order"])
-                sub.append(f"{lab.format(int(sel))} ({m} methods, **{rk.label}**): "
+                sub.append(f"{lab.format(int(sel))} ({m} methods; {_tier_summary(rk)}): "
                            + _tiers(rk, means))
                 if base is not None:
                     worse = sorted(p["a"] for p in base.evidence["pairs"]

@@ -184,3 +184,22 @@ def test_league_ranking_reports_worse_than_uniform_and_skips_rows_without_draws(
     assert p["significant"] and p["diff"] == pytest.approx(6.0, abs=1e-9)
     rows.loc[rows["label"] == "T", "draw_values"] = np.nan  # an old results.csv: no per-draw values
     assert league.ranking(rows, what="x") is None
+
+
+def test_tier_summary_names_a_lone_top_and_a_shared_one() -> None:
+    """A method 10 sd better than the rest is alone in tier 1; two identical-in-distribution
+    leaders share it. The wording follows the ranking, not a fixed string."""
+    from studies.estimator_league import _tier_summary
+    from studies.verdicts import paired_ranking
+
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0, 0.01, (12, 3))
+    alone = paired_ranking({"A": 0.5 + noise[:, 0], "B": 1.0 + noise[:, 1],
+                            "C": 1.0 + noise[:, 2]})
+    assert "tier 1 has one member" in _tier_summary(alone)
+    shared = paired_ranking({"A": 0.5 + noise[:, 0], "B": 0.5 + noise[:, 1],
+                             "C": 1.0 + noise[:, 2]})
+    assert "tier 1 shared by 2" in _tier_summary(shared)
+    ordered = paired_ranking({"A": 0.5 + noise[:, 0], "B": 1.0 + noise[:, 1],
+                              "C": 1.5 + noise[:, 2]})
+    assert _tier_summary(ordered).startswith("fully ordered")
