@@ -653,7 +653,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                      else "inconclusive")
             why = ("read in the paper" if BOUND_CONSTANTS_VERIFIED else
                    "recalled, not read in the paper, so a bound that holds is no evidence for "
-                   f"its statement (the helper's call: {v.label})")
+                   f"its statement (`compare_to_reference` alone: {v.label})")
             g.append(f"- **{label}** ({PAPER} uniform bound; {n_used} points, {n_drop} vacuous "
                      f"left out) — {v.statement}; {rule}; its constants are {why}.")
         g.append(f"- sup search: {how}.")
