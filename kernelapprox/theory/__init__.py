@@ -63,7 +63,11 @@ from .trig import (
     trig_sincos_mse,
 )
 from .uniform import (
+    CONSTANT_NOTES,
+    CONSTANT_STATUS,
     UNIFORM_BOUNDS,
+    derived_sincos_failure_probability,
+    derived_sincos_features,
     performer_theorem4_features,
     rahimi_recht_features,
     required_features_uniform,
@@ -105,6 +109,10 @@ __all__ = [
     "sutherland_schneider_features",
     "sriperumbudur_szabo_features",
     "performer_theorem4_features",
+    "derived_sincos_features",
+    "derived_sincos_failure_probability",
+    "CONSTANT_STATUS",
+    "CONSTANT_NOTES",
     "required_features_uniform",
     "attention_variance",
     "kernel_covariance",
