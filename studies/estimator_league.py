@@ -1170,7 +1170,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         res = ranking(fam, what="log median kernel error per draw", baseline=None) if len(fam) else None
         if res is not None:
             means = {_key(x): float(x.mean) for x in fam.itertuples()}
-            kparts.append(f"{name} (**{res[0].label}**): {_tiers(res[0], means, n_tiers=1)}")
+            kparts.append(f"{name} ({_tier_summary(res[0])}): {_tiers(res[0], means, n_tiers=1)}")
     if kparts and F_mid is not None:
         bullets.append(f"Kernel (median over pairs of (K̂ − K)²/K², F = {int(F_mid)}, learned maps left "
                        "out), tier 1 by the same rule on the log per-draw median:"
