@@ -1132,7 +1132,9 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                    "log-error difference to uniform weights over the comparisons of every "
                    "estimator with uniform weights (`studies.verdicts.beats_baseline`); "
                    "\"worse than uniform\" counts the estimators whose corrected difference "
-                   "excludes 0 on the worse side.")
+                   "excludes 0 on the worse side. The two families differ in size (all pairs "
+                   "for the tiers, the comparisons with uniform weights for the baseline), so "
+                   "an estimator can beat uniform weights while sharing a tier with them.")
     for name, regime, sigma in regs:
         s = _at(err, "attn_rel_err", regime, sigma)
         uni = s[s["estimator"] == UNIFORM]
