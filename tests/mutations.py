@@ -233,6 +233,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "data = _teacher_layers(lin.model, inputs_, list(maps), exact)",
         "attention transfer trained on the linearised model's own q, k, v and outputs, not the teacher's",
     ),
+    Mutant(
+        "dlogd-tail-undivided", "studies/dlogd.py",
+        "np.where(decays, g2 * rho / (1 - rho), np.nan)",
+        "np.where(decays, g2 * rho, np.nan)",
+        "dlogd's extrapolated search tail g2*rho instead of the geometric sum g2*rho/(1-rho)",
+    ),
+    Mutant(
+        "dlogd-bias-not-squared", "studies/dlogd.py",
+        '"corr_log": 2 * math.log1p(b)',
+        '"corr_log": math.log1p(b)',
+        "dlogd's search-bias correction of log r* without the square (r* is proportional to sup^2)",
+    ),
 )
 
 _PROBE = textwrap.dedent(
