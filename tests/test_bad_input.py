@@ -296,12 +296,22 @@ row("theory.required_features", "eps-nan", lambda: th.required_features(fm4(), N
 row("theory.required_features", "reduce-unknown",
     lambda: th.required_features(fm4(), 0.1, 0.1, Q5, K5, reduce="nope"), "reduce")
 for _fname in ("rahimi_recht_features", "sutherland_schneider_features", "sriperumbudur_szabo_features",
-               "performer_theorem4_features"):
+               "performer_theorem4_features", "derived_sincos_features"):
     _f = getattr(th, _fname)
     row(f"theory.{_fname}", "eps-0", lambda f=_f: f(0.0, 0.1, 4, 1.0), "eps")
     row(f"theory.{_fname}", "delta-nan", lambda f=_f: f(0.1, NAN, 4, 1.0), "delta")
     row(f"theory.{_fname}", "dim-0", lambda f=_f: f(0.1, 0.1, 0, 1.0), "dim")
     row(f"theory.{_fname}", "radius-neg", lambda f=_f: f(0.1, 0.1, 4, -1.0), "radius")
+row("theory.derived_sincos_failure_probability", "eps_g-0",
+    lambda: th.derived_sincos_failure_probability(0.0, 8, 4, 1.0), "eps_g")
+row("theory.derived_sincos_failure_probability", "eps_g-nan",
+    lambda: th.derived_sincos_failure_probability(NAN, 8, 4, 1.0), "eps_g")
+row("theory.derived_sincos_failure_probability", "num_projections-0",
+    lambda: th.derived_sincos_failure_probability(0.1, 0, 4, 1.0), "num_projections")
+row("theory.derived_sincos_failure_probability", "dim-0",
+    lambda: th.derived_sincos_failure_probability(0.1, 8, 0, 1.0), "dim")
+row("theory.derived_sincos_failure_probability", "radius-neg",
+    lambda: th.derived_sincos_failure_probability(0.1, 8, 4, -1.0), "radius")
 row("theory.sutherland_schneider_features", "variant-unknown",
     lambda: th.sutherland_schneider_features(0.1, 0.1, 4, 1.0, variant="nope"), "variant")
 row("theory.required_features_uniform", "bound-unknown",

@@ -359,7 +359,10 @@ def derived_sincos_failure_probability(eps_g: float, num_projections: int, dim: 
     >>> derived_sincos_failure_probability(0.2, 8192, 2, 1.0) < 1e-3
     True
     """
-    e, _, d, R = _check(eps_g, 0.5, dim, radius)
+    eg_ = _number("eps_g", eps_g)
+    if eg_ <= 0:
+        raise ValueError(f"eps_g must be > 0, got {eps_g!r}")
+    e, _, d, R = _check(eg_, 0.5, dim, radius)
     if isinstance(num_projections, bool) or not isinstance(num_projections, (int, np.integer)) \
             or num_projections < 1:
         raise ValueError(f"num_projections must be a positive int, got {num_projections!r}")
