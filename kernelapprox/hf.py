@@ -1190,8 +1190,8 @@ def linearize(
     """
     from .attention import linear_attention
     from .attention.hybrid import check_window, hybrid_attention
-    from .attention.hybrid_recurrent import RecurrentHybridAttention
-    from .attention.recurrent import RecurrentLinearAttention
+    from .attention.hybrid.recurrent import RecurrentHybridAttention
+    from .attention.linear.recurrent import RecurrentLinearAttention
     from .maps.hedgehog import fit_feature_map
 
     impl = _check_model(model)

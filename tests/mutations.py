@@ -158,7 +158,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # 4. causal mask off by one inside a chunk (the one mask of the intra-chunk product)
     Mutant(
-        "causal-mask-off-by-one", "kernelapprox/attention/chunk.py",
+        "causal-mask-off-by-one", "kernelapprox/attention/linear/chunk.py",
         "mask = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()",
         "mask = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril(1)",
         "chunked causal form: token i sees token i+1 of its chunk (.tril() -> .tril(1))",

@@ -35,7 +35,7 @@ SHARED_KITS = frozenset({
 #: one is gone), so the list only shrinks.
 PENDING_PRIVATE = frozenset({
     # the chunked causal form pads [v, 1] to the GEMM width of the parallel form
-    ("kernelapprox.attention.chunk", "kernelapprox.attention.parallel", "_GEMM_COLUMNS"),
+    ("kernelapprox.attention.linear.chunk", "kernelapprox.attention.linear.parallel", "_GEMM_COLUMNS"),
 })
 
 

@@ -1,7 +1,7 @@
 """Linear attention (parallel, causal chunked, recurrent) and the exact softmax references.
 
 Every fast form is compared in float64 with the independent references of
-``kernelapprox.attention.naive`` (the plain quadratic formula A = phi(q) phi(k)^T, masked with tril
+``kernelapprox.attention.linear.naive`` (the plain quadratic formula A = phi(q) phi(k)^T, masked with tril
 when causal, out = A v / A 1, and the plain recurrence), forward and backward, at 1e-10, so a
 causal path that ignores q or k (the xformers bug) cannot pass.
 """
@@ -124,7 +124,7 @@ def test_naive_shares_no_code_with_the_fast_paths():
     import ast
     import inspect
 
-    import kernelapprox.attention.naive as naive
+    import kernelapprox.attention.linear.naive as naive
 
     tree = ast.parse(inspect.getsource(naive))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
@@ -449,7 +449,7 @@ def test_causal_inference_blocks(monkeypatch, groups, budget):
     with a block per sequence or one block, one group of chunks or several (another code path),
     and an initial state, output and final state equal the naive reference (1e-10, float64), the
     state shape carries no zero padding, and the inputs are untouched."""
-    from kernelapprox.attention import chunk_shared
+    from kernelapprox.attention.linear import chunk_shared
 
     monkeypatch.setattr(chunk_shared, "_BLOCK_BYTES", budget)
     if groups > 1:
@@ -497,7 +497,7 @@ def test_values_broadcast_over_heads(causal):
 def _paths(monkeypatch) -> dict[str, int]:
     """Count the calls of the shared-scale path's custom autograd Function (training) and of its
     plain forward (inference), so a test knows which path it checked."""
-    from kernelapprox.attention import chunk_shared
+    from kernelapprox.attention.linear import chunk_shared
 
     calls = {"function": 0, "forward": 0}
     apply, forward = chunk_shared.ChunkedCausal.apply, chunk_shared.chunked_forward
@@ -519,7 +519,7 @@ def _paths(monkeypatch) -> dict[str, int]:
 def test_scan_equals_cumsum(reverse):
     """The two-sweep in-place scan of the chunk states equals torch.cumsum (flipped for suffix
     sums) for every length, powers of two and not."""
-    from kernelapprox.attention.chunk_shared import _scan_
+    from kernelapprox.attention.linear.chunk_shared import _scan_
 
     for g in range(1, 41):
         x = randn(2, g, 3, 2, seed=g)
@@ -535,7 +535,7 @@ def test_causal_backward_equals_naive(monkeypatch, shared, n, chunk_size, r):
     quadratic reference, forward (1e-10) and backward (1e-8), normaliser included (the output is
     the ratio). Groups are made small, so the shared-scale state is carried and rescaled between
     groups (except with a single chunk). The path counter proves which path ran."""
-    import kernelapprox.attention.chunk_shared as chunk_shared
+    import kernelapprox.attention.linear.chunk_shared as chunk_shared
 
     monkeypatch.setattr(chunk_shared, "_GROUP_TOKENS", 8)  # groups of 2-3 chunks: states carried between groups
     calls = _paths(monkeypatch)
@@ -600,7 +600,7 @@ def test_causal_gradcheck():
 def test_chunked_function_gradcheck():
     """gradcheck of the custom Function alone, both outputs (chunk outputs and final state) and
     all four inputs, with three groups of chunks and the rescaling factors between them."""
-    from kernelapprox.attention.chunk_shared import ChunkedCausal
+    from kernelapprox.attention.linear.chunk_shared import ChunkedCausal
 
     L, nc, C, Fd, dv1 = 2, 5, 3, 4, 3
     fq, fk = (randn(L, nc, C, Fd, seed=s).abs().requires_grad_(True) for s in (1, 2))
@@ -655,7 +655,7 @@ def test_causal_mixed_paths_equal_naive(monkeypatch):
     (made 0.2 nats here, so it happens at some token of each sequence), the rows before that
     token come from the shared-scale path and the rest from the running-maximum path: together
     they equal the naive reference, forward and backward."""
-    import kernelapprox.attention.chunk_shared as chunk_shared
+    import kernelapprox.attention.linear.chunk_shared as chunk_shared
 
     monkeypatch.setattr(chunk_shared, "_SPREAD", 0.2)
     calls = _paths(monkeypatch)

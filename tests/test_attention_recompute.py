@@ -1,10 +1,10 @@
 """Training of the causal chunked form's running-maximum path with recomputation per group.
 
-In training, each group of chunks of the running-maximum path (`kernelapprox.attention.chunk_runmax`:
+In training, each group of chunks of the running-maximum path (`kernelapprox.attention.linear.chunk_runmax`:
 signed maps such as `ka.TrigRF`, and positive maps with ``_path="runmax"``) runs under
 ``torch.utils.checkpoint.checkpoint`` (``_recompute=True``, the default): the graph keeps the
 group's arguments and the state entering it, and the backward reruns the group. Checked here, in
-float64 against the plain references of ``kernelapprox.attention.naive``: forward and backward
+float64 against the plain references of ``kernelapprox.attention.linear.naive``: forward and backward
 (q, k, v and through ``initial_state`` / ``return_state``), chunk sizes that do and do not divide
 ``n``, several groups, a non-finite value, bitwise equality with plain autograd
 (``_recompute=False``), and the bytes saved for the backward.
@@ -17,8 +17,8 @@ import torch
 from conftest import F64, randn
 
 import kernelapprox as ka
-import kernelapprox.attention.chunk_runmax as chunk_runmax
-from kernelapprox.attention.parallel import _GEMM_COLUMNS
+import kernelapprox.attention.linear.chunk_runmax as chunk_runmax
+from kernelapprox.attention.linear.parallel import _GEMM_COLUMNS
 
 D = 4
 # float64 at 1e-10 against the naive reference: both compute the same sums (the fast form in

@@ -5,7 +5,7 @@ A fitted FAVOR++/FAVOR# map (OPRF, SADERF, SDERF; ``A* << 0``) has query and key
 peak at different random features at large norms: with each query and key shifted by its own
 maximum over the features, ``phi(q_i)^T psi(k_j)`` underflows in float32 although the attention
 weights are ordinary numbers. Such rows are recomputed by
-`kernelapprox.attention.chunk.per_feature_attention` (every feature at its own causal scale,
+`kernelapprox.attention.linear.chunk.per_feature_attention` (every feature at its own causal scale,
 ``den_i >= 1``). Without it, the outputs of those rows were 0 (errors of order 1) and their
 gradients ``1 / den`` overflowed into NaN.
 """
@@ -20,8 +20,8 @@ import torch
 from conftest import F64, randn
 
 import kernelapprox as ka
-from kernelapprox.attention import chunk
-from kernelapprox.attention.chunk import per_feature_attention
+from kernelapprox.attention.linear import chunk
+from kernelapprox.attention.linear.chunk import per_feature_attention
 
 FITTED = ["oprf", "saderf", "sderf"]
 LOG2_MAPS = ["positive", "hyperbolic", *FITTED]  # the registered maps with log2 features

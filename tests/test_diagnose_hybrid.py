@@ -25,7 +25,7 @@ import torch
 
 import kernelapprox as ka
 from kernelapprox.attention.hybrid import hybrid_attention
-from kernelapprox.attention.hybrid_naive import naive_hybrid_attention
+from kernelapprox.attention.hybrid.naive import naive_hybrid_attention
 from kernelapprox.theory.hybrid_attention import hybrid_attention_variance, hybrid_normaliser_variance
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -2,7 +2,7 @@
 
 Every fast form (parallel non-causal, chunked causal, recurrent, and the state handed from one
 segment to the next) is compared in float64 with the materialised reference
-``kernelapprox.attention.hybrid_naive`` (exact kernel on the masked exact set, phi(q)^T phi(k)
+``kernelapprox.attention.hybrid.naive`` (exact kernel on the masked exact set, phi(q)^T phi(k)
 elsewhere, rows normalised), forward at 1e-10 and backward at 1e-8, for every registered map
 (data-dependent ones fitted first). The limits window >= n (softmax attention) and window = 0
 without sinks (linear attention) are checked against the library's own forms.
@@ -23,8 +23,8 @@ from kernelapprox.attention.hybrid import (
     parallel_hybrid_attention,
     resolve_sinks,
 )
-from kernelapprox.attention.hybrid_naive import naive_hybrid_attention
-from kernelapprox.attention.hybrid_recurrent import RecurrentHybridAttention
+from kernelapprox.attention.hybrid.naive import naive_hybrid_attention
+from kernelapprox.attention.hybrid.recurrent import RecurrentHybridAttention
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 B, H, N, D, DV = 2, 3, 29, 4, 3

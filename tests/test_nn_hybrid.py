@@ -1,7 +1,7 @@
 """Hybrid attention in the layers of kernelapprox.nn (``window=``, ``sinks=``).
 
 What the layer computes is compared in float64 with the materialised reference
-``kernelapprox.attention.hybrid_naive`` around the layer's own projections (1e-10), the limit
+``kernelapprox.attention.hybrid.naive`` around the layer's own projections (1e-10), the limit
 ``window >= n`` with softmax attention (``torch.nn.MultiheadAttention`` with the same weights),
 ``window=None`` with the linear-attention layer, and padding with the unpadded sequences.
 """
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kernelapprox.attention.hybrid import HybridAttentionState
-from kernelapprox.attention.hybrid_naive import naive_hybrid_attention
+from kernelapprox.attention.hybrid.naive import naive_hybrid_attention
 from kernelapprox.nn import LinearAttention, LinearAttentionHeads, MultiheadLinearAttention
 
 F64 = torch.float64

@@ -136,7 +136,7 @@ def test_sklearn_random_features_round_trip():
 #: A* << 0) got a gradient 1/den that overflowed, and inf * 0 turned it into NaN. The parallel form
 #: shifts the features per feature and per query (`kernelapprox.attention._common.doubly_shifted`),
 #: the causal form recomputes such rows with per-feature causal scales
-#: (`kernelapprox.attention.chunk.per_feature_attention`): every denominator is then >= 1.
+#: (`kernelapprox.attention.linear.chunk.per_feature_attention`): every denominator is then >= 1.
 #: More seeds: tests/test_causal_grad.py.
 GRAD_SEEDS = {False: (3, 4), True: (0, 2)}
 

@@ -1,8 +1,8 @@
 r"""Linear attention in three forms, beside an exact quadratic reference.
 
-Layout (after flash-linear-attention): ``naive`` (quadratic reference), ``parallel`` (non-causal),
-``chunk`` (causal: a dispatcher over ``chunk_shared`` and ``chunk_runmax``, one algorithm each),
-``recurrent`` (one token per step). The forms compute attention only: the closed-form check of a
+Layout (after flash-linear-attention's ``ops/<op>/``): one folder per operation, ``linear/`` and
+``hybrid/``, each with its ``naive`` quadratic reference beside the torch forms; ``state`` holds the
+decoding states and ``_common`` the checks and normalisation the forms share. The forms compute attention only: the closed-form check of a
 map lives in `kernelapprox.diagnose` (``warn_if_hopeless``), run by the layers that build maps
 (`kernelapprox.nn`, `kernelapprox.hf.linearize`) and here on request (``check=True``).
 """
@@ -17,19 +17,19 @@ import torch
 from .._validation import check_bool, no_autocast
 from ..maps.base import FeatureMap
 from ._common import check_options, padding_mask, run_input_checks
-from .chunk import chunk_linear_attention
 from .hybrid import (
     HybridAttentionState,
+    RecurrentHybridAttention,
     chunk_hybrid_attention,
     exact_set_mask,
     hybrid_attention,
+    naive_hybrid_attention,
     parallel_hybrid_attention,
 )
-from .hybrid_naive import naive_hybrid_attention
-from .hybrid_recurrent import RecurrentHybridAttention
-from .naive import naive_linear_attention, naive_recurrent_linear_attention
-from .parallel import parallel_linear_attention
-from .recurrent import RecurrentLinearAttention
+from .linear.chunk import chunk_linear_attention
+from .linear.naive import naive_linear_attention, naive_recurrent_linear_attention
+from .linear.parallel import parallel_linear_attention
+from .linear.recurrent import RecurrentLinearAttention
 from .state import LinearAttentionState
 
 # The forms without their own autocast guard: linear_attention already runs inside one.

@@ -271,7 +271,7 @@ def den_floor(dtype: torch.dtype) -> float:
     $\le nF\,t^{2/3}$) and its backward ($1/\text{den}_i$ times sums of at most
     $n F$ bounded terms) stays below $t^{-1/3} n F \max|v|$, far from overflow. A row below
     it (a fitted FAVOR++/FAVOR# map, whose peaked query and key features meet nowhere the per-row
-    shifts can see) is recomputed by `kernelapprox.attention.chunk.per_feature_attention`.
+    shifts can see) is recomputed by `kernelapprox.attention.linear.chunk.per_feature_attention`.
 
     Examples
     --------
@@ -282,11 +282,11 @@ def den_floor(dtype: torch.dtype) -> float:
 
 
 def has_log2_features(feature_map: FeatureMap) -> bool:
-    """Whether the map's class provides log2 features (`FeatureMap._query_log2_features` and
-    `FeatureMap._key_log2_features` overridden; an instance may still return ``None``)."""
+    """Whether the map's class provides log2 features (`FeatureMap.query_log2_features` and
+    `FeatureMap.key_log2_features` overridden; an instance may still return ``None``)."""
     cls = type(feature_map)
-    return (cls._query_log2_features is not FeatureMap._query_log2_features
-            and cls._key_log2_features is not FeatureMap._key_log2_features)
+    return (cls.query_log2_features is not FeatureMap.query_log2_features
+            and cls.key_log2_features is not FeatureMap.key_log2_features)
 
 
 def with_ones(v: torch.Tensor, multiple: int = 1) -> torch.Tensor:

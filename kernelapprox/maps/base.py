@@ -312,7 +312,7 @@ class FeatureMap(nn.Module):
         """
         return self.log_features(x)[0]
 
-    def _query_log2_features(self, x: torch.Tensor) -> torch.Tensor | None:
+    def query_log2_features(self, x: torch.Tensor) -> torch.Tensor | None:
         r"""$\log_2\varphi(x)$ up to an additive constant per row, (..., n, F), or ``None``.
 
         For maps whose features are exponentials (``exp2`` of these exponents, before any
@@ -322,10 +322,10 @@ class FeatureMap(nn.Module):
         """
         return None
 
-    def _key_log2_features(self, x: torch.Tensor) -> torch.Tensor | None:
+    def key_log2_features(self, x: torch.Tensor) -> torch.Tensor | None:
         r"""$\log_2\psi(x)$ (key side, every term included), (..., m, F), or ``None``.
 
-        The key counterpart of `_query_log2_features`: attention then shifts each feature
+        The key counterpart of `query_log2_features`: attention then shifts each feature
         (column) by its maximum over the keys.
         """
         return None

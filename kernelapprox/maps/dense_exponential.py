@@ -277,14 +277,14 @@ class _DenseExponentialRF(RandomFeatureMap):
     def key_log_features(self, x, shared=False):
         return self._log_features(x, shared, key=True)
 
-    def _query_log2_features(self, x):
+    def query_log2_features(self, x):
         if type(self).log_features is not _DenseExponentialRF.log_features:
             return None
         xc, _ = self._prepare("x", x)
         W, a, _ = self._weights(xc, False)
         return self._affine2(xc, W, a)  # the row term c cancels with the shift
 
-    def _key_log2_features(self, x):
+    def key_log2_features(self, x):
         if type(self).key_log_features is not _DenseExponentialRF.key_log_features:
             return None
         xc, _ = self._prepare("x", x)

@@ -85,13 +85,13 @@ class PositiveRF(RandomFeatureMap):
             m = u.amax(dim=-1, keepdim=True)
         return torch.exp2(u - m) if _grad(u) else u.sub_(m).exp2_()
 
-    def _query_log2_features(self, x):
+    def query_log2_features(self, x):
         cls = type(self)
         if cls.query_features is not PositiveRF.query_features or cls.log_features is not PositiveRF.log_features:
             return None
         return _project2(self.projection, self._prepare("x", x)[0])
 
-    def _key_log2_features(self, x):
+    def key_log2_features(self, x):
         cls = type(self)
         if cls.log_features is not PositiveRF.log_features or cls.key_log_features is not PositiveRF.key_log_features:
             return None
@@ -211,12 +211,12 @@ class HyperbolicRF(RandomFeatureMap):
             m = torch.maximum(hi, -lo)
         return _exp_shifted(self._pm(u), m, self._bias(xc), shared, base2=True)
 
-    def _query_log2_features(self, x):
+    def query_log2_features(self, x):
         if type(self).log_features is not HyperbolicRF.log_features:
             return None
         return self._pm(_project2(self.projection, self._prepare("x", x)[0]))
 
-    def _key_log2_features(self, x):
+    def key_log2_features(self, x):
         if type(self).key_log_features is not HyperbolicRF.key_log_features:
             return None
         xc, _ = self._prepare("x", x)

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .state import LinearAttentionState
+from ..state import LinearAttentionState
 
 # Largest excess (in nats) of a key log-scale over its group's reference scale for which this
 # path runs: key weights stay <= e^30 (no overflow in float32, whose range is e^88), and every

@@ -14,11 +14,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .._logdomain import LOG2E
-from .._validation import inputs_validated, no_autocast
-from ..maps.base import FeatureMap
-from . import chunk_runmax, chunk_shared
-from ._common import (
+from ..._logdomain import LOG2E
+from ..._validation import inputs_validated, no_autocast
+from ...maps.base import FeatureMap
+from .._common import (
     apply_padding,
     check_options,
     den_floor,
@@ -28,8 +27,9 @@ from ._common import (
     prepare,
     with_ones,
 )
+from ..state import LinearAttentionState
+from . import chunk_runmax, chunk_shared
 from .parallel import _GEMM_COLUMNS
-from .state import LinearAttentionState
 
 _PATHS = ("auto", "shared", "runmax")
 
@@ -205,12 +205,12 @@ def chunk_linear_attention(
     depend on a later key's scale (a global key maximum would let one large future key underflow
     the past). Two algorithms, equal to rounding, one module each:
 
-    - `kernelapprox.attention.chunk_shared`: one key scale per group of chunks (the largest
+    - `kernelapprox.attention.linear.chunk_shared`: one key scale per group of chunks (the largest
       scale before the group), the chunk states a prefix sum, and a backward that saves only its
       inputs and recomputes the states. Taken in eager mode on CPU for positive maps, for every
       token of a sequence before its first non-finite value or key scale, or key scale more than
       30 nats above its group's reference.
-    - `kernelapprox.attention.chunk_runmax`: each query at the running maximum of the key scales,
+    - `kernelapprox.attention.linear.chunk_runmax`: each query at the running maximum of the key scales,
       the carried state rescaled chunk by chunk, in training under activation checkpointing of
       runs of 8 chunks. Everything else: ``torch.compile``, other devices, signed maps (their
       denominators can nearly cancel, and this path keeps one order of operations in eager and
@@ -371,8 +371,8 @@ def _rescue_underflow(
     if seqs.numel() == 0:
         return raw
     with inputs_validated():
-        lq = feature_map._query_log2_features(q)
-        lk = feature_map._key_log2_features(k)
+        lq = feature_map.query_log2_features(q)
+        lk = feature_map.key_log2_features(k)
     if lq is None or lk is None:
         return raw
     # [v, 1] afresh: without autograd the fast paths weight theirs in place and write over it

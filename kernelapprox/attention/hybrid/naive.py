@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .._validation import compute_dtype, no_autocast
-from ..exact import check_qkv
-from ..maps.base import FeatureMap
-from ._common import padding_mask
-from .hybrid import exact_set_mask
+from ..._validation import compute_dtype, no_autocast
+from ...exact import check_qkv
+from ...maps.base import FeatureMap
+from .._common import padding_mask
+from .core import exact_set_mask
 
 __all__ = ["naive_hybrid_attention"]
 

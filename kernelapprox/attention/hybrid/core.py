@@ -55,9 +55,9 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from .._validation import _as_int, check_tensor_fields, inputs_validated, no_autocast
-from ..maps.base import FeatureMap
-from ._common import apply_padding, check_eps, normalise, padding_mask, prepare, with_ones
+from ..._validation import _as_int, check_tensor_fields, inputs_validated, no_autocast
+from ...maps.base import FeatureMap
+from .._common import apply_padding, check_eps, normalise, padding_mask, prepare, with_ones
 
 __all__ = [
     "hybrid_attention",
@@ -389,7 +389,7 @@ def parallel_hybrid_attention(
     # key weights folded into the key features once: they serve the global sum and the window
     inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fk, wk)))
     # without autograd, features this call owns are scaled in place (a fresh (n, F) buffer costs
-    # page faults on CPU, see `kernelapprox.attention.parallel`)
+    # page faults on CPU, see `kernelapprox.attention.linear.parallel`)
     fresh = inplace and feature_map._fresh_key_features() and fk.is_contiguous() and fq.is_contiguous()
     if fresh and fk.shape == (*lead, n, Fd) and fq.shape == (*lead, n, Fd):
         fkw_all = fk.mul_(wk.unsqueeze(-1))  # (..., n, F), rows of sinks zero
@@ -987,7 +987,7 @@ def hybrid_attention(
     `kernelapprox.softmax_attention`.
 
     Non-causal: `parallel_hybrid_attention`; causal: `chunk_hybrid_attention`; decoding one token
-    at a time: `kernelapprox.attention.hybrid_recurrent.RecurrentHybridAttention`.
+    at a time: `kernelapprox.attention.hybrid.recurrent.RecurrentHybridAttention`.
     16-bit inputs are computed in float32, the output is cast back.
 
     Parameters

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
-from ..maps.base import FeatureMap
-from ._common import (
+from ..._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
+from ...maps.base import FeatureMap
+from .._common import (
     apply_padding,
     check_eps,
     check_feature_map,
@@ -16,7 +16,7 @@ from ._common import (
     split,
     with_ones,
 )
-from .state import LinearAttentionState
+from ..state import LinearAttentionState
 
 
 class RecurrentLinearAttention:

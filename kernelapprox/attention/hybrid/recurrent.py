@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
-from ..maps.base import FeatureMap
-from ._common import check_feature_map, normalise, with_ones
-from .hybrid import HybridAttentionState, check_hybrid_state, check_window, exp_diff, resolve_sinks
+from ..._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
+from ...maps.base import FeatureMap
+from .._common import check_feature_map, normalise, with_ones
+from .core import HybridAttentionState, check_hybrid_state, check_window, exp_diff, resolve_sinks
 
 __all__ = ["RecurrentHybridAttention"]
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .state import LinearAttentionState
+from ..state import LinearAttentionState
 
 #: Chunks per recomputed run in training (at most; groups are split): 8 chunks of 64 tokens.
 _RECOMPUTE_CHUNKS = 8

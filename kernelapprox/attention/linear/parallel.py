@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import inputs_validated, no_autocast
-from ..maps.base import FeatureMap
-from ._common import (
+from ..._validation import inputs_validated, no_autocast
+from ...maps.base import FeatureMap
+from .._common import (
     apply_padding,
     check_options,
     doubly_shifted,
@@ -16,7 +16,7 @@ from ._common import (
     prepare,
     with_ones,
 )
-from .state import LinearAttentionState
+from ..state import LinearAttentionState
 
 #: Width multiple of the value GEMMs ($[V, 1]$ padded with zero columns, see `with_ones`).
 _GEMM_COLUMNS = 8
@@ -87,8 +87,8 @@ def parallel_linear_attention(
         )
         lk = None
         if grad and feature_map.positive and initial_state is None and not return_state:
-            lk = feature_map._key_log2_features(k)
-        lq = None if lk is None else feature_map._query_log2_features(q)
+            lk = feature_map.key_log2_features(k)
+        lq = None if lk is None else feature_map.query_log2_features(q)
         if lk is not None and lq is not None:
             fq, fk = doubly_shifted(lq, lk, pad)
             kv = torch.matmul(fk.mT, with_ones(v, _GEMM_COLUMNS))  # (..., F, P)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import compute_dtype, no_autocast
-from ..exact import check_qkv
-from ..maps.base import FeatureMap
+from ..._validation import compute_dtype, no_autocast
+from ...exact import check_qkv
+from ...maps.base import FeatureMap
 
 
 def _plain_features(q, k, v, feature_map, causal):
