@@ -732,26 +732,9 @@ SinkSpec = int | Sequence[int]
 
 def _check_sinks(sinks: object) -> int | tuple[int, ...]:
     """``sinks`` as a count (int >= 0) or a tuple of positions, else a clear error naming it."""
-    from ._validation import _as_int
+    from .attention.hybrid.sinks import check_sinks
 
-    c = _as_int(sinks)
-    if c is not None:
-        if c < 0:
-            raise ValueError(f"sinks as a count of leading tokens must be >= 0, got {c}")
-        return c
-    if isinstance(sinks, torch.Tensor):
-        if sinks.dim() != 1 or sinks.is_floating_point() or sinks.is_complex() or sinks.dtype == torch.bool:
-            raise TypeError(f"sinks as a tensor must be 1-d of integers, got {sinks.dtype} of shape {tuple(sinks.shape)}")
-        sinks = sinks.tolist()
-    if not isinstance(sinks, Sequence) or isinstance(sinks, str):
-        raise TypeError(f"sinks must be an int (a count of leading tokens) or a sequence of positions, got {sinks!r}")
-    out = []
-    for s in sinks:
-        p = _as_int(s)
-        if p is None:
-            raise TypeError(f"sinks must contain ints (positions), got {s!r}")
-        out.append(p)
-    return tuple(sorted(set(out)))
+    return check_sinks(sinks)
 
 
 def _sequence_sinks(sinks: int | tuple[int, ...], length: int) -> tuple[int, ...]:

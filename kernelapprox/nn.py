@@ -38,10 +38,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ._validation import _as_int, check_device, check_dtype, check_positive_int
+from ._validation import check_device, check_dtype, check_positive_int
 from .attention import LinearAttentionState, linear_attention
 from .attention._common import padding_mask
 from .attention.hybrid import HybridAttentionState, check_window, check_window_mode, hybrid_attention
+from .attention.hybrid.sinks import check_sinks
 from .maps.base import FeatureMap
 from .registry import get_estimator
 from .samplers import GivenSampler, Sampler
@@ -175,23 +176,8 @@ def resolve_attn_mask(
 
 
 def _check_sinks(sinks: object, window: int | None) -> int | tuple[int, ...]:
-    """``sinks`` as a count (int >= 0) or a tuple of positions; only with a ``window``."""
-    c = _as_int(sinks)
-    if c is not None:
-        if c < 0:
-            raise ValueError(f"sinks as a count must be >= 0, got {c}")
-        out: int | tuple[int, ...] = c
-    elif isinstance(sinks, Sequence) and not isinstance(sinks, str) or (
-            isinstance(sinks, torch.Tensor) and sinks.dim() == 1):
-        pos = []
-        for p in (sinks.tolist() if isinstance(sinks, torch.Tensor) else sinks):
-            ip = _as_int(p)
-            if ip is None:
-                raise TypeError(f"sinks must contain ints (positions), got {p!r}")
-            pos.append(ip)
-        out = tuple(pos)
-    else:
-        raise TypeError(f"sinks must be an int (a count of leading positions) or a sequence of positions, got {sinks!r}")
+    """``sinks`` as a count or a tuple of positions (`check_sinks`); only with a ``window``."""
+    out = check_sinks(sinks)
     if window is None and out not in (0, ()):
         raise ValueError(
             f"sinks={sinks!r} needs window= (hybrid attention: exact window and sinks, the feature map for the "

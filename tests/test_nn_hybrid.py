@@ -160,8 +160,8 @@ def test_state_dict_round_trip_and_repr():
     b.load_state_dict(a.state_dict())
     assert torch.equal(a(x), b(x))
     assert set(a.state_dict()) == set(LinearAttention(32, heads=4, num_features=16, seed=0).state_dict())
-    assert "window=4, sinks=(0, -1)" in repr(a)
-    assert a.window == 4 and a.sinks == (0, -1)
+    assert "window=4, sinks=(-1, 0)" in repr(a)
+    assert a.window == 4 and a.sinks == (-1, 0)
     m = MultiheadLinearAttention(32, 4, num_features=16, seed=0, window=8, sinks=1)
     assert "window=8, sinks=1" in m.extra_repr()
 

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from ..._validation import _as_int, check_tensor_fields, inputs_validated, no_autocast
 from ...maps.base import FeatureMap
 from .._common import apply_padding, check_eps, normalise, padding_mask, prepare, with_ones
+from .sinks import check_sinks
 
 __all__ = [
     "hybrid_attention",
@@ -88,8 +89,9 @@ def resolve_sinks(sinks: object, n: int | None, *, causal: bool) -> tuple[int, .
     Parameters
     ----------
     sinks : int or sequence of int
-        An int ``c`` is the ``c`` leading positions ``0 .. c-1``; a sequence (or 1-d integer
-        tensor) lists positions. Non-causal, negative positions count from the end (``-1`` is
+        An int (or 0-d integer tensor) ``c`` is the ``c`` leading positions ``0 .. c-1``; a
+        sequence (or 1-d integer tensor or array, of any length) lists positions
+        (`kernelapprox.attention.hybrid.sinks.check_sinks`). Non-causal, negative positions count from the end (``-1`` is
         the last token, e.g. BERT's [SEP]); causal, positions are absolute and non-negative. To
         combine a count with explicit positions, list them: ``[*range(4), 100]``.
     n : int or None
@@ -105,23 +107,14 @@ def resolve_sinks(sinks: object, n: int | None, *, causal: bool) -> tuple[int, .
     >>> resolve_sinks(2, 10, causal=True), resolve_sinks([0, -1], 10, causal=False)
     ((0, 1), (0, 9))
     """
-    c = _as_int(sinks)
-    if c is not None:
-        if c < 0 or (n is not None and c > n):
-            bound = "" if n is None else f" <= n = {n}"
-            raise ValueError(f"sinks as a count must be >= 0{bound}, got {c}")
-        return tuple(range(c))
-    if isinstance(sinks, torch.Tensor):
-        if sinks.dim() != 1 or sinks.is_floating_point() or sinks.is_complex() or sinks.dtype == torch.bool:
-            raise TypeError(f"sinks as a tensor must be 1-d of integers, got {sinks.dtype} of shape {tuple(sinks.shape)}")
-        sinks = sinks.tolist()
-    if not isinstance(sinks, Sequence) or isinstance(sinks, str):
-        raise TypeError(f"sinks must be an int (a count of leading positions) or a sequence of positions, got {sinks!r}")
+    spec = check_sinks(sinks)
+    if isinstance(spec, int):
+        if n is not None and spec > n:
+            raise ValueError(f"sinks as a count must be <= n = {n}, got {spec}")
+        return tuple(range(spec))
     out = set()
-    for s in sinks:
-        p = _as_int(s)
-        if p is None:
-            raise TypeError(f"sinks must contain ints (positions), got {s!r}")
+    for p in spec:
+        s = p
         if p < 0 and not causal and n is not None:
             p += n
         if p < 0 or (n is not None and p >= n):
