@@ -60,7 +60,8 @@ import torch
 import torch.nn.functional as F
 
 from . import hf
-from ._validation import check_bool, check_finite_float, check_positive_int, check_seed, inputs_validated
+from ._validation import check_bool, check_finite_float, check_positive_int, check_seed
+from .attention.padded import attention_log_weights, padded_attention
 from .maps.base import FeatureMap
 
 __all__ = ["History", "transfer", "finetune", "lora_targets", "save", "load", "unload", "TARGETS"]
@@ -282,42 +283,6 @@ def _teacher_layers(teacher: Any, inputs: Mapping[str, Any], layers: list[int],
     return out
 
 
-def _student_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, causal: bool,
-                 window: int | None, sinks: Any) -> torch.Tensor:
-    from .attention import linear_attention
-    from .attention.hybrid import hybrid_attention
-
-    if window is None:
-        return linear_attention(q, k, v, fm, causal=causal)  # type: ignore[return-value]
-    return hybrid_attention(q, k, v, fm, window=window, sinks=sinks, causal=causal)  # type: ignore[return-value]
-
-
-def _student_log_weights(q: torch.Tensor, k: torch.Tensor, fm: FeatureMap, causal: bool,
-                         window: int | None, sinks: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""``(log Â, A)`` of one unpadded batch (…, n, m): the student's attention weights (linear, or
-    exact on the window and sinks and $\varphi$ elsewhere, one normaliser) and the teacher's."""
-    from .attention.hybrid import exact_set_mask
-
-    n, m = q.shape[-2], k.shape[-2]
-    logits = q @ k.mT
-    with inputs_validated():
-        fq, sq = fm.log_features(q)
-        fk, sk = fm.key_log_features(k)
-    G = fq @ fk.mT
-    lin_logits = torch.log(G.clamp_min(torch.finfo(G.dtype).tiny)) + sq.unsqueeze(-1) + sk.unsqueeze(-2)
-    if window is not None:
-        exact = exact_set_mask(n, window=window, sinks=sinks, causal=causal, device=q.device)
-        lin_logits = torch.where(exact, logits, lin_logits)
-    if causal:
-        future = torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1)
-        logits = logits.masked_fill(future, float("-inf"))
-        lin_logits = lin_logits.masked_fill(future, float("-inf"))
-    log_hat = torch.log_softmax(lin_logits, dim=-1)
-    if causal:
-        log_hat = log_hat.masked_fill(future, 0.0)  # A = 0 there: no 0 * (-inf)
-    return log_hat, torch.softmax(logits.detach(), dim=-1)
-
-
 def _layer_loss(d: _LayerData, idx: torch.Tensor, fm: FeatureMap, loss: str, window: int | None,
                 sinks: Any) -> tuple[torch.Tensor, dict[str, float]]:
     """The layer's loss on the sequences ``idx``: mean over the kept heads of (MSE [+ CE])."""
@@ -333,12 +298,12 @@ def _layer_loss(d: _LayerData, idx: torch.Tensor, fm: FeatureMap, loss: str, win
     ce_sum = torch.zeros(d.heads.numel())
     rows = 0
     for qi, ki, vi, ti in pieces:
-        out = _student_out(qi, ki, vi, fm, d.causal, window, sinks)
+        out = padded_attention(qi, ki, vi, fm, window=window, sinks=sinks, causal=d.causal)
         err = (out.float() - ti).square()
         sq_err = sq_err + err.sum(dim=(-1, -2)).reshape(-1, d.heads.numel()).sum(0)
         rows += err.numel() // (err.shape[-1] * d.heads.numel())  # query rows per head
         if loss == "mse+ce":
-            log_hat, A = _student_log_weights(qi, ki, fm, d.causal, window, sinks)
+            log_hat, A = attention_log_weights(qi, ki, fm, window=window, sinks=sinks, causal=d.causal)
             ce = -(A * log_hat).sum(-1)
             ce_sum = ce_sum + ce.sum(-1).reshape(-1, d.heads.numel()).sum(0)
     dv = d.v.shape[-1]

@@ -405,11 +405,12 @@ def _exact_set(
 
     ``(None, None)`` without a window or when every ``S_i`` is empty (the whole-row loss).
     """
-    if window is None:
-        if not (isinstance(sinks, int) and not isinstance(sinks, bool) and sinks == 0):
-            raise ValueError(f"sinks need a window (window=0 for sinks alone), got window=None and sinks={sinks!r}")
-        return None, None
     from ..attention.hybrid import check_window, exact_set_mask  # deferred: attention imports the maps
+    from ..attention.padded import check_window_sinks
+
+    if window is None:
+        check_window_sinks(sinks, None)
+        return None, None
 
     w = check_window(window)
     n, m = q.shape[-2], k.shape[-2]
@@ -443,30 +444,10 @@ def _row_losses(
     $R_i$ and renormalised there (every row in ``rows`` must have a non-empty remainder).
     ``q``, ``k`` validated and in the compute dtype. Shape (*broadcast(lead, batch_shape), n_rows).
     """
-    qs = q if rows is None else q.index_select(-2, rows)
-    with torch.no_grad():
-        target_logits = scale * torch.matmul(qs, k.mT)
-        mask = None
-        if causal:
-            i = torch.arange(q.shape[-2], device=q.device) if rows is None else rows
-            j = torch.arange(k.shape[-2], device=q.device)
-            mask = j.unsqueeze(0) > i.unsqueeze(1)  # (n_rows, m): key after query
-        if exact is not None:
-            e = exact if rows is None else exact.index_select(0, rows)
-            mask = e if mask is None else mask | e
-        if mask is not None:
-            target_logits = target_logits.masked_fill(mask, float("-inf"))
-        A = torch.softmax(target_logits, dim=-1)
-    with inputs_validated():
-        fq, _ = fm.log_features(qs)  # per-query scale: cancels in the row normalisation
-        fk, sk = fm.key_log_features(k)  # per-key scale: kept
-    G = torch.matmul(fq, fk.mT)
-    logits = torch.log(G.clamp_min(torch.finfo(G.dtype).tiny)) + sk.to(G.dtype).unsqueeze(-2)
-    if mask is not None:
-        logits = logits.masked_fill(mask, float("-inf"))
-    log_hat = torch.log_softmax(logits, dim=-1)
-    if mask is not None:
-        log_hat = log_hat.masked_fill(mask, 0.0)  # A = 0 there: no 0 * (-inf)
+    from ..attention.padded import attention_log_weights  # deferred: attention imports the maps
+
+    log_hat, A = attention_log_weights(q, k, fm, causal=causal, exact="exclude", rows=rows, scale=scale,
+                                       exact_set=exact)
     return -(A.to(log_hat.dtype) * log_hat).sum(-1)
 
 
