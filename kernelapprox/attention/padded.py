@@ -129,7 +129,7 @@ def padded_attention(
     >>> import torch, kernelapprox as ka
     >>> from kernelapprox.attention.padded import padded_attention
     >>> q, k, v = torch.randn(3, 1, 2, 6, 4).unbind(0)
-    >>> fm = ka.PositiveRandomFeatures(4, 16, seed=0)
+    >>> fm = ka.PositiveRF(4, 16, seed=0)
     >>> padded_attention(q, k, v, fm, window=2, sinks=1, causal=True).shape
     torch.Size([1, 2, 6, 4])
     """
@@ -205,7 +205,7 @@ def attention_log_weights(
     >>> import torch, kernelapprox as ka
     >>> from kernelapprox.attention.padded import attention_log_weights
     >>> q, k = torch.randn(2, 5, 4).unbind(0)
-    >>> log_hat, A = attention_log_weights(q, k, ka.PositiveRandomFeatures(4, 32, seed=0), causal=True)
+    >>> log_hat, A = attention_log_weights(q, k, ka.PositiveRF(4, 32, seed=0), causal=True)
     >>> log_hat.shape, bool(torch.allclose(A.sum(-1), torch.ones(5)))
     (torch.Size([5, 5]), True)
     """

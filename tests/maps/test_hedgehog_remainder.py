@@ -18,8 +18,9 @@ from conftest import F64
 
 import kernelapprox as ka
 from kernelapprox.attention.hybrid import exact_set_mask, hybrid_attention
-from kernelapprox.maps.hedgehog import HedgehogFeatures, distillation_loss, fit_feature_map, fit_gain
+from kernelapprox.maps.hedgehog import HedgehogFeatures
 from kernelapprox.theory.hybrid_attention import exact_mass
+from kernelapprox.training import distillation_loss, fit_feature_map, fit_gain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
