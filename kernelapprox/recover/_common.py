@@ -84,6 +84,11 @@ def _check_lin(lin: object) -> hf.Linearized:
     return lin
 
 
+#: Configuration entries that fix the shapes of a model's tensors: a teacher must agree on each.
+_SHAPE_KEYS = ("hidden_size", "n_embd", "num_hidden_layers", "n_layer", "num_attention_heads", "n_head",
+               "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "vocab_size")
+
+
 def _check_teacher(teacher: object, lin: hf.Linearized) -> Any:
     tf = hf._transformers()
     if not isinstance(teacher, tf.PreTrainedModel):
@@ -101,6 +106,13 @@ def _check_teacher(teacher: object, lin: hf.Linearized) -> Any:
             f"teacher must be the same architecture as the linearised model ({type(student).__name__}), "
             f"got {type(teacher).__name__}"
         )
+    t_cfg, s_cfg = teacher.config.to_dict(), student.config.to_dict()
+    for key in _SHAPE_KEYS:
+        if key in t_cfg and key in s_cfg and t_cfg[key] != s_cfg[key]:
+            raise ValueError(
+                f"teacher has {key}={t_cfg[key]}, the linearised model {key}={s_cfg[key]}: the teacher must be the "
+                "original model (teacher = copy.deepcopy(model) before hf.linearize(model, ...))"
+            )
     return teacher
 
 
@@ -116,6 +128,13 @@ def _check_inputs(inputs: object) -> tuple[dict[str, Any], int]:
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
         got_mask = str(tuple(mask.shape)) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"inputs['attention_mask'] must have the shape of input_ids {tuple(ids.shape)}, got {got_mask}")
+    if mask is not None:
+        empty = (mask == 0).all(dim=-1).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(
+                f"inputs['attention_mask'] has rows without any token (rows {empty[:10]}"
+                f"{', ...' if len(empty) > 10 else ''}): every sequence needs at least one unpadded token"
+            )
     return dict(inputs), ids.shape[0]
 
 
