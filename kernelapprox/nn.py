@@ -189,15 +189,13 @@ def _build_feature_map(
                 f"{', '.join(given)} only apply to a feature map built by name; got a "
                 f"{type(feature_map).__name__} instance (configure it when building it)"
             )
-    elif isinstance(feature_map, str):
-        pass
-    elif callable(feature_map):
+    elif not isinstance(feature_map, str) and callable(feature_map):
         if num_features is not None or sampler is not None or feature_map_kwargs is not None:
             raise TypeError(
                 "num_features, sampler and feature_map_kwargs only apply to a feature map built by "
                 "name; a factory feature_map(dim_head, heads) configures the map itself"
             )
-    else:
+    elif not isinstance(feature_map, str):
         raise TypeError(
             "feature_map must be an estimator name (e.g. 'positive'), a kernelapprox FeatureMap or a "
             f"factory feature_map(dim_head, heads) -> FeatureMap, got {type(feature_map).__name__}"
@@ -835,6 +833,16 @@ class LinearAttention(nn.Module):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dim() != 3 or t.shape[-1] != width:
                 raise ValueError(f"{name} must have shape {layout}{dim_name}={width}), got shape {tuple(t.shape)}")
+            if not t.is_floating_point():
+                raise TypeError(
+                    f"{name} must be a floating-point tensor (the layer computes in {self.to_q.weight.dtype}), got "
+                    f"dtype {t.dtype}; token ids go through an embedding first"
+                )
+            if t.shape[1 if self.batch_first else 0] == 0:
+                raise ValueError(
+                    f"{name} is an empty sequence (shape {tuple(t.shape)}, batch_first={self.batch_first}); "
+                    "need n >= 1 tokens"
+                )
         _check_bool("return_state", return_state)
         if self.window is not None and key is not query:
             raise ValueError(
