@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -168,11 +167,3 @@ def read_record(path: Path, key: str, cell: dict) -> dict | None:
         warnings.warn(f"cache file {path} {problem}; computing the cell again", CacheWarning, stacklevel=2)
         return None
     return rec
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a killed run leaves
-    either the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
