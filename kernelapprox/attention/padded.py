@@ -16,7 +16,8 @@ $\log \hat A_{ij}$ beside the softmax weights $A_{ij}$, the two sides of the dis
 
 References
 ----------
-.. [Kat20] Katharopoulos et al., "Transformers are RNNs", ICML 2020.
+.. [Kat20] A. Katharopoulos, A. Vyas, N. Pappas, F. Fleuret. "Transformers are RNNs: fast autoregressive
+   transformers with linear attention", ICML 2020.
 """
 
 from __future__ import annotations
@@ -198,7 +199,9 @@ def attention_log_weights(
 
     References
     ----------
-    .. [Zha24] Zhang et al., "The Hedgehog & the Porcupine", ICLR 2024.
+    .. [Zha24] M. Zhang, K. Bhatia, H. Kumbong, C. Ré. "The Hedgehog & the Porcupine: Expressive
+       Linear Attentions with Softmax Mimicry", ICLR 2024, arXiv:2402.04347 (eq. 5: the distillation
+       loss; the map as implemented in flash-linear-attention's ``HedgehogFeatureMap``).
 
     Examples
     --------

@@ -17,7 +17,7 @@ draw (or one learned weight) per head (``batch_shape=(heads,)``), ``seed`` as gi
 
 References
 ----------
-.. [Cho21] Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
+.. [Cho21] K. Choromanski et al. "Rethinking attention with Performers", ICLR 2021.
 """
 
 from __future__ import annotations
