@@ -57,7 +57,7 @@ from typing import Any, cast
 
 import torch
 
-from ._validation import (
+from .._validation import (
     check_bool,
     check_device,
     check_finite_float,
@@ -65,7 +65,7 @@ from ._validation import (
     check_seed,
     check_tensor_fields,
 )
-from .maps.base import FeatureMap
+from ..maps.base import FeatureMap
 
 __all__ = [
     "Capture",
@@ -609,7 +609,7 @@ def _build_map(
     spec: MapSpec, layer: int, heads: int, dim: int, num_features: int | None, sampler: str | None,
     seed: int | None, options: Mapping[str, Any],
 ) -> FeatureMap:
-    from .registry import get_estimator
+    from ..registry import get_estimator
 
     if isinstance(spec, FeatureMap):
         return spec
@@ -645,7 +645,7 @@ def _build_map(
 
 def _check_map_spec(spec: object, layers: set[int] | None, model: Any) -> None:
     """Reject a bad ``feature_map`` before the model is switched."""
-    from .registry import get_estimator
+    from ..registry import get_estimator
 
     if isinstance(spec, str):
         get_estimator(spec)  # raises on an unknown name
@@ -713,7 +713,7 @@ def _fit_map(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> FeatureMap:
     sequence, since every key is a landmark. The layer's own map is left as it was. Every other
     map is fitted in place, ``fm.fit(q, k)``.
     """
-    from .maps.deterministic import NystromFeatures
+    from ..maps.deterministic import NystromFeatures
 
     if isinstance(fm, NystromFeatures) and not isinstance(fm.landmarks, torch.Tensor):
         if k.shape[-2] < fm.num_features:
@@ -732,7 +732,7 @@ SinkSpec = int | Sequence[int]
 
 def _check_sinks(sinks: object) -> int | tuple[int, ...]:
     """``sinks`` as a count (int >= 0) or a tuple of positions, else a clear error naming it."""
-    from .attention.hybrid.sinks import check_sinks
+    from ..attention.hybrid.sinks import check_sinks
 
     return check_sinks(sinks)
 
@@ -874,10 +874,10 @@ def _head_errors(
     random maps with a closed form (iid Gaussian rows); measured against softmax attention for
     every other map; summed over the sequences.
     """
-    from .attention import linear_attention
-    from .attention.hybrid import hybrid_attention
-    from .theory import attention_variance
-    from .theory.hybrid_attention import hybrid_attention_variance
+    from ..attention import linear_attention
+    from ..attention.hybrid import hybrid_attention
+    from ..theory import attention_variance
+    from ..theory.hybrid_attention import hybrid_attention_variance
 
     qs, ks = lc.kernel_inputs()
     hybrid = window is not None or sinks != 0
@@ -1171,11 +1171,11 @@ def linearize(
     >>> out.shape
     torch.Size([1, 17])
     """
-    from .attention import linear_attention
-    from .attention.hybrid import check_window, hybrid_attention
-    from .attention.hybrid.recurrent import RecurrentHybridAttention
-    from .attention.linear.recurrent import RecurrentLinearAttention
-    from .maps.hedgehog import fit_feature_map
+    from ..attention import linear_attention
+    from ..attention.hybrid import check_window, hybrid_attention
+    from ..attention.hybrid.recurrent import RecurrentHybridAttention
+    from ..attention.linear.recurrent import RecurrentLinearAttention
+    from ..maps.hedgehog import fit_feature_map
 
     impl = _check_model(model)
     keep_layers = _layer_set(layers)
@@ -1260,7 +1260,7 @@ def linearize(
 
     # Learned maps: fit per head on the calibration text before switching.
     if isinstance(feature_map, str):
-        from .registry import get_estimator
+        from ..registry import get_estimator
 
         learned = get_estimator(feature_map).learned
     else:  # one map, a mapping or a callable: learned maps among them are fitted if calibration is given
@@ -1470,7 +1470,7 @@ def linearize(
         qs = query * r
         fit = bool(fm.data_dependent and not fm.learned)
         if check and layer not in checked:
-            from .diagnose import warn_if_hopeless
+            from ..diagnose import warn_if_hopeless
 
             checked.add(layer)
             if fm.is_random:  # only random maps have the closed form the check evaluates
