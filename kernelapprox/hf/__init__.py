@@ -50,6 +50,7 @@ References
 from __future__ import annotations
 
 from .capture import Capture, LayerCapture, capture, stream
+from .checkpoint import load_linearized, save_linearized
 from .data import load_minilm, pydoc_text, sentence_embeddings, token_chunks
 from .linearize import Linearized, linearize
 from .switch import INSTALL_HINT
@@ -65,5 +66,7 @@ __all__ = [
     "pydoc_text",
     "token_chunks",
     "sentence_embeddings",
+    "save_linearized",
+    "load_linearized",
     "INSTALL_HINT",
 ]

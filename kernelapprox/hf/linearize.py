@@ -272,6 +272,14 @@ class Linearized:
         With ``exact_heads=k``: each layer's per-head error on the calibration inputs, shape
         (heads,), float64, that chose the exact heads (``head_error_kind`` says whether predicted
         or measured).
+    settings : dict
+        The arguments of the swap that `kernelapprox.hf.save_linearized` writes (the estimator name
+        or None, ``num_features``, ``sampler``, ``seed``, ``options``, ``layers``, ``window``,
+        ``sinks``, the resolved ``exact_heads``, ``chunk_size``, ``check``).
+
+    ``new_cache()`` gives a `kernelapprox.hf.cache.LinearizedCache` (each linearised layer keeps
+    its recurrent state only); ``model.generate`` builds one on its own while the model is
+    linearised.
 
     Examples
     --------
@@ -306,6 +314,8 @@ class Linearized:
     head_error_kind: str | None = None
     _attached: list[torch.nn.Module] = field(default_factory=list, repr=False)
     _streams: dict[int, Any] = field(default_factory=dict, repr=False)
+    _server: AttentionServer | None = field(default=None, repr=False)
+    settings: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.feature_maps, dict):
@@ -318,8 +328,30 @@ class Linearized:
         """Whether the model currently runs linear attention."""
         return self._switch.active
 
+    def new_cache(self) -> Any:
+        """A fresh `kernelapprox.hf.cache.LinearizedCache` for this model (``model(..., cache=...)``).
+
+        ``model.generate`` builds one on its own while the model is linearised; pass one to a
+        forward to decode by hand. Each linearised layer keeps its recurrent state (and window)
+        only; layers left with softmax attention, and layers with exact heads, keep their keys and
+        values.
+
+        Examples
+        --------
+        >>> cache = lin.new_cache()                                        # doctest: +SKIP
+        >>> out = model(input_ids=ids, cache=cache, use_cache=True)       # doctest: +SKIP
+        """
+        from .cache import LinearizedCache
+
+        if not self.active:
+            raise ValueError("the model is restored: a LinearizedCache needs the linearised model")
+        server = self._server if self._server is not None else AttentionServer()
+        layers, exact = self.layers, self.exact_heads
+        return LinearizedCache(server, lambda i: layers is None or i in layers, lambda i: bool(exact.get(i)))
+
     def restore(self) -> None:
         """Switch the model back to its original attention and detach the maps (idempotent)."""
+        _unpatch_generate(self.model)
         self._switch.close()
         for mod in self._attached:
             mod._modules.pop(_MAP_ATTR, None)
@@ -331,6 +363,40 @@ class Linearized:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+
+_GENERATE_HOOK = "_prepare_cache_for_generation"
+
+
+def _patch_generate(lin: Linearized) -> None:
+    """Make ``lin.model.generate`` build a `LinearizedCache` (the instance's cache preparation,
+    undone by ``restore``); static and other cache implementations are refused with a clear error."""
+    model = lin.model
+    if getattr(model.config, "is_encoder_decoder", False) or not hasattr(type(model), _GENERATE_HOOK):
+        return
+    original = getattr(model, _GENERATE_HOOK)
+
+    def prepare(generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+        from transformers.cache_utils import StaticCache
+
+        user = model_kwargs.get("cache")
+        impl = generation_config.cache_implementation
+        if isinstance(user, StaticCache) or (user is None and impl not in (None, "dynamic")):
+            raise ValueError(
+                f"a linearised model decodes on a constant-size state per layer (kernelapprox.hf.cache.LinearizedCache, "
+                f"the default): cache_implementation={impl!r} / cache={type(user).__name__} is not supported; "
+                "leave both unset (or pass cache=lin.new_cache())"
+            )
+        if user is None and generation_config.use_cache is not False:
+            model_kwargs["cache"] = lin.new_cache()
+            return None
+        return original(generation_config, model_kwargs, *args, **kwargs)
+
+    setattr(model, _GENERATE_HOOK, prepare)
+
+
+def _unpatch_generate(model: Any) -> None:
+    model.__dict__.pop(_GENERATE_HOOK, None)
 
 
 def linearize(
@@ -664,10 +730,24 @@ def linearize(
                 ks = repeat_kv(key, h) * r
                 # judged as fitted (the attention below fits it again on its valid keys)
                 warn_if_hopeless(fit_map(fm, qs, ks) if fit else fm, qs, ks)
+        slot = server.pending.pop(layer, None)  # a LinearizedCache's state: key holds the new keys only
+        if slot is not None:
+            if not causal:
+                raise NotImplementedError("a LinearizedCache holds the states of causal layers; this layer is bidirectional")
+            if slot.new != n or m != n:
+                raise RuntimeError(
+                    f"layer {layer} received {m} keys for {n} queries from a LinearizedCache that handed over {slot.new}"
+                )
+            m = slot.seen
         # no mask: the plain causal (or full) pattern without padding
         allowed = None if attention_mask is None else allowed_mask(attention_mask, b, n, m, causal, query.device)
         valid = None if allowed is None else valid_keys(allowed, causal)
-        if causal:
+        if slot is not None:
+            out, slot.stream = server.advance(key, value, qs, r, fm, fit=fit, valid=valid, prev=slot.stream,
+                                              offset=m - n)
+            if slot.keys is not None:  # exact heads read every key
+                key, value = slot.keys, slot.values
+        elif causal:
             store = not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
             out = server.causal(layer, key, value, qs, r, fm, fit=fit, valid=valid, store=store)
         else:
@@ -685,6 +765,15 @@ def linearize(
     # SDPA models: the SDPA mask (the layers left as they were receive what SDPA receives)
     switch = Switch(model, attend, "linear", skip_plain=impl == "sdpa")
     switch.__enter__()
-    return Linearized(model=model, feature_maps=maps, layers=keep_layers, _switch=switch, window=window,
-                      sinks=sink_spec, exact_heads=resolved_heads, head_errors=head_errors,
-                      head_error_kind=head_error_kind, _attached=attached, _streams=server.streams)
+    lin = Linearized(model=model, feature_maps=maps, layers=keep_layers, _switch=switch, window=window,
+                     sinks=sink_spec, exact_heads=resolved_heads, head_errors=head_errors,
+                     head_error_kind=head_error_kind, _attached=attached, _streams=server.streams,
+                     _server=server, settings=dict(
+                         feature_map=feature_map if isinstance(feature_map, str) else None,
+                         num_features=num_features, sampler=sampler, seed=seed, options=dict(options),
+                         layers=None if keep_layers is None else sorted(keep_layers), window=window,
+                         sinks=list(sink_spec) if isinstance(sink_spec, tuple) else sink_spec,
+                         exact_heads={int(k): list(v) for k, v in resolved_heads.items()},
+                         chunk_size=chunk_size, check=check))
+    _patch_generate(lin)
+    return lin

@@ -140,6 +140,8 @@ class AttentionServer:
     ----------
     streams : dict of int to Stream
         The state of each causal layer after its last call (kept only where ``store``).
+    pending : dict of int to StateLayer
+        Layers whose next call continues a state held by a `kernelapprox.hf.cache.LinearizedCache`.
 
     Notes
     -----
@@ -173,6 +175,9 @@ class AttentionServer:
         self.hybrid = self.window is not None or self.sinks != 0
         self.w = 0 if self.window is None else self.window
         self.streams: dict[int, Stream] = {}
+        # layers whose next call continues a state held by a cache (`kernelapprox.hf.cache.StateLayer`),
+        # set by the cache as it hands the call's new keys over
+        self.pending: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ the forms
     def linear(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, causal: bool,
