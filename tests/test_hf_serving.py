@@ -20,6 +20,8 @@ import torch
 import kernelapprox as ka
 from kernelapprox.hf.serving import AttentionServer, Stream, causal_sinks, sequence_sinks
 
+pytestmark = [pytest.mark.usefixtures("one_thread")]
+
 B, H, KV, N, D = 2, 2, 1, 13, 8
 ATOL = 1e-10
 
