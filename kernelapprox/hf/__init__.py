@@ -35,7 +35,9 @@ extra: ``pip install "kernelapprox[real]"``.
 
 The package: `capture` (recording), `switch` (the attention-interface switch and masks),
 `linearize` (maps, fitting, exact heads, the handle), `serving` (the attention and decoding state
-a linearised layer runs, on tensors alone), `data` (the offline model and text).
+a linearised layer runs, on tensors alone), `cache` (`LinearizedCache`, the transformers cache
+that ``generate`` decodes on: per linearised layer its recurrent state only), `checkpoint`
+(`save_linearized` / `load_linearized`), `data` (the offline model and text).
 
 References
 ----------

@@ -459,17 +459,25 @@ def linearize(
     **Decoding.** Causal layers keep, per layer, the state of what they have consumed: the
     $F \times (d_v + 1)$ linear-attention state (`kernelapprox.LinearAttentionState`), or with a
     window the ring buffer of the last $w$ keys and values plus that state
-    (`kernelapprox.attention.hybrid.HybridAttentionState`). A call with a KV cache ($n < m$
-    queries) that continues the previous call of the layer (same batch size, $m - n$ equal to the
-    keys consumed, the same padding, the same first and last cached key bit for bit, and in the
-    first layer, whose keys depend on their token and position only, every cached key: reordered
-    beams are seen) advances the state by the ``n`` new tokens only, with no arithmetic on the
-    cache (one comparison of the first layer's cached keys), so ``model.generate()`` runs at a
-    nearly constant cost per token and equals a full forward; exact heads read the cache (their
-    softmax is O(m)). Any other call rebuilds the state from the cached prefix (O(m)). States are kept only without autograd (``torch.no_grad()``, as ``generate`` runs);
-    with gradients every call recomputes from the keys it receives. Data-dependent maps keep the
-    fit of the prefill while decoding (a full forward of the longer sequence fits them on all its
-    keys, so the two then differ by the refit).
+    (`kernelapprox.attention.hybrid.HybridAttentionState`). While the model is linearised,
+    ``model.generate()`` decodes on a `kernelapprox.hf.cache.LinearizedCache`
+    (``Linearized.new_cache()``), a transformers ``Cache`` that holds these states and nothing
+    else in the linearised layers (memory constant in the sequence length; exact heads and layers
+    left with softmax keep their keys and values): each call advances the state by its new tokens,
+    beam search reorders the states, and static caches are refused. With a transformers
+    ``DynamicCache`` (a forward with ``use_cache=True``), a call with $n < m$ queries that
+    continues the previous call of the layer (same batch size, $m - n$ equal to the keys consumed,
+    the same padding, the same first and last cached key bit for bit, and in the first layer,
+    whose keys depend on their token and position only, every cached key: reordered beams are
+    seen) advances the state by the ``n`` new tokens only, with no arithmetic on the cache; any
+    other call rebuilds the state from the cached prefix (O(m)). Either way decoding runs at a
+    nearly constant cost per token and equals a full forward; exact heads read the cached keys
+    (their softmax is O(m)). Outside a `LinearizedCache`, states are kept only without autograd
+    (``torch.no_grad()``, as ``generate`` runs); with gradients every call recomputes from the
+    keys it receives. Data-dependent maps keep the fit of the prefill while decoding (a full
+    forward of the longer sequence fits them on all its keys, so the two then differ by the
+    refit). `kernelapprox.hf.save_linearized` / `kernelapprox.hf.load_linearized` write and
+    rebuild the linearised model.
 
     Parameters
     ----------
