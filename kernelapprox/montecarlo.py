@@ -275,7 +275,7 @@ def _check_confidence(confidence: float) -> float:
 
 
 def mean_ci(
-    x: np.ndarray | torch.Tensor, *, axis: int = 0, confidence: float = 0.95
+    x: np.ndarray | torch.Tensor, *, axis: int = 0, confidence: float = 0.95, nan_policy: str = "raise"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     r"""Sample mean with its Student-t confidence interval.
 
@@ -295,6 +295,9 @@ def mean_ci(
         The draw axis.
     confidence : float, default 0.95
         Two-sided coverage.
+    nan_policy : {"raise", "propagate"}, default "raise"
+        A NaN draw is an error (``"raise"``), or makes its mean and interval NaN
+        (``"propagate"``, as `scipy.stats` does by default).
 
     Returns
     -------
@@ -310,11 +313,16 @@ def mean_ci(
     from scipy import stats
 
     confidence = _check_confidence(confidence)
+    if nan_policy not in ("raise", "propagate"):
+        raise ValueError(f"nan_policy must be 'raise' or 'propagate', got {nan_policy!r}")
     arr = _as_numpy("x", x)
     axis = _check_axis(axis, arr)
     s = arr.shape[axis]
     if s < 2:
         raise ValueError(f"mean_ci needs at least 2 draws along axis {axis}, got {s}")
+    if nan_policy == "raise" and np.isnan(arr).any():
+        raise ValueError(f"x holds {int(np.isnan(arr).sum())} NaN draws; drop them, or pass "
+                         "nan_policy='propagate' for NaN results")
     mean = arr.mean(axis=axis)
     se = arr.std(axis=axis, ddof=1) / math.sqrt(s)
     half = stats.t.ppf(0.5 + confidence / 2, df=s - 1) * se
@@ -752,6 +760,10 @@ def _check_common(fm, q, k, draws, seed, confidence, quantiles, dtype, device, c
     for name, x in (("q", q), ("k", k)):
         if x.is_meta:
             raise ValueError(f"{name} is a meta tensor (no data); Monte Carlo errors need values")
+        if not bool(torch.isfinite(x).all()):  # once per call, outside the draws
+            raise ValueError(f"{name} must be finite, got {int((~torch.isfinite(x)).sum())} NaN or infinite entries")
+    if q.device != k.device:
+        raise ValueError(f"q and k must be on the same device, got q on {q.device} and k on {k.device}")
     check_dtype("dtype", dtype, allow_none=False)
     check_device("device", device)
     if chunk_size is not None:

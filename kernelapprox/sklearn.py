@@ -96,6 +96,23 @@ def supported_estimators() -> list[str]:
     return [e.name for e in estimators() if _unsupported_reason(e) is None]
 
 
+def _caller_stacklevel() -> int:
+    """``stacklevel`` (for a `warnings.warn` in the caller of this function) of the first frame
+    outside kernelapprox and scikit-learn: the user's ``fit`` or pipeline call."""
+    import os
+    import sys
+
+    import sklearn
+
+    skip = (os.path.dirname(os.path.dirname(__file__)) + os.sep + "kernelapprox" + os.sep,
+            os.path.dirname(sklearn.__file__) + os.sep)
+    frame: Any = sys._getframe(2)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class RandomFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEstimator):
     r"""Random features of the RBF or softmax kernel, as a scikit-learn transformer.
 
@@ -301,6 +318,8 @@ class RandomFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         if est.data_dependent:
             xs = torch.from_numpy(np.asarray(X, dtype=np.float64) * scale)
             fm.fit(xs, xs)
+        if self.kernel == "softmax":
+            self._warn_if_hopeless(fm, torch.from_numpy(np.asarray(X, dtype=np.float64) * scale), gamma)
         self.gamma_ = gamma
         self.estimator_ = est.name
         self.num_projections_ = r
@@ -311,6 +330,27 @@ class RandomFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         self.random_offset_ = None if offsets is None else offsets.detach().to(torch.float64).cpu().numpy().copy()
         self._n_features_out = int(self.n_components)
         return self
+
+    @staticmethod
+    def _warn_if_hopeless(fm: Any, xs: torch.Tensor, gamma: float) -> None:
+        """The regime check of the layers (`kernelapprox.diagnose.quick_relative_mse`): a
+        `KernelApproxWarning` when the closed form predicts a relative kernel MSE above
+        `kernelapprox.diagnose.WARN_RELATIVE_MSE` on the training data."""
+        from .diagnose import WARN_RELATIVE_MSE, KernelApproxWarning, quick_relative_mse
+
+        rel = quick_relative_mse(fm, xs, xs)
+        if math.isfinite(rel) and rel <= WARN_RELATIVE_MSE:
+            return
+        if math.isnan(rel):
+            return  # no closed form for this estimator: nothing to say
+        sq = float((xs**2).sum(-1).mean())
+        warnings.warn(
+            f"RandomFeatures(kernel='softmax', gamma={gamma:.3g}): the closed form predicts a relative kernel MSE "
+            f"of {rel:.3g} on X (gamma*|x|^2 = {sq:.3g} on average), so the features approximate nothing; "
+            "scale the data until gamma*|x|^2 is of order one (a smaller gamma, e.g. gamma='scale' or "
+            "1/n_features), or see kernelapprox.diagnose(X, X) for every estimator and the number of features "
+            "each needs",
+            KernelApproxWarning, stacklevel=_caller_stacklevel())
 
     def transform(self, X):
         """Map ``X`` to its random features.

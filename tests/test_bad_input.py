@@ -304,6 +304,9 @@ row("theory.required_features", "delta-2", lambda: th.required_features(fm4(), 0
 row("theory.required_features", "eps-nan", lambda: th.required_features(fm4(), NAN, 0.1, Q5, K5), "eps")
 row("theory.required_features", "reduce-unknown",
     lambda: th.required_features(fm4(), 0.1, 0.1, Q5, K5, reduce="nope"), "reduce")
+row("theory.required_features", "q-nan",
+    lambda: th.required_features(fm4(), 0.1, 0.1, torch.full((5, 4), NAN), K5), "q must be finite")
+row("theory.mse", "k-nan", lambda: th.mse(fm4(), Q5, torch.full((5, 4), NAN)), "k must be finite")
 for _fname in ("rahimi_recht_features", "sutherland_schneider_features", "sriperumbudur_szabo_features",
                "performer_theorem4_features", "derived_sincos_features"):
     _f = getattr(th, _fname)
@@ -381,6 +384,9 @@ row("mc.kernel_error", "device-nodevice",
     lambda: mc.kernel_error(fm4(), Q5, K5, 8, device="nodevice"), "device")
 row("mc.kernel_error", "seed-neg", lambda: mc.kernel_error(fm4(), Q5, K5, 8, seed=-1), "seed")
 row("mc.kernel_error", "seed-bool", lambda: mc.kernel_error(fm4(), Q5, K5, 8, seed=True), "seed")
+row("mc.kernel_error", "q-nan", lambda: mc.kernel_error(fm4(), torch.full((5, 4), NAN), K5, 8), "q must be finite")
+row("mc.mean_ci", "x-nan", lambda: mc.mean_ci(torch.tensor([1.0, NAN, 2.0])), "NaN draws")
+row("mc.mean_ci", "nan-policy-unknown", lambda: mc.mean_ci(q4(10), nan_policy="omit"), "nan_policy")
 row("mc.kernel_error", "draws-0", lambda: mc.kernel_error(fm4(), Q5, K5, 0), "draws")
 row("mc.kernel_error", "draws-float", lambda: mc.kernel_error(fm4(), Q5, K5, 8.0), "draws")
 row("mc.kernel_error", "q-1d", lambda: mc.kernel_error(fm4(), torch.ones(4), K5, 8), "q")

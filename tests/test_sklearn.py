@@ -283,3 +283,24 @@ def test_softmax_overflow_warns():
     X = np.full((3, 2), 40.0)
     with pytest.warns(RuntimeWarning, match="overflowed"):
         RandomFeatures(kernel="softmax", estimator="trig-sincos", n_components=4, random_state=0).fit_transform(X)
+
+
+def test_softmax_outside_its_regime_warns_with_advice():
+    """The softmax kernel at the default gamma = 1 on standard-normal data (gamma*|x|^2 = 16) has a
+    Gram error of 1.0 (the features approximate nothing): fit warns with the closed form's
+    prediction and the advice to shrink gamma; at gamma = 0.05 (error 0.13) it is silent."""
+    from kernelapprox import KernelApproxWarning
+
+    X = np.random.default_rng(0).normal(size=(200, 16))
+    with pytest.warns(KernelApproxWarning, match=r"relative kernel MSE of .* gamma\*\|x\|\^2 = 1\d\.\d") as rec:
+        rf = RandomFeatures(kernel="softmax", n_components=256, gamma=1.0, random_state=0).fit(X)
+    assert rec[0].filename == __file__  # the user's line, not scikit-learn's wrapper
+    Z = rf.transform(X)
+    K = np.exp(X @ X.T)
+    assert np.linalg.norm(Z @ Z.T - K) / np.linalg.norm(K) > 0.9  # the warning is right
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelApproxWarning)
+        rf = RandomFeatures(kernel="softmax", n_components=256, gamma=0.05, random_state=0).fit(X)
+    Z = rf.transform(X)
+    K = np.exp(0.05 * X @ X.T)
+    assert np.linalg.norm(Z @ Z.T - K) / np.linalg.norm(K) < 0.3

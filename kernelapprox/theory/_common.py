@@ -106,6 +106,11 @@ def _prepare(q: object, k: object) -> tuple[np.ndarray, np.ndarray, torch.device
         raise ValueError(
             f"leading dimensions of q {qa.shape[:-2]} and k {ka.shape[:-2]} do not broadcast"
         ) from None
+    for name, a in (("q", qa), ("k", ka)):
+        if not np.isfinite(a).all():
+            raise ValueError(f"{name} must be finite, got {int((~np.isfinite(a)).sum())} NaN or infinite entries")
+    if dq is not None and dk is not None and dq != dk:
+        raise ValueError(f"q and k must be on the same device, got q on {dq} and k on {dk}")
     device = dq if dq is not None else dk
     return qa, ka, device
 

@@ -45,12 +45,8 @@ marginally Gaussian):
   $\rho^2\sim\chi^2_{2d}$ independent of $u$ uniform on $S^{d-1}$; averaging
   $E_u e^{\rho u^\top a} = {}_0F_1(;\tfrac d2;\rho^2\|a\|^2/4)$ over
   $E\rho^{2k} = 2^k(d)_k$ gives
-
-  $$
-  E\, e^{(w_i\pm w_j)^\top a} = {}_1F_1\!\big(d;\tfrac d2;\tfrac{\|a\|^2}{2}\big),\qquad
-  E\cos\big((w_i\pm w_j)^\top a\big) = {}_1F_1\!\big(d;\tfrac d2;-\tfrac{\|a\|^2}{2}\big)
-  $$
-
+  $E\, e^{(w_i\pm w_j)^\top a} = {}_1F_1\big(d;\tfrac d2;\tfrac{\|a\|^2}{2}\big)$ and
+  $E\cos\big((w_i\pm w_j)^\top a\big) = {}_1F_1\big(d;\tfrac d2;-\tfrac{\|a\|^2}{2}\big)$
   [DERIVED; ``docs/theory.md`` §1, MC ✓]. Since $w_i$ and $-w_j$ are also an
   orthogonal pair, $E\cosh(w_i^\top z)\cosh(w_j^\top z) = {}_1F_1(d;\tfrac d2;\tfrac t2)$
   — the hyperbolic pair moment equals the positive one — and the random phases of the offset

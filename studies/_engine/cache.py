@@ -170,6 +170,28 @@ def read_record(path: Path, key: str, cell: dict) -> dict | None:
     return rec
 
 
+class CacheEntryError(OSError):
+    """A cache entry of the run is not a regular file (a folder, a FIFO, a socket): raised
+    before any cell is computed, naming the entry."""
+
+
+def check_entries(cache_dir: Path, keys: list[str]) -> None:
+    """Raise :class:`CacheEntryError` if the entry of any of ``keys`` under ``cache_dir`` exists
+    and is not a regular file: reading a FIFO would hang, and replacing a folder would fail after
+    the cell's work."""
+    import stat
+
+    for key in dict.fromkeys(keys):
+        path = cache_dir / f"{key}.json"
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+            raise CacheEntryError(f"the cache entry {path} is {kind}: remove it, then run again")
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a killed run leaves
     either the old file or the new one, never half of one."""

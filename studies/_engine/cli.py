@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from studies._engine.cache import CacheEntryError
 from studies._engine.executors import CLUSTER_INSTALL
 from studies._engine.model import (
     Study,
@@ -21,7 +22,7 @@ from studies._engine.model import (
 )
 from studies._engine.provenance import git_commit, package_version
 from studies._engine.report import ReportFolderError, check_writable, is_incomplete
-from studies._engine.runner import StudyInterrupted, run_study
+from studies._engine.runner import StudyInterrupted, UnreadableReportError, run_study
 
 STUDIES_EXTRA = ("pandas", "matplotlib", "seaborn", "tqdm")
 STUDIES_INSTALL = 'pip install "torch==2.13.0" -e ".[studies]"  (from the repository root)'
@@ -203,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # between two cells' bookkeeping, or while plotting
             print(f"python -m studies: [{s.name}] interrupted; rerun to resume", file=sys.stderr)
             return EXIT_INTERRUPTED
-        except (ConnectionError, ReportFolderError) as e:  # nothing computed: one line
+        except (ConnectionError, ReportFolderError, CacheEntryError, UnreadableReportError) as e:  # one line
             print(f"python -m studies: {e}", file=sys.stderr)
             return 1
         print(f"[{s.name}] {time.perf_counter() - ts:.1f} s -> {folder}", file=sys.stderr)

@@ -181,7 +181,7 @@ def row(metric: str, samples_or_value: Any, **extra: Any) -> dict:
         n = 1
     else:
         x = x.reshape(-1)
-        m, _, lo, hi = (float(a) for a in mean_ci(x))  # Student t over the draws
+        m, _, lo, hi = (float(a) for a in mean_ci(x, nan_policy="propagate"))  # Student t over the draws
         n = int(x.size)
     out = {"metric": metric, "mean": m, "ci_low": lo, "ci_high": hi, "n_draws": n}
     for k, v in extra.items():

@@ -6,11 +6,18 @@ folder next to the report, ``<out>/.<name>.staging-<pid>/``, and moves them in o
 them are written: an exception in ``plot`` or ``summarize`` leaves the previous report as it was.
 The move itself is bracketed by an ``.incomplete`` marker (written first, removed last), which
 ``--replot`` and the index honour, so a kill during the move is seen, never a silent mix of two
-runs.
+runs; two runs publishing the same report take turns under a lock on the report folder, so
+each leaves a whole report and the last one wins.
+
+A report folder is the harness's only if it is empty or holds a ``provenance.json``: a folder of
+other files is refused before any cell is computed, and a new report replaces only the figures
+that the previous ``provenance.json`` lists. Staging folders of runs that no longer exist (a
+``kill -9``) are removed by the next run of the same study.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -43,8 +50,10 @@ class ReportFolderError(PermissionError):
 
 def check_writable(folder: Path) -> None:
     """Raise :class:`ReportFolderError` unless ``folder`` (created if absent), its ``.cache`` and
-    its parent (where the staging folder and the index go) accept a new file."""
+    its parent (where the staging folder and the index go) accept a new file, and ``folder`` is
+    the harness's (:func:`check_owned`)."""
     folder = Path(folder)
+    check_owned(folder)
     for place in (folder.parent, folder, folder / ".cache"):
         if not place.exists():
             continue
@@ -56,6 +65,74 @@ def check_writable(folder: Path) -> None:
                                     "choose another --out or make it writable") from None
 
 
+def check_owned(folder: Path) -> None:
+    """Raise :class:`ReportFolderError` if ``folder`` holds files that no run wrote: it exists, is
+    not empty (hidden entries aside) and has no ``provenance.json``. A run never writes into, nor
+    deletes figures from, a folder of the user's own."""
+    folder = Path(folder)
+    if not folder.is_dir() or (folder / "provenance.json").is_file():
+        return
+    foreign = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise ReportFolderError(
+            f"{folder} holds files that no run of the study wrote ({shown}) and no provenance.json: a report "
+            "would replace them; choose another --out or an empty folder")
+
+
+def _previous_figures(folder: Path) -> list[Path]:
+    """The figures the report in ``folder`` lists in its ``provenance.json`` (none if unreadable)."""
+    try:
+        prov = json.loads((folder / "provenance.json").read_text())
+    except (OSError, ValueError):
+        return []
+    names = prov.get("figures", []) if isinstance(prov, dict) else []
+    return [folder / n for n in names
+            if isinstance(n, str) and n == Path(n).name and Path(n).suffix in FIGURE_SUFFIXES]
+
+
+@contextlib.contextmanager
+def _publish_lock(folder: Path):
+    """An exclusive lock on the report folder (POSIX ``flock`` of its descriptor; no lock elsewhere)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)  # the report folder itself: no lock file is left behind
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by another user
+        return True
+    return True
+
+
+def remove_stale_staging(folder: Path) -> list[Path]:
+    """Remove the staging folders of ``folder``'s study left by runs that no longer exist (killed
+    with ``kill -9``); return them."""
+    removed = []
+    prefix = f".{folder.name}.staging-"
+    if not folder.parent.is_dir():
+        return removed
+    for p in folder.parent.iterdir():
+        if p.is_dir() and p.name.startswith(prefix):
+            pid = p.name[len(prefix):]
+            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
 def is_incomplete(folder: Path) -> bool:
     """Whether the report in ``folder`` is marked :data:`INCOMPLETE`."""
     return (Path(folder) / INCOMPLETE).exists()
@@ -63,6 +140,7 @@ def is_incomplete(folder: Path) -> bool:
 
 def staging_folder(folder: Path) -> Path:
     """A new, empty folder next to ``folder`` where a run writes its outputs."""
+    remove_stale_staging(folder)
     stage = folder.parent / f".{folder.name}.staging-{os.getpid()}"
     if stage.exists():
         shutil.rmtree(stage)
@@ -76,18 +154,21 @@ def discard(stage: Path) -> None:
 
 
 def publish(stage: Path, folder: Path) -> None:
-    """Move every file of ``stage`` into ``folder`` (replacing the previous run's files and
-    figures), between the writing and the removal of the :data:`INCOMPLETE` marker."""
-    marker = folder / INCOMPLETE
-    marker.write_text("a run is replacing this report's files; if this file stays, the run was "
-                      "killed: run the study again\n")
-    for old in folder.iterdir():
-        if old.is_file() and old.suffix in FIGURE_SUFFIXES:
-            old.unlink()
-    for f in sorted(stage.iterdir()):
-        os.replace(f, folder / f.name)
-    stage.rmdir()
-    marker.unlink()
+    """Move every file of ``stage`` into ``folder`` (replacing the previous run's files and the
+    figures its ``provenance.json`` lists), between the writing and the removal of the
+    :data:`INCOMPLETE` marker, under the report's lock."""
+    with _publish_lock(folder):
+        check_owned(folder)
+        marker = folder / INCOMPLETE
+        marker.write_text("a run is replacing this report's files; if this file stays, the run was "
+                          "killed: run the study again\n")
+        for old in _previous_figures(folder):
+            if old.is_file():
+                old.unlink()
+        for f in sorted(stage.iterdir()):
+            os.replace(f, folder / f.name)
+        stage.rmdir()
+        marker.unlink()
 
 
 def fmt(x: Any, digits: int = 3) -> str:

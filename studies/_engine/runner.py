@@ -32,6 +32,11 @@ class StudyInterrupted(KeyboardInterrupt):
         self.study, self.cached, self.total = study, cached, total
 
 
+class UnreadableReportError(ValueError):
+    """``--replot`` of a report whose ``results.csv`` or ``provenance.json`` cannot be read; the
+    message names the file."""
+
+
 class IncompleteReportError(RuntimeError):
     """``--replot`` of a report marked incomplete (a run was killed while replacing its files)."""
 
@@ -131,8 +136,18 @@ def run_study(
     )
 
     if replot:
-        df = pd.read_csv(csv)
-        prov = json.loads(prov_path.read_text()) if prov_path.exists() else {}
+        try:
+            df = pd.read_csv(csv)
+        except (ValueError, UnicodeDecodeError, OSError) as e:
+            raise UnreadableReportError(f"--replot cannot read {csv} ({type(e).__name__}: {e}); run the study again "
+                             f"(python -m studies run {study.name})") from None
+        try:
+            prov = json.loads(prov_path.read_text()) if prov_path.exists() else {}
+            if not isinstance(prov, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError, OSError) as e:
+            raise UnreadableReportError(f"--replot cannot read {prov_path} ({type(e).__name__}: {e}); run the study again "
+                             f"(python -m studies run {study.name})") from None
         ctx.seed = int(prov.get("seed", seed))
         ctx.quick = bool(prov.get("quick", quick))
         ctx.device = torch.device(prov.get("device", str(ctx.device)))
@@ -148,6 +163,7 @@ def run_study(
         cache_dir = folder / ".cache"
         cache_dir.mkdir(exist_ok=True)
         keys = [_cache.cell_key(study, cell, ctx) for cell in cells]
+        _cache.check_entries(cache_dir, keys)
         recs: dict[str, dict] = {}
         todo: list[tuple[str, dict]] = []
         for key, cell in zip(keys, cells, strict=True):
@@ -212,10 +228,14 @@ def run_study(
         cell_cols = list(dict.fromkeys(k for c in cells for k in c))
         df = _frame(rows, cell_cols)
         stage = _report.staging_folder(folder)
-        (stage / "results.csv").write_text(df.to_csv(index=False))
-        df = pd.read_csv(stage / "results.csv")  # plot and summarise exactly what --replot will see
-        prov = _prov.provenance(ctx, time.perf_counter() - t0, compute_s, len(cells), n_cached,
-                                use_cache=use_cache, executor=executor, dtypes=study.dtypes)
+        try:
+            (stage / "results.csv").write_text(df.to_csv(index=False))
+            df = pd.read_csv(stage / "results.csv")  # plot and summarise exactly what --replot will see
+            prov = _prov.provenance(ctx, time.perf_counter() - t0, compute_s, len(cells), n_cached,
+                                    use_cache=use_cache, executor=executor, dtypes=study.dtypes)
+        except BaseException:
+            _report.discard(stage)  # a Ctrl-C here leaves no staging folder behind
+            raise
         if estimators is not None:
             prov["estimators"] = list(estimators)
         if imports:
