@@ -357,6 +357,8 @@ class Linearized:
             mod._modules.pop(_MAP_ATTR, None)
         self._attached.clear()
         self._streams.clear()
+        if self._server is not None:
+            self._server.pending.clear()
 
     def __enter__(self) -> Linearized:
         return self
