@@ -59,6 +59,15 @@ def lin(feature_map: object, **kw: Any) -> None:
     hf.linearize(gpt2(), feature_map, **kw).restore()
 
 
+def save_linearized_to(directory: object) -> None:
+    """`hf.save_linearized` of the shared tiny model, linearised for the call and restored after it."""
+    handle = hf.linearize(gpt2(), "positive", num_features=8)
+    try:
+        hf.save_linearized(handle, directory)
+    finally:
+        handle.restore()
+
+
 IDS = torch.randint(0, 99, (1, 5), generator=torch.Generator().manual_seed(0))
 
 ROWS: list[Any] = []
@@ -493,6 +502,10 @@ if hf is not None:
     row("hf.token_chunks", "max-chunks-0", lambda: hf.token_chunks(None, "text", max_chunks=0), "max_chunks")
     row("hf.token_chunks", "text-not-str", lambda: hf.token_chunks(None, 3), "text")
     row("hf.sentence_embeddings", "model-not-model", lambda: hf.sentence_embeddings(3, input_ids=IDS), "model")
+    row("hf.save_linearized", "lin-not-handle", lambda: hf.save_linearized(3, "unused"), "lin")
+    row("hf.save_linearized", "directory-int", lambda: save_linearized_to(3), "directory")
+    row("hf.load_linearized", "directory-int", lambda: hf.load_linearized(3), "directory")
+    row("hf.load_linearized", "directory-not-saved", lambda: hf.load_linearized("/nonexistent-dir"), "directory")
 
 # ------------------------------------------------------------------------------------ sklearn
 row("sk.RandomFeatures", "n-components-0", lambda: kask.RandomFeatures(n_components=0).fit(q4(5, 4)),

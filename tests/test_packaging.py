@@ -76,7 +76,7 @@ def test_wheel_contents(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"kernelapprox", next(t for t in tops if t.endswith(".dist-info"))}, tops
-    for must in ("kernelapprox/__init__.py", "kernelapprox/py.typed", "kernelapprox/hf.py",
+    for must in ("kernelapprox/__init__.py", "kernelapprox/py.typed", "kernelapprox/hf/__init__.py",
                  "kernelapprox/attention/linear/chunk.py", "kernelapprox/theory/moments.py",
                  "kernelapprox/maps/base.py", "kernelapprox/kernelapprox.mplstyle"):
         assert must in names, must

@@ -13,6 +13,7 @@ import torch
 
 from .. import hf
 from .._validation import check_bool, check_finite_float, check_positive_int, check_seed
+from ..hf.switch import transformers_module
 
 # adapters injected by `finetune`: model -> (peft model, the LoRA settings saved by `save`)
 # (and the model's requires_grad flags before the injection, given back by `merged` / `unload`)
@@ -90,7 +91,7 @@ _SHAPE_KEYS = ("hidden_size", "n_embd", "num_hidden_layers", "n_layer", "num_att
 
 
 def _check_teacher(teacher: object, lin: hf.Linearized) -> Any:
-    tf = hf._transformers()
+    tf = transformers_module()
     if not isinstance(teacher, tf.PreTrainedModel):
         raise TypeError(f"teacher must be a transformers PreTrainedModel, got {type(teacher).__name__}")
     student = lin.model

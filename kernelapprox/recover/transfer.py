@@ -22,6 +22,7 @@ import torch
 from .. import hf
 from .._validation import check_finite_float
 from ..attention.padded import attention_log_weights, padded_attention
+from ..hf.switch import valid_keys
 from ..maps.base import FeatureMap
 from ._common import (
     History,
@@ -70,7 +71,7 @@ def _teacher_layers(teacher: Any, inputs: Mapping[str, Any], layers: list[int],
     out: dict[int, _LayerData] = {}
     for lc in cap.layers:
         qs, ks = lc.kernel_inputs()
-        valid = hf._valid_keys(lc.allowed, lc.causal)
+        valid = valid_keys(lc.allowed, lc.causal)
         heads = torch.ones(lc.q.shape[1], dtype=torch.bool)
         heads[sorted(h for h in exact.get(lc.layer, ()) if 0 <= h < heads.numel())] = False
         out[lc.layer] = _LayerData(
