@@ -941,7 +941,8 @@ def c_needed(d0: float, d1: float, hi: float) -> float:
     """
     if not hi > 1:
         return math.inf
-    return math.exp((math.log(d1) - hi * math.log(d0)) / (hi - 1))
+    lc = (math.log(d1) - hi * math.log(d0)) / (hi - 1)
+    return math.exp(lc) if lc < 700 else math.inf
 
 
 def growth_table(rst: pd.DataFrame, boots: dict) -> pd.DataFrame:
