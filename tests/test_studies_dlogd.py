@@ -474,3 +474,31 @@ def test_cell_costs_weight_the_progress_bar() -> None:
         assert (c > 0).all() and np.isfinite(c).all()
         big = [x for x, cell in zip(c, cells, strict=True) if cell["d"] >= 64]
         assert sum(big) > 0.5 * c.sum()
+
+
+def test_progress_bar_advances_by_cost(tmp_path, monkeypatch) -> None:
+    """A run with cell costs 1, 2, 3, 4, 5 advances the bar by 1/15 ... 5/15 of 100 %, and a
+    second run finds every cell cached (the bar starts at 100 %)."""
+    import dataclasses
+
+    import tqdm.auto
+
+    from studies._engine import run_study
+    from tests import _toy_study as toy
+
+    seen: list[tuple[float, float]] = []
+    real = tqdm.auto.tqdm
+
+    class Bar(real):  # type: ignore[misc, valid-type]
+        def update(self, n: float = 1) -> bool | None:
+            seen.append((self.total, n))
+            return super().update(n)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    st = dataclasses.replace(toy.STUDY, cell_cost=lambda cell, quick: float(cell["i"] + 1))
+    run_study(st, out=tmp_path, progress=True)
+    assert [t for t, _ in seen] == [100.0] * toy.N_CELLS
+    assert sorted(n for _, n in seen) == pytest.approx([100 * k / 15 for k in range(1, 6)])
+    seen.clear()
+    run_study(st, out=tmp_path, progress=True)
+    assert seen == []
