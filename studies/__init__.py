@@ -8,6 +8,7 @@ the reports in ``reports/``.  Each study is a module defining ``STUDY = Study(..
 STUDY_MODULES: tuple[str, ...] = (
     "error_vs_r",
     "dlogd",
+    "dlogd_converged",
     "orthogonal_gain",
     "attention_error",
     "cost_crossover",

@@ -245,6 +245,13 @@ MUTANTS: tuple[Mutant, ...] = (
         '"corr_log": math.log1p(b)',
         "dlogd's search-bias correction of log r* without the square (r* is proportional to sup^2)",
     ),
+    Mutant(
+        "dlogd-growth-margin-full", "studies/dlogd.py",
+        "half = 0.5 * math.log(dlnd_growth(d0, d1))",
+        "half = math.log(dlnd_growth(d0, d1))",
+        "dlogd's growth verdict with the margin reaching d·ln d's prediction instead of half way "
+        "(d·ln d data can no longer differ)",
+    ),
 )
 
 _PROBE = textwrap.dedent(

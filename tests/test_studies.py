@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 STUDIES = load_studies(strict=True)  # a study that fails to import fails here, not silently
 NAMES = list(STUDIES)
 ALL_STUDIES = {
-    "error-vs-r", "dlogd", "orthogonal-gain", "attention-error", "cost-crossover", "state-capacity",
+    "error-vs-r", "dlogd", "dlogd-converged", "orthogonal-gain", "attention-error", "cost-crossover", "state-capacity",
     "qr-sign-bias", "estimator-league", "diagnose-validation", "real-attention",
     "repro-yu-orf-variance", "repro-performer-attention", "repro-sutherland-schneider", "repro-yu-table2", "hybrid-attention", "linearize-recover",
 }

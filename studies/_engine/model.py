@@ -70,6 +70,9 @@ class Study:
             process's setting). A study of many small tensors can be faster on one thread; the
             runner sets it around ``run_cell``, restores it, and records it in the provenance
             (``torch_threads``).
+        cell_cost: ``cell_cost(cell, quick) -> float``, the expected compute of a cell in any
+            unit (``None``, default: every cell costs the same); the progress bar advances by
+            each cell's share of the total, so its ETA holds when a few cells dominate.
 
     Cells may run in other processes (``--jobs N``) or on other machines (``--scheduler``): a
     worker imports the module that defines the study and finds the ``Study`` object there (see
@@ -90,6 +93,7 @@ class Study:
     dtypes: dict[str, str] | None = field(default=None, hash=False)
     concurrent_cells: bool = True
     cell_threads: int | None = None
+    cell_cost: Callable[[dict, bool], float] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtypes is None:

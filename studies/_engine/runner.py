@@ -57,6 +57,17 @@ def _short(cell: dict) -> str:
     return s if len(s) < 60 else s[:57] + "..."
 
 
+def _costs(study: Study, cells: list[dict], quick: bool) -> list[float]:
+    """Each cell's expected compute (``study.cell_cost``; 1 each without one), all > 0."""
+    if study.cell_cost is None:
+        return [1.0] * len(cells)
+    costs = [float(study.cell_cost(cell, quick)) for cell in cells]
+    if not all(c > 0 and c < float("inf") for c in costs):
+        raise ValueError(f"study {study.name!r}: cell_cost must be finite and > 0 for every cell, got "
+                         f"{[c for c in costs if not (0 < c < float('inf'))][:3]}")
+    return costs
+
+
 def _now() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
@@ -179,8 +190,14 @@ def run_study(
             if not any(k == key for k, _ in todo):
                 todo.append((key, cell))
         n_cached = sum(1 for k in keys if k in recs)
-        bar = tqdm(total=len(cells), initial=n_cached, desc=study.name, unit="cell", disable=not progress,
-                   dynamic_ncols=True)
+        # the bar advances by each cell's share of the expected compute (Study.cell_cost), in %
+        costs = _costs(study, cells, quick)
+        share = {k: 0.0 for k in keys}
+        for k, c in zip(keys, costs, strict=True):
+            share[k] += 100.0 * c / sum(costs)
+        bar = tqdm(total=100.0, initial=sum(share[k] for k in set(keys) if k in recs), desc=study.name,
+                   unit="%", disable=not progress, dynamic_ncols=True,
+                   bar_format="{l_bar}{bar}| {n:.1f}/{total:.0f}% [{elapsed}<{remaining}{postfix}]")
 
         def done(key: str, rec: dict) -> None:
             if rec.get("code_hash", _prov.code_hash()) != _prov.code_hash():
@@ -196,7 +213,7 @@ def run_study(
             write_atomic(cache_dir / f"{key}.json", text)
             recs[key] = json.loads(text)
             bar.set_postfix_str(_short(rec["cell"]), refresh=False)
-            bar.update(sum(1 for k in keys if k == key))
+            bar.update(share[key])
 
         asked = f"dask({scheduler})" if scheduler else f"processes({jobs})" if jobs > 1 else "sequential"
         try:
