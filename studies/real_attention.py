@@ -849,6 +849,13 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
              "95% interval of the median lies at or below t (`compare_to_reference` against [0, t], "
              "per r), with the smaller r where the interval crosses t (undecided).", "",
              df_to_markdown(shown, digits=3), ""]
+    med = head_medians(df)
+    if len(med):
+        per_r = med.pivot_table(index="estimator", columns="r", values="median").reindex(table["estimator"])
+        per_r.columns = [f"r = {int(c)}" if c else "fixed" for c in per_r.columns]
+        lines += ["Median output error over heads × draws at every r (point values; the intervals are in "
+                  "the table above at r = 8·d_head and the best r):", "",
+                  df_to_markdown(per_r.reset_index(), digits=3), ""]
     lines += ["Paired comparisons (per head: the mean over draws of the log output error; the same "
               f"{n_heads} heads for every estimator; paired t intervals, Holm-corrected, α = {ALPHA}):", ""]
     lines += _verdict_line(rk["at_r8"]) + _verdict_line(rk["best"]) + _verdict_line(rk["vs_uniform"])
