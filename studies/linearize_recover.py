@@ -339,7 +339,7 @@ def _causal_teacher(tok: Any, p: dict[str, int], seed: int) -> tuple[Any, dict, 
         model.train()
         return out
 
-    best, best_state, since, steps = math.inf, copy.deepcopy(model.state_dict()), 0, 0
+    best, best_state, since, steps, stopped = math.inf, copy.deepcopy(model.state_dict()), 0, 0, False
     model.train()
     for step in range(p["teacher_steps"]):
         x = train[torch.randint(0, len(train), (p["batch"],), generator=g)]
@@ -355,13 +355,14 @@ def _causal_teacher(tok: Any, p: dict[str, int], seed: int) -> tuple[Any, dict, 
             else:
                 since += 1
                 if since >= p["teacher_patience"]:
+                    stopped = True
                     break
     if math.isfinite(best):
         model.load_state_dict(best_state)
     model.eval()
     ev_d = {"input_ids": ev}
     extra = {"stage": "teacher"}
-    rows = [row("teacher_steps", steps, **extra),
+    rows = [row("teacher_steps", steps, **extra), row("teacher_stopped_early", float(stopped), **extra),
             row("teacher_train_ppl", perplexity(model, {"input_ids": train}), **extra),
             row("teacher_heldout_ppl", perplexity(model, {"input_ids": held}), **extra),
             row("teacher_eval_ppl", perplexity(model, ev_d), **extra),
@@ -601,8 +602,11 @@ def causal_verdicts(df: pd.DataFrame) -> list[str]:
     t = df[(df["case"] == "causal-hybrid") & (df["stage"] == "teacher")].set_index("metric")["mean"]
     if "teacher_train_ppl" in t.index:
         gap = float(t["teacher_eval_ppl"]) / float(t["teacher_train_ppl"])
-        lines.append(f"- causal-hybrid teacher: {int(t['teacher_steps'])} steps (stopped on held-out "
-                     f"calibration loss); perplexity {fmt(t['teacher_train_ppl'])} on its training text, "
+        how = ("stopped when the held-out calibration loss stopped improving"
+               if float(t.get("teacher_stopped_early", 0.0)) == 1.0 else
+               "the step limit, reached before the held-out calibration loss stopped improving: "
+               "not shown to have converged")
+        lines.append(f"- causal-hybrid teacher: {int(t['teacher_steps'])} steps ({how}); perplexity {fmt(t['teacher_train_ppl'])} on its training text, "
                      f"{fmt(t['teacher_heldout_ppl'])} held out, {fmt(t['teacher_eval_ppl'])} on the "
                      f"evaluation text (×{fmt(gap, 3)}); vocabulary of the calibration text + one unknown "
                      f"token ({fmt(100 * float(t['unk_share']), 2)}% of evaluation tokens unknown).")

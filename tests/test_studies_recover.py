@@ -202,3 +202,16 @@ def test_exact_pair_share() -> None:
     assert lr.exact_pair_share(128, 33, [0, -1], False) == pytest.approx(0.455, abs=1e-3)
     assert lr.exact_pair_share(512, 33, [0, -1], False) < 0.15  # n >= 4w: the map carries most pairs
     assert lr.exact_pair_share(16, 16, 1, True) == pytest.approx(1.0)
+
+
+def test_teacher_convergence_is_stated_as_measured() -> None:
+    """The teacher bullet says "not shown to have converged" when training hit the step limit,
+    and reports the stop when the held-out loss stopped improving."""
+    def frame(stopped: float) -> pd.DataFrame:
+        vals = {"teacher_steps": 400, "teacher_stopped_early": stopped, "teacher_train_ppl": 60.0,
+                "teacher_heldout_ppl": 70.0, "teacher_eval_ppl": 75.0, "unk_share": 0.01}
+        t = pd.DataFrame([{"metric": k, "mean": v, "ci_low": v, "ci_high": v} for k, v in vals.items()])
+        return pd.concat([t.assign(case="causal-hybrid", stage="teacher"),
+                          _causal(ppl_ratio=(1.0, 0.99, 1.01))])
+    assert any("stopped when the held-out" in x for x in lr.causal_verdicts(frame(1.0)))
+    assert any("not shown to have converged" in x for x in lr.causal_verdicts(frame(0.0)))
