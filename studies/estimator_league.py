@@ -95,8 +95,10 @@ orders of magnitude), Holm-corrected over all pairs at α = 0.05
 estimators significantly better, so estimators the tests cannot separate share a tier; the
 summary prints tiers, not places from point estimates. The estimator with the lowest mean log
 error is set against uniform weights by :func:`studies.verdicts.beats_baseline` (Holm over the
-comparisons of every estimator with uniform weights): "no estimator beats uniform weights" where
-its corrected interval contains 0.
+comparisons of every estimator with uniform weights) with the equivalence margin
+``BASELINE_MARGIN`` = log(1.01) on the log error: "beats" needs the whole corrected interval
+beyond a 1% ratio of errors, so a significant 0.05% difference is a tie ("no estimator beats
+uniform weights"), and "worse than uniform" counts the estimators worse by more than 1%.
 
 Figure 4 reproduces the variance-against-scale comparison of Chefs' Random Tables
 (Likhosherstov et al., NeurIPS 2022, arXiv:2205.15317) at d = 64: the log relative variance
@@ -149,6 +151,7 @@ UNIFORM = "uniform"
 UNIFORM_LABEL = "uniform weights (baseline)"
 BASELINE_ESTIMATOR = "elu"
 RANK_ALPHA = 0.05  # family level of the rankings (Holm over every pair of a ranked column)
+BASELINE_MARGIN = math.log(1.01)  # against uniform weights: a 1% ratio of errors (log scale)
 FLOPS_N = N_TOKENS  # batch size over which data-dependent fits are amortised in the FLOP counts
 
 # Chefs' Random Tables reproduction (figure 4)
@@ -986,7 +989,8 @@ def ranking(rows: pd.DataFrame, *, what: str, baseline: str | None = UNIFORM_LAB
     $lpha$ = `RANK_ALPHA` (`studies.verdicts.paired_ranking`): the tier (rank) of a method is
     1 + the number of methods significantly better, so methods the tests cannot separate share
     a tier. The best method (lowest mean log score) against ``baseline``:
-    `studies.verdicts.beats_baseline` (Holm over the m − 1 comparisons to the baseline).
+    `studies.verdicts.beats_baseline` (Holm over the m − 1 comparisons to the baseline, the
+    equivalence margin `BASELINE_MARGIN` on the log score).
 
     Parameters
     ----------
@@ -1022,7 +1026,8 @@ def ranking(rows: pd.DataFrame, *, what: str, baseline: str | None = UNIFORM_LAB
     base = None
     if baseline is not None and baseline in scores.columns:
         base = beats_baseline(scores, baseline, lower_is_better=True, alpha=RANK_ALPHA,
-                              correction="holm", ci="t", what="estimator")
+                              correction="holm", ci="t", what="estimator",
+                              margin=BASELINE_MARGIN)
     return rank, base
 
 
@@ -1130,9 +1135,11 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
     bullets.append(f"Rankings (rule fixed before the data): {rule} Against uniform weights: the "
                    "estimator with the lowest mean log error, its Holm-corrected interval of the "
                    "log-error difference to uniform weights over the comparisons of every "
-                   "estimator with uniform weights (`studies.verdicts.beats_baseline`); "
+                   "estimator with uniform weights, judged against the equivalence margin "
+                   f"±{BASELINE_MARGIN:.4g} (a 1% ratio of errors; `studies.verdicts.beats_baseline`): "
+                   "\"beats\" needs the whole interval beyond the margin; "
                    "\"worse than uniform\" counts the estimators whose corrected difference "
-                   "excludes 0 on the worse side. The two families differ in size (all pairs "
+                   "lies beyond the margin on the worse side. The two families differ in size (all pairs "
                    "for the tiers, the comparisons with uniform weights for the baseline), so "
                    "an estimator can beat uniform weights while sharing a tier with them.")
     for name, regime, sigma in regs:
@@ -1156,7 +1163,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                            + _tiers(rk, means))
                 if base is not None:
                     worse = sorted(p["a"] for p in base.evidence["pairs"]
-                                   if p["significant"] and p["diff"] > 0)
+                                   if p["beyond_margin"] and p["diff"] > 0)
                     sub.append(f"{lab.format(int(sel))} against uniform weights: "
                                + format_verdict(base)[2:]
                                + f"; worse than uniform: {len(worse)} of {m - 1} — {_names(worse)}")

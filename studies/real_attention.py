@@ -50,8 +50,13 @@ uniform-weights error) has a 95% Clopper-Pearson interval over the 72 heads. Ran
 (:func:`rankings`) are paired: per head, the mean over draws of the log output error, the same heads
 for every estimator, ranked with :func:`studies.verdicts.paired_ranking` (paired t, Holm) at
 r = 8·d_head and at each estimator's best r, and compared with uniform weights by
-:func:`studies.verdicts.beats_baseline`. An estimator with a non-finite error on some head (a signed
-map dividing by zero) is left out of the paired comparisons and named.
+:func:`studies.verdicts.beats_baseline`; the table prints each estimator's rank range (:func:`rank_ranges`:
+1 + the number significantly better to m − the number significantly worse), not one place. An
+estimator with a non-finite error on some head (a signed map dividing by zero) is left out of the
+paired comparisons and named. Targets (median error ≤ t): per r, the 95% interval of the median
+against [0, t] (:func:`target_call`: met / missed / undecided); the smallest r met is the table's
+"r for err ≤ t"; per layer the same rule over the layer's heads (:func:`layer_advice`). Nyström has
+one landmark draw per head: its interval resamples heads only.
 """
 
 from __future__ import annotations
@@ -467,6 +472,57 @@ def _share_ci(worse: int, n: int) -> tuple[float, float]:
     return float(ci.low), float(ci.high)
 
 
+def target_call(median: float, lo: float, hi: float, target: float) -> str:
+    """The target "median output error <= ``target``" for one (estimator, r): the 95% interval of
+    the median against [0, target] (`studies.verdicts.compare_to_reference`): ``met`` (inside),
+    ``missed`` (above), ``undecided`` (it crosses the target); ``missed`` for an infinite
+    interval above the target, ``undecided`` for one that starts below it."""
+    if math.isnan(median):
+        return "no data"
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "missed" if lo > target else "undecided"
+    v = compare_to_reference(median, lo, hi, target / 2, tolerance=target / 2, relative=False)
+    return {"agrees": "met", "differs": "missed", "inconclusive": "undecided"}[v.label]
+
+
+def _target_r_text(calls: dict[int, str], fixed: bool, nystrom: bool, n: int) -> str:
+    """The table's "r for err <= t" entry: the smallest r whose median interval meets the target,
+    and the r where the interval is undecided below it."""
+    if fixed:
+        return next(iter(calls.values()), "no data")
+    met = [r for r, c in calls.items() if c == "met"]
+    first = min(met) if met else None
+    und = [r for r, c in calls.items() if c == "undecided" and (first is None or r < first)]
+    und_txt = f"undecided at r = {', '.join(map(str, und))}" if und else ""
+    if first is None:
+        return und_txt + "; not met" if und else "missed at every r"
+    hit = f"{first} (= n, exact)" if nystrom and first >= n else str(first)
+    return hit + (f"; {und_txt}" if und else "")
+
+
+def rank_ranges(v: Verdict) -> dict[str, str]:
+    """Rank ranges from a `studies.verdicts.paired_ranking` verdict: the best rank a method can
+    hold is 1 + the number of methods significantly better, the worst m − the number
+    significantly worse; methods the tests cannot separate share overlapping ranges."""
+    order = v.evidence["order"]
+    m = len(order)
+    sign = 1.0 if v.evidence["lower_is_better"] else -1.0
+    better = {x: 0 for x in order}
+    worse = {x: 0 for x in order}
+    for p in v.evidence["pairs"]:
+        if not p["significant"]:
+            continue
+        a_better = sign * p["diff"] < 0
+        win, lose = (p["a"], p["b"]) if a_better else (p["b"], p["a"])
+        better[lose] += 1
+        worse[win] += 1
+    out = {}
+    for x in order:
+        lo, hi = 1 + better[x], m - worse[x]
+        out[x] = str(lo) if lo == hi else f"{lo}–{hi}"
+    return out
+
+
 def features_needed(df: pd.DataFrame) -> pd.DataFrame:
     """Per estimator: median output error at r = 8·d_head with its 95% CI, the share of heads
     worse than uniform weights there with its 95% CI, the best median (with CI) and its r, and the
@@ -519,17 +575,46 @@ def features_needed(df: pd.DataFrame) -> pd.DataFrame:
         rec["best 95% CI"] = _fmt_ci(lo_b, hi_b)
         rec["at r"] = r_best
         nystrom = est.startswith("nystrom")
+        cis = {}
+        for j, r_ in enumerate(g["r"].astype(int)):
+            e_r = de[(de["estimator"] == est) & (de["r"] == r_)]
+            cis[r_] = _median_ci(e_r, seed=1000 * (i + 1) + j) if len(e_r) else (math.nan,) * 3
         for t in TARGETS:
-            hit = g[g["median"] <= t]
-            if not len(hit):
-                rec[f"r for err<={t}"] = "not reached"
-            elif fixed:
-                rec[f"r for err<={t}"] = "fixed"
-            else:
-                r_hit = int(hit["r"].iloc[0])
-                rec[f"r for err<={t}"] = f"{r_hit} (= n, exact)" if nystrom and r_hit >= n else str(r_hit)
+            calls = {r_: target_call(*ci, t) for r_, ci in cis.items()}
+            rec[f"r for err<={t}"] = _target_r_text(calls, fixed, nystrom, n)
+            rec[f"_met r for err<={t}"] = next((r_ for r_, c in calls.items() if c == "met"), None)
         out.append(rec)
     return pd.DataFrame(out).sort_values("best median err").reset_index(drop=True)
+
+
+def layer_advice(df: pd.DataFrame, target: float = TARGETS[0]) -> list[dict[str, Any]]:
+    """Per layer, the smallest feature dimension whose median error over the layer's heads ×
+    draws meets ``target`` by `target_call` (hierarchical bootstrap interval, heads then draws);
+    Nyström with r >= n (exact attention) and uniform weights left out.
+
+    Returns one record per layer: ``met`` (the (estimator, r, median, lo, hi) of the smallest
+    feature dimension met, or None) and ``undecided`` (those whose interval crosses the target,
+    smallest feature dimension first).
+    """
+    de = draw_errors(df)
+    n_tok = _n_tokens(df)
+    de = de[(de["estimator"] != "uniform")
+            & ~(de["estimator"].str.startswith("nystrom") & (de["r"] >= n_tok))]
+    out = []
+    for layer, gl in de.groupby("layer"):
+        met, und = [], []
+        for j, ((est, r), g) in enumerate(gl.groupby(["estimator", "r"])):
+            if float(np.nanmedian(np.where(np.isfinite(g["err"]), g["err"], _HUGE))) > 4 * target:
+                continue  # far above: its interval cannot reach the target (skipped for time)
+            m, lo, hi = _median_ci(g, seed=7919 * (int(layer) + 1) + j)
+            call = target_call(m, lo, hi, target)
+            rec = {"estimator": str(est), "r": int(r), "fd": int(g["feature_dim"].max()),
+                   "median": m, "lo": lo, "hi": hi}
+            (met if call == "met" else und if call == "undecided" else []).append(rec)
+        met.sort(key=lambda x: (x["fd"], x["median"]))
+        und.sort(key=lambda x: (x["fd"], x["median"]))
+        out.append({"layer": int(layer), "met": met[0] if met else None, "undecided": und})
+    return out
 
 
 def paired_scores(df: pd.DataFrame, choice: dict[str, int]) -> tuple[pd.DataFrame, list[str]]:
@@ -615,6 +700,29 @@ def rankings(df: pd.DataFrame, table: pd.DataFrame | None = None) -> dict[str, A
                                               what="estimator")
                                if {"positive", "uniform"} <= set(s_at.columns) else None)
     return res
+
+
+def _finetune_evidence(folder: Path) -> str:
+    """What fine-tuning around the linear attention bought in the linearize-recover report beside
+    this one (its ``results.csv``: encoder-phi's mean embedding cosine after distillation and
+    after fine-tuning, with intervals), or where to find it."""
+    path = folder.parent / "linearize-recover" / "results.csv"
+    base = ("fine-tuning the model around its linear attention (the remedy of the learned-attention "
+            "papers) is measured in the linearize-recover report")
+    try:
+        lr = pd.read_csv(path)
+        sel = lr[(lr["case"] == "encoder-phi") & (lr["metric"] == "cos_mean")]
+        if "exact_heads" in sel.columns:
+            sel = sel[sel["exact_heads"].isna() | (sel["exact_heads"] == 0)]
+        got = {st: sel[sel["stage"] == st].iloc[0] for st in ("transfer", "finetune")
+               if (sel["stage"] == st).any()}
+        tr, ft = got["transfer"], got["finetune"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return base + "."
+    return (base + f": on this model with a pure map in every layer it moves the mean embedding cosine "
+            f"from {fmt(tr['mean'])} [{fmt(tr['ci_low'])}, {fmt(tr['ci_high'])}] (after the transfer stage) to "
+            f"{fmt(ft['mean'])} [{fmt(ft['ci_low'])}, {fmt(ft['ci_high'])}] (fine-tuned), short of 0.95: "
+            "it narrows the gap, it does not close it.")
 
 
 def _verdict_line(v: Verdict | None) -> list[str]:
@@ -720,13 +828,14 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
     n_heads = df[(df["kind"] == "heads")][["layer", "head"]].drop_duplicates().shape[0]
     draws = DRAWS_QUICK if ctx.quick else DRAWS
     gram = GRAM_DRAWS_QUICK if ctx.quick else GRAM_DRAWS
-    shown = table.copy()
+    shown = table[[c for c in table.columns if not str(c).startswith("_")]].copy()
     if rk["at_r8"] is not None:
-        shown.insert(1, f"paired rank at r={r8}", [rk["at_r8"].evidence["rank"].get(e, "–")
-                                                  for e in shown["estimator"]])
+        rr = rank_ranges(rk["at_r8"])
+        shown.insert(1, f"rank range at r={r8}", [rr.get(e, "–") for e in shown["estimator"]])
     if rk["best"] is not None:
-        shown.insert(shown.columns.get_loc("at r") + 1, "paired rank at best r",
-                     [rk["best"].evidence["rank"].get(e, "–") for e in shown["estimator"]])
+        rr = rank_ranges(rk["best"])
+        shown.insert(shown.columns.get_loc("at r") + 1, "rank range at best r",
+                     [rr.get(e, "–") for e in shown["estimator"]])
     lines = ["## Key results", "",
              f"Median over the {n_heads} heads × draws ({draws} draws per head for the random maps, "
              "one for the others) of the attention-output relative error, with its 95% bootstrap "
@@ -734,9 +843,19 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
              "dimension 2r for sin/cos, hyperbolic and Hedgehog); 'fixed' = deterministic map of fixed "
              "size. Share of heads worse than uniform weights: a head's mean error over its draws above "
              f"the uniform-weights error, with a 95% Clopper-Pearson interval over the {n_heads} heads. "
-             "Paired rank: 1 + the number of estimators that beat it in the paired rankings below (tied "
-             "estimators share a rank).", "",
+             "Rank range: from 1 + the number of estimators that beat it to m − the number it beats, "
+             "in the paired rankings below (estimators the tests cannot separate have overlapping "
+             "ranges; one number where the tests fix the place). r for err ≤ t: the smallest r whose "
+             "95% interval of the median lies at or below t (`compare_to_reference` against [0, t], "
+             "per r), with the smaller r where the interval crosses t (undecided).", "",
              df_to_markdown(shown, digits=3), ""]
+    med = head_medians(df)
+    if len(med):
+        per_r = med.pivot_table(index="estimator", columns="r", values="median").reindex(table["estimator"])
+        per_r.columns = [f"r = {int(c)}" if c else "fixed" for c in per_r.columns]
+        lines += ["Median output error over heads × draws at every r (point values; the intervals are in "
+                  "the table above at r = 8·d_head and the best r):", "",
+                  df_to_markdown(per_r.reset_index(), digits=3), ""]
     lines += ["Paired comparisons (per head: the mean over draws of the log output error; the same "
               f"{n_heads} heads for every estimator; paired t intervals, Holm-corrected, α = {ALPHA}):", ""]
     lines += _verdict_line(rk["at_r8"]) + _verdict_line(rk["best"]) + _verdict_line(rk["vs_uniform"])
@@ -755,6 +874,7 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                   f"{int(e2e['n_draws'].iloc[0])} passages of {E2E_LEN} tokens.", "",
                   df_to_markdown(et, digits=3), ""]
     norms = df[df["kind"] == "norms"]
+    n_tok = _n_tokens(df)
     lines += ["## Finding", ""]
     uni = table[table["estimator"] == "uniform"]["best median err"]
     uni_v = float(uni.iloc[0]) if len(uni) else float("nan")
@@ -808,10 +928,18 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
         if rk["favor_vs_uniform"] is not None:
             lines.append("  " + format_verdict(rk["favor_vs_uniform"]))
     for t in TARGETS:
-        col = f"r for err<={t}"
-        hit = table[~table[col].isin(("not reached",)) & (table["estimator"] != "uniform")]
-        names = ", ".join(f"`{e}` (r={r})" for e, r in zip(hit["estimator"], hit[col], strict=True)) or "none"
-        lines.append(f"- Median error ≤ {t} reached by: {names}.")
+        col = f"_met r for err<={t}"
+        hit = table[table[col].notna() & (table["estimator"] != "uniform")]
+        names = ", ".join(
+            f"`{e}` (r = {int(r)}" + (" = n, exact attention" if str(e).startswith("nystrom") and int(r) >= n_tok
+                                      else "") + ")"
+            for e, r in zip(hit["estimator"], hit[col], strict=True)) or "none"
+        und = table[table[f"r for err<={t}"].astype(str).str.contains("undecided")]
+        und_txt = ("; undecided (the interval crosses it): " + ", ".join(
+            f"`{e}` ({x})" for e, x in zip(und["estimator"], und[f"r for err<={t}"], strict=True))
+                   if len(und) else "")
+        lines.append(f"- Median error ≤ {t} met (the 95% interval of the median at or below it, per r) "
+                     f"by: {names}{und_txt}.")
     if len(norms):
         qn = norms[norms["metric"] == "q_norm_median"]["mean"]
         tb = norms[norms["metric"] == "t_bar"]["mean"]
@@ -828,25 +956,25 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                      f"{fmt(ent.min())}–{fmt(ent.max())} (uniform rows: {fmt(ent_u)}).")
         lines.append(f"  - {int((ent < 0.5 * ent_u).sum())} of {len(ent)} heads are below half the uniform "
                      "entropy (peaked heads, where uniform weights and low-variance-but-biased maps fail).")
-    # per-layer advice
-    heads = df[(df["kind"] == "heads") & (df["metric"] == "out_rel_err")]
-    n_tok = _n_tokens(df)
-    heads = heads[~(heads["estimator"].str.startswith("nystrom") & (heads["r"] >= n_tok))]  # exact, no saving
-    per_layer = heads.groupby(["layer", "estimator", "r"], as_index=False).agg(
-        mean=("mean", "median"), fd=("feature_dim", "max"))
+    # per-layer advice, by the target's rule on each layer's 12 heads
     advice = []
-    for layer, g in per_layer.groupby("layer"):
-        ok = g[(g["mean"] <= TARGETS[0]) & (g["estimator"] != "uniform")]
-        if len(ok):
-            b = ok.sort_values(["fd", "mean"]).iloc[0]
-            advice.append(f"layer {int(layer)}: `{b['estimator']}` at r = {int(b['r'])} ({fmt(b['mean'])})")
+    for a in layer_advice(df):
+        m = a["met"]
+        und = a["undecided"]
+        und_txt = ("; undecided: " + ", ".join(
+            f"`{x['estimator']}` r = {x['r']} ({fmt(x['median'])} [{fmt(x['lo'])}, {fmt(x['hi'])}])"
+            for x in und[:3]) + (f" and {len(und) - 3} more" if len(und) > 3 else "")) if und else ""
+        if m is not None:
+            advice.append(f"layer {a['layer']}: **met** by `{m['estimator']}` at r = {m['r']} "
+                          f"({fmt(m['median'])} [{fmt(m['lo'])}, {fmt(m['hi'])}]){und_txt}")
         else:
-            b = g[g["estimator"] != "uniform"].sort_values("mean").iloc[0]
-            advice.append(f"layer {int(layer)}: none reaches {TARGETS[0]}; closest `{b['estimator']}` r = "
-                          f"{int(b['r'])} ({fmt(b['mean'])})")
-    lines.append("- Per layer (its own regime, see the norms), the estimator with the smallest feature "
-                 f"dimension reaching median error ≤ {TARGETS[0]} over the layer's 12 heads (Nyström with "
-                 "r ≥ n excluded: it is exact attention):" + "".join(f"\n  - {a}" for a in advice))
+            advice.append(f"layer {a['layer']}: **none met**{und_txt or '; every interval lies above it'}")
+    lines.append("- Per layer (its own regime, see the norms), the smallest feature dimension whose median "
+                 f"error over the layer's heads × draws meets ≤ {TARGETS[0]} by the same rule (95% "
+                 "hierarchical bootstrap interval of the median at or below it; 12 heads per layer, so the "
+                 "intervals are wide; Nyström with r ≥ n excluded: it is exact attention; maps with a "
+                 f"median above {4 * TARGETS[0]:g} cannot meet it and are not listed as undecided):"
+                 + "".join(f"\n  - {a}" for a in advice))
     if len(e2e):
         b = e2e.sort_values("mean").iloc[-1]
         ev = compare_to_reference(float(b["mean"]), float(b["ci_low"]), float(b["ci_high"]), 0.975,
@@ -869,9 +997,10 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                          "next.")
             lines.append(f"  - the learned map with the lowest median head error (fitted per head with the model frozen) still "
                          f"has a median head error of {fmt(learned['best median err'].min())}{clean}.")
-            lines.append("  - closing the gap needs what the learned-attention papers add on top of per-head "
-                         "distillation: fine-tuning the model around its linear attention.")
-    lines.append(f"- Nyström's landmarks are taken from the same sequence's n = {n_tok} keys (per head): r = n "
+            lines.append("  - " + _finetune_evidence(Path(ctx.out)))
+    lines.append(f"- Nyström's landmarks are taken from the same sequence's n = {n_tok} keys (per head), one "
+                 "landmark draw per head (no draws to resample: its interval resamples heads only and "
+                 "leaves out the landmark randomness): r = n "
                  "interpolates every key (exact softmax attention at quadratic cost).")
     lines.append(f"  - only r ≪ n saves anything (r = {n_tok // 4} is n/4 here; end to end, passages of "
                  f"{E2E_LEN} tokens).")
@@ -902,4 +1031,4 @@ STUDY = Study(
     install='pip install -e ".[real]"',
 )
 
-__all__ = ["STUDY", "features_needed", "head_medians"]
+__all__ = ["STUDY", "features_needed", "head_medians", "layer_advice", "rank_ranges", "target_call"]

@@ -556,17 +556,27 @@ def paired_ranking(scores: Any, *, lower_is_better: bool = True, alpha: float = 
 def beats_baseline(scores: Any, baseline: str, *, lower_is_better: bool = True,
                    alpha: float = 0.05, correction: Correction = "holm",
                    ci: Literal["t", "bootstrap"] = "t", n_boot: int = 4000, seed: int = 0,
-                   what: str = "estimator") -> Verdict:
+                   what: str = "estimator", margin: float = 0.0) -> Verdict:
     r"""Does the best method beat a baseline (e.g. uniform attention weights)?
 
     Every other method is compared with ``baseline`` (`pairwise_differences` on the
     $m - 1$ pairs, one family: the best is chosen after looking, so all comparisons
-    count). The best method is the one with the best mean score. Its corrected interval of
-    the difference to the baseline decides:
+    count). The best method is the one with the best mean score. Its corrected interval
+    $[\ell, u]$ of the difference to the baseline, against the equivalence margin
+    $[-\delta, \delta]$ ($\delta$ = ``margin``, in the units of the scores, stated
+    before the data), decides:
 
-    - ``beats``: the interval excludes 0 on the better side;
-    - ``ties``: it contains 0, printed "no {what} beats {baseline}";
-    - ``worse``: it excludes 0 on the worse side (every method is worse than the baseline).
+    - ``beats``: the test rejects and the whole interval lies beyond $-\delta$ on the better
+      side (the best is better by more than the margin);
+    - ``worse``: the test rejects and the whole interval lies beyond $+\delta$ on the worse
+      side (every method is worse than the baseline by more than the margin);
+    - ``ties`` otherwise, printed "no {what} beats {baseline}", with ``equivalent`` in the
+      evidence when the interval lies inside $[-\delta, \delta]$ (Schuirmann's two one-sided
+      tests [Sch87]: a difference too small to matter, however significant).
+
+    With ``margin = 0`` a significant difference of any size decides: a 0.05% difference
+    measured on many units "beats". On log scores, ``margin = log(1.01)`` asks for a 1%
+    ratio.
 
     Parameters
     ----------
@@ -578,12 +588,15 @@ def beats_baseline(scores: Any, baseline: str, *, lower_is_better: bool = True,
         See `paired_ranking`.
     what : str
         What the methods are called in the statement.
+    margin : float
+        Half-width $\delta \ge 0$ of the equivalence margin around 0, in score units.
 
     Returns
     -------
     Verdict
         ``evidence`` holds ``best``, the best method's ``diff`` to the baseline with its
-        ``ci_low``, ``ci_high``, ``p_adj``, and every comparison in ``pairs``.
+        ``ci_low``, ``ci_high``, ``p_adj``, ``margin``, ``equivalent`` and every comparison in
+        ``pairs`` (each with ``beyond_margin``: significant and outside the margin).
 
     Examples
     --------
@@ -594,6 +607,13 @@ def beats_baseline(scores: Any, baseline: str, *, lower_is_better: bool = True,
     'ties'
     >>> v.statement.split(":")[0]
     'no estimator beats uniform'
+    >>> tiny = {"uniform": [1.000, 1.100, 0.900, 1.050, 0.950],
+    ...         "hedgehog": [0.999, 1.099, 0.899, 1.049, 0.949]}  # 0.001 better everywhere
+    >>> beats_baseline(tiny, "uniform").label
+    'beats'
+    >>> v = beats_baseline(tiny, "uniform", margin=0.01)
+    >>> v.label, v.evidence["equivalent"]
+    ('ties', True)
     """
     names, _ = _as_score_table(scores)
     if baseline not in names:
@@ -601,24 +621,47 @@ def beats_baseline(scores: Any, baseline: str, *, lower_is_better: bool = True,
     others = [n for n in names if n != baseline]
     rows = pairwise_differences(scores, pairs=[(n, baseline) for n in others], alpha=alpha,
                                 correction=correction, ci=ci, n_boot=n_boot, seed=seed)
+    delta = _finite_float("margin", margin)
+    if not (math.isfinite(delta) and delta >= 0):
+        raise ValueError(f"margin must be finite and >= 0, got {margin!r}")
     sign = 1.0 if lower_is_better else -1.0
+    for r in rows:
+        # the interval's end nearest 0, on the side of the difference, beyond the margin
+        near = min(sign * r["ci_low"], sign * r["ci_high"]) if sign * r["diff"] > 0 else \
+            max(sign * r["ci_low"], sign * r["ci_high"])
+        r["beyond_margin"] = bool(r["significant"] and abs(near) > delta
+                                  and (near > 0) == (sign * r["diff"] > 0))
     best = min(rows, key=lambda r: sign * r["diff"])
     lo, hi = best["ci_low"], best["ci_high"]
-    if not best["significant"]:
+    equivalent = bool(-delta <= lo and hi <= delta) if delta > 0 else False
+    if not best["beyond_margin"]:
         label = "ties"
     else:
         label = "beats" if sign * best["diff"] < 0 else "worse"
     diff = f"{best['diff']:.3g} [{lo:.3g}, {hi:.3g}]"
     tail = (f"{best['a']} − {baseline} = {diff} ({_CORRECTION_NAME[correction]}-corrected "
             f"{best['level']:.4g} interval over {len(rows)} comparisons)")
-    statement = {
-        "beats": f"{best['a']} beats {baseline}: {tail} excludes 0",
-        "ties": f"no {what} beats {baseline}: the best, {tail}, contains 0",
-        "worse": f"no {what} beats {baseline}: even the best is worse, {tail}",
-    }[label]
+    if delta > 0:
+        m_txt = f"±{delta:.3g}"
+        statement = {
+            "beats": f"{best['a']} beats {baseline}: {tail} lies beyond the margin {m_txt}",
+            "ties": (f"no {what} beats {baseline} by more than the margin {m_txt}: the best, "
+                     f"{tail}, " + ("lies inside the margin (equivalent)" if equivalent
+                                   else "crosses an end of the margin" if best["significant"]
+                                   else "contains 0")),
+            "worse": f"no {what} beats {baseline}: even the best is worse, {tail}, beyond "
+                     f"the margin {m_txt}",
+        }[label]
+    else:
+        statement = {
+            "beats": f"{best['a']} beats {baseline}: {tail} excludes 0",
+            "ties": f"no {what} beats {baseline}: the best, {tail}, contains 0",
+            "worse": f"no {what} beats {baseline}: even the best is worse, {tail}",
+        }[label]
     return Verdict(label, statement, {"best": best["a"], "baseline": baseline,
                                       "diff": best["diff"], "ci_low": lo, "ci_high": hi,
-                                      "p_adj": best["p_adj"], "pairs": rows})
+                                      "p_adj": best["p_adj"], "margin": delta,
+                                      "equivalent": equivalent, "pairs": rows})
 
 
 # --------------------------------------------------------------------------------------------

@@ -67,3 +67,60 @@ def test_every_cited_paper_has_a_reference_entry_and_the_page_is_current():
     assert not missing, f"cited without a reference entry: {sorted(missing)}"
     assert (REPO / "docs" / "references.md").read_text(encoding="utf-8") == refs.render(defs), (
         "docs/references.md is stale: run python -m docs.scripts.references")
+
+
+# --- numbers quoted from reports --------------------------------------------------------------
+#: pages that quote study reports; each quoting passage sits between
+#: ``<!-- report: NAME -->`` and ``<!-- /report -->`` and every number in it must be in
+#: reports/NAME/summary.md
+QUOTING_PAGES = ("hybrid-attention.md", "real-attention.md", "studies.md")
+_BLOCK = re.compile(r"<!-- report: ([\w-]+) -->(.*?)<!-- /report -->", flags=re.S)
+_NUMBER = re.compile(r"(?<![\w.])[−-]?\d+(?:\.\d+)?(?:e[−+-]?\d+)?(?![\w])")
+_SUPERSCRIPT = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
+
+
+def _numbers(text: str) -> list[str]:
+    """The numbers of a passage as written, outside code spans (names, arguments), with
+    "1.1·10⁵" read as 1.1e5."""
+    text = re.sub(r"`[^`]*`", " ", text)
+    text = re.sub(r"(\d+(?:\.\d+)?)·10([⁻⁰¹²³⁴⁵⁶⁷⁸⁹]+)",
+                  lambda m: f"{m.group(1)}e{m.group(2).translate(_SUPERSCRIPT)}", text)
+    return [m.group(0).replace("−", "-") for m in _NUMBER.finditer(text)]
+
+
+def _matches(quoted: str, report_numbers: set[float]) -> bool:
+    """A quoted number is in the report when some report number, rounded to the quoted
+    precision (its decimals, or its significant digits in e-notation), gives it."""
+    x = float(quoted)
+    if "e" in quoted.lower():
+        digits = len(quoted.lower().split("e")[0].replace("-", "").replace(".", "").lstrip("0"))
+        return any(y != 0 and float(f"{y:.{max(digits - 1, 0)}e}") == x for y in report_numbers)
+    dec = len(quoted.split(".")[1]) if "." in quoted else 0
+    return any(round(y, dec) == x or round(abs(y), dec) == abs(x) for y in report_numbers)
+
+
+def stale_quotes(page_text: str, reports: Path) -> list[tuple[str, str]]:
+    """(report, number) for every number of a quoting passage that its report does not hold."""
+    out = []
+    for name, block in _BLOCK.findall(page_text):
+        summary = (reports / name / "summary.md").read_text()
+        nums = {float(n) for n in _numbers(summary)}
+        nums |= {100 * v for v in nums if abs(v) <= 1}  # a share printed as a percentage
+        out += [(name, q) for q in _numbers(block) if not _matches(q, nums)]
+    return out
+
+
+def test_stale_quotes_checker_flags_a_number_the_report_does_not_hold(tmp_path: Path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "summary.md").write_text("median p 0.566 (0.375 without sinks); 9.7% of 72 heads; 2.8e+03\n")
+    good = "<!-- report: x -->p = 0.57 (0.38 without the sinks), 9.7% of 72 heads, 2.8·10³<!-- /report -->"
+    assert stale_quotes(good, tmp_path) == []
+    stale = "<!-- report: x -->p = 0.57 (0.36 without the sinks), 0.50 alone<!-- /report -->"
+    assert stale_quotes(stale, tmp_path) == [("x", "0.36"), ("x", "0.50")]
+
+
+@pytest.mark.parametrize("page", QUOTING_PAGES)
+def test_numbers_quoted_from_reports_are_in_the_reports(page: str):
+    text = (REPO / "docs" / page).read_text()
+    assert _BLOCK.search(text), f"{page}: no <!-- report: NAME --> passage"
+    assert stale_quotes(text, REPO / "reports") == [], page

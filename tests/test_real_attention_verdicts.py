@@ -151,3 +151,61 @@ def test_table_intervals() -> None:
     # the median over heads x draws: for uniform, one value per head
     u = _uniform_errors()
     assert t.loc["uniform", "median err at r=256"] == pytest.approx(float(np.median(u)))
+
+
+def _spread_frame(values: dict[tuple[str, int], np.ndarray]) -> pd.DataFrame:
+    """One row per head (72 heads, one draw) with the given per-head errors, plus uniform
+    weights at 0.7 and the sequence length."""
+    rows = []
+    for (est, r), err in values.items():
+        rows += _rows(est, r, np.log(err)[:, None])
+    rows += _rows("uniform", 0, np.log(np.full(N_HEADS, 0.7))[:, None])
+    rows.append({"kind": "norms", "estimator": "", "r": 0, "metric": "entropy_uniform",
+                 "mean": math.log(512), "ci_low": math.log(512), "ci_high": math.log(512),
+                 "n_draws": 1, "layer": 0, "head": 0, "d": 32})
+    return pd.DataFrame(rows)
+
+
+def test_target_call_follows_the_interval_not_the_point() -> None:
+    assert ra.target_call(0.159, 0.0777, 0.533, 0.25) == "undecided"  # the point is below 0.25
+    assert ra.target_call(0.159, 0.10, 0.20, 0.25) == "met"
+    assert ra.target_call(0.40, 0.30, 0.50, 0.25) == "missed"
+    assert ra.target_call(0.20, 0.10, math.inf, 0.25) == "undecided"
+
+
+def test_r_for_target_is_undecided_when_the_median_interval_crosses_it() -> None:
+    """A median of 0.24 whose heads spread from 0.02 to 0.6: the point-estimate rule said
+    "reached at r = 64"; the interval crosses 0.25, so it is undecided there, and met at r = 256
+    where every head is at 0.05."""
+    rng = np.random.default_rng(0)
+    wide = rng.permutation(np.linspace(0.02, 0.46, N_HEADS))
+    df = _spread_frame({("x", 64): wide, ("x", 256): np.full(N_HEADS, 0.05)})
+    t = ra.features_needed(df).set_index("estimator")
+    assert float(np.median(wide)) < 0.25  # the premise: the old rule would have printed 64
+    assert t.loc["x", "r for err<=0.25"] == "256; undecided at r = 64"
+    df2 = _spread_frame({("x", 64): wide})
+    t2 = ra.features_needed(df2).set_index("estimator")
+    assert t2.loc["x", "r for err<=0.25"] == "undecided at r = 64; not met"
+    df3 = _spread_frame({("x", 64): np.full(N_HEADS, 0.2)})
+    assert ra.features_needed(df3).set_index("estimator").loc["x", "r for err<=0.25"] == "64"
+
+
+def test_rank_ranges_print_ties_as_overlapping_ranges() -> None:
+    tie = ra.rankings(_frame(0.0))["at_r8"]
+    assert set(ra.rank_ranges(tie).values()) == {"1–3"}  # nothing separates the three
+    sep = ra.rankings(_frame(-MARGIN))["at_r8"]
+    rr = ra.rank_ranges(sep)
+    assert rr["positive"] == "1" and rr["uniform"] == "2–3" and rr["oprf"] == "2–3"
+
+
+def test_layer_advice_by_the_rule() -> None:
+    """Layer 0 meets 0.25 (every head at 0.1), layer 1 is undecided (heads spread across 0.25),
+    layer 2 misses (every head at 0.6)."""
+    err = np.empty(N_HEADS)
+    err[:HEADS] = 0.1
+    err[HEADS:2 * HEADS] = np.linspace(0.05, 0.5, HEADS)
+    err[2 * HEADS:] = 0.6
+    adv = {a["layer"]: a for a in ra.layer_advice(_spread_frame({("x", 64): err}))}
+    assert adv[0]["met"] is not None and adv[0]["met"]["r"] == 64
+    assert adv[1]["met"] is None and [u["estimator"] for u in adv[1]["undecided"]] == ["x"]
+    assert adv[2]["met"] is None and adv[2]["undecided"] == []

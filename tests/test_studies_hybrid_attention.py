@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -120,3 +121,105 @@ def test_identity_prediction_beside_the_measurement(df: pd.DataFrame) -> None:
     assert h[["pred_rel_err", "rem_rel_err"]].map(math.isfinite).mean().min() > 0.95
     ratio = h["pred_rel_err"] / h["out_rel_err"]
     assert ratio.between(0.05, 20).mean() > 0.9
+
+
+# --- verdicts on data built to flip them (no model) -------------------------------------------
+def _heads_df(errs: dict[tuple[str, int], list[float]], base: list[float] | None, w: int = 64,
+              pred: dict[tuple[str, int], list[float]] | None = None) -> pd.DataFrame:
+    """A results frame with per-head out_rel_err rows of each (map, r) at window ``w`` and, when
+    ``base`` is given, the hybrid baseline of each head."""
+    rows = []
+    for (est, r), vals in errs.items():
+        for h, x in enumerate(vals):
+            rows.append({"kind": "heads", "estimator": est, "r": r, "metric": "out_rel_err",
+                         "mean": x, "layer": 0, "head": h, "w": w, "sinks": math.nan})
+            if pred is not None:
+                rows.append({"kind": "heads", "estimator": est, "r": r, "metric": "pred_rel_err",
+                             "mean": pred[(est, r)][h], "layer": 0, "head": h, "w": w,
+                             "sinks": math.nan})
+    for h, x in enumerate(base or []):
+        rows.append({"kind": "mass", "estimator": "", "r": 0, "metric": "hybrid_uniform_err",
+                     "mean": x, "layer": 0, "head": h, "w": w, "sinks": True})
+    return pd.DataFrame(rows)
+
+
+def test_tail_target_is_judged_by_its_clopper_pearson_interval() -> None:
+    # 7 of 72 heads (9.7%): the point estimate is above 5%, the interval [4.0, 19.0]% is not
+    label, lo, hi = hy.tail_call(7, 72)
+    assert label == "undecided" and lo == pytest.approx(0.0398, abs=5e-4) and hi == pytest.approx(0.190, abs=1e-3)
+    assert hy.tail_call(0, 72)[0] == "within"  # upper end 4.99%
+    assert hy.tail_call(20, 72)[0] == "above"
+    assert hy.tail_call(1, 72)[0] == "undecided"  # 1.4%, but the interval reaches 7.5%
+
+
+def test_median_target_undecided_vs_met_vs_missed() -> None:
+    assert hy.median_call(0.126, 0.095, 0.153, "x")[0] == "undecided"
+    assert hy.median_call(0.06, 0.04, 0.08, "x")[0] == "met"
+    assert hy.median_call(0.19, 0.17, 0.21, "x")[0] == "missed"
+
+
+def test_hybrid_baseline_verdict_flips_with_the_data() -> None:
+    rng = np.random.default_rng(0)
+    base = list(np.exp(rng.normal(np.log(0.3), 0.3, size=72)))
+    better = [b * 0.8 * math.exp(0.02 * z) for b, z in zip(base, rng.standard_normal(72), strict=True)]
+    worse = [b * 1.25 * math.exp(0.02 * z) for b, z in zip(base, rng.standard_normal(72), strict=True)]
+    tie = [b * math.exp(0.001 * z) for b, z in zip(base, rng.standard_normal(72), strict=True)]
+    res = hy.vs_hybrid_baseline(_heads_df({("hedgehog", 64): better, ("positive", 256): worse,
+                                           ("taylor", 0): tie}, base), 64)
+    assert res is not None
+    got = {x["map"]: x for x in res}
+    assert got["hedgehog r=64"]["label"] == "beats" and got["hedgehog r=64"]["worse"] == 0
+    assert got["positive r=256"]["label"] == "worse" and got["positive r=256"]["worse"] == 72
+    assert got["taylor r=0"]["label"] == "ties"
+    # without the baseline in the frame: no verdict, and the summary says so
+    assert hy.vs_hybrid_baseline(_heads_df({("hedgehog", 64): better}, None), 64) is None
+
+
+def test_ratio_spread_counts_infinite_ratios() -> None:
+    df = _heads_df({("nystrom-kmeans++", 128): [0.1, 0.2, 0.0, 0.4]}, None,
+                   pred={("nystrom-kmeans++", 128): [0.05, 0.3, 0.01, 0.4]})
+    rs = hy.ratio_spread(df)
+    assert rs["n"] == 4 and rs["non_finite"] == 1  # 0.01 / 0: counted, not dropped
+    assert rs["min"] == pytest.approx(0.5) and rs["max"] == pytest.approx(1.5)
+    assert rs["share_above_1"] == pytest.approx(1 / 3)
+
+
+def _centred(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Normal noise with mean exactly 0: a paired difference of it is a tie by construction."""
+    z = rng.standard_normal(n)
+    return z - z.mean()
+
+
+def test_remainder_vs_whole_flips_between_windows() -> None:
+    rng = np.random.default_rng(1)
+    whole = {w: list(0.3 + 0.05 * rng.standard_normal(72)) for w in (8, 64)}
+    rem = {8: [x + 0.02 + 0.005 * z for x, z in zip(whole[8], rng.standard_normal(72), strict=True)],
+           64: [x + 0.005 * z for x, z in zip(whole[64], _centred(rng, 72), strict=True)]}
+    df = pd.concat([_heads_df({("hedgehog-remainder", 64): rem[w], ("hedgehog-whole", 64): whole[w]},
+                              None, w=w) for w in (8, 64)])
+    got = {x["w"]: x["call"] for x in hy.remainder_vs_whole(df, 64)}
+    assert got == {8: "whole", 64: "tie"}
+    df64 = df.copy()
+    sel = (df64["estimator"] == "hedgehog-remainder") & (df64["w"] == 64)
+    df64.loc[sel, "mean"] -= 0.03
+    assert {x["w"]: x["call"] for x in hy.remainder_vs_whole(df64, 64)}[64] == "remainder"
+
+
+def test_hybrid_uniform_baseline_is_exact_when_the_remainder_values_are_equal() -> None:
+    """Uniform weights at the exact remainder mass equal exact attention when the exact set is
+    every key, or when every value is the same vector; otherwise they differ."""
+    g = torch.Generator().manual_seed(0)
+    n = 12
+    A = torch.softmax(torch.randn(1, 2, n, n, generator=g, dtype=torch.float64), -1)
+    S = exact_set_mask(n, window=2, sinks=[0, -1])
+    v = torch.randn(1, 2, n, 3, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(hy._hybrid_uniform(A, torch.ones(n, n, dtype=torch.bool), v), A @ v)
+    v_const = v[..., :1, :].expand_as(v)
+    torch.testing.assert_close(hy._hybrid_uniform(A, S, v_const), A @ v_const)
+    # by hand for one row: exact on S, (1 - p) times the mean of the other values
+    i = 5
+    Si = S[i]
+    p = float(A[0, 0, i][Si].sum())
+    want = A[0, 0, i][Si] @ v[0, 0][Si] + (1 - p) * v[0, 0][~Si].mean(0)
+    torch.testing.assert_close(hy._hybrid_uniform(A, S, v)[0, 0, i], want)
+    assert float((hy._hybrid_uniform(A, S, v) - A @ v).abs().max()) > 1e-3

@@ -338,3 +338,25 @@ def test_oprf_log_relative_variance() -> None:
     tt = ((x[:, None] + y[None]) ** 2).sum(-1).numpy()
     lib = np.log(np.asarray(mse(x, y, 1, A=None))) - 2 * (x @ y.T).numpy()
     np.testing.assert_allclose(league.oprf_log_relvar(tt, 64), lib, rtol=1e-9, atol=1e-9)
+
+
+def test_ranking_against_uniform_needs_more_than_the_margin() -> None:
+    """A map 0.05% better than uniform weights on every draw is significant but within the 1%
+    margin: a tie; 5% better on every draw: beats."""
+    rng = np.random.default_rng(0)
+    base = np.exp(rng.normal(-0.2, 0.05, size=12))
+    jitter = 1 + 1e-4 * rng.standard_normal(12)
+
+    def rows(ratio: float) -> pd.DataFrame:
+        return pd.DataFrame([
+            {"label": league.UNIFORM_LABEL, "mode": "baseline", "feature_dim": 0,
+             "draw_values": json.dumps(base.tolist())},
+            {"label": "hedgehog", "mode": "equal_F", "feature_dim": 256,
+             "draw_values": json.dumps((base * ratio * jitter).tolist())}])
+
+    res = league.ranking(rows(0.9995), what="attention error")
+    assert res is not None and res[1] is not None
+    assert res[1].label == "ties" and res[1].evidence["equivalent"] is True
+    assert res[1].evidence["pairs"][0]["significant"] is True  # significant, yet a tie
+    res = league.ranking(rows(0.95), what="attention error")
+    assert res is not None and res[1] is not None and res[1].label == "beats"

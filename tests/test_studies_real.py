@@ -113,7 +113,8 @@ def test_e2e_cosine_in_range(df: pd.DataFrame) -> None:
 
 
 def test_features_needed_table() -> None:
-    """The 'features needed' logic on a hand-made frame: first r whose median is under each target."""
+    """The 'features needed' logic on a hand-made frame: the first r whose median's interval lies
+    under each target (equal heads: a zero-width interval)."""
     rows = []
     for r, err in ((16, 0.5), (64, 0.2), (256, 0.05)):
         rows += [{"kind": "heads", "metric": "out_rel_err", "estimator": "x", "r": r, "feature_dim": r,
@@ -126,7 +127,7 @@ def test_features_needed_table() -> None:
     assert t.loc["x", "r for err<=0.25"] == "64"
     assert t.loc["x", "r for err<=0.1"] == "256"
     assert t.loc["x", "median err at r=256"] == pytest.approx(0.05)
-    assert t.loc["uniform", "r for err<=0.25"] == "not reached"
+    assert t.loc["uniform", "r for err<=0.25"] == "missed"
 
 
 def test_requires_names_the_extra() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -103,6 +104,15 @@ def test_intervals_exact_heads_and_decoding_are_reported(df: pd.DataFrame) -> No
     causal = fin[fin["case"] == "causal-hybrid"].set_index("metric")
     assert causal.loc["ppl_ratio", "ci_low"] <= causal.loc["ppl_ratio", "mean"] <= causal.loc["ppl_ratio", "ci_high"]
     assert causal.loc["generate_equals_forward", "mean"] == 1.0
+    for m in ("next_token_agreement", "kl_teacher_student"):
+        r = causal.loc[m]
+        assert r["ci_low"] <= r["mean"] <= r["ci_high"], m
+    assert 0.0 <= causal.loc["next_token_agreement", "mean"] <= 1.0
+    assert causal.loc["kl_teacher_student", "mean"] >= 0.0
+    teacher = df[(df["case"] == "causal-hybrid") & (df["stage"] == "teacher")].set_index("metric")["mean"]
+    for m in ("teacher_steps", "teacher_train_ppl", "teacher_heldout_ppl", "teacher_eval_ppl", "unk_share"):
+        assert m in teacher.index, m
+    assert 0.0 <= teacher["unk_share"] < 0.5
     ex = df[df["stage"] == "exact_heads"]
     assert sorted(ex["exact_heads"].astype(int).unique()) == list(lr.EXACT_HEADS_QUICK)
     # k = 0 is the fine-tuned pure-map model itself (same maps, merged weights)
@@ -144,3 +154,64 @@ def test_interval_helpers_on_known_cases() -> None:
     assert ratio == lo == hi == pytest.approx(1.0)
     ratio, lo, hi = lr.ppl_ratio_ci(nll + 31 * 0.1, nll, tokens=31)  # +0.1 nats per token on every sequence
     assert ratio == pytest.approx(float(torch.tensor(0.1).exp())) and lo == pytest.approx(ratio) == hi
+
+
+def _causal(**means_and_cis: tuple[float, float, float]) -> pd.DataFrame:
+    return _rows(**means_and_cis).assign(case="causal-hybrid", stage="finetune")
+
+
+def test_causal_fidelity_verdicts_are_two_sided_and_flip() -> None:
+    """A student better than its teacher (ratio 0.894 [0.869, 0.920]) passed the old one-sided
+    margin [0, 1.05]; the two-sided 1 ± 0.05 calls it missed. Agreement and KL flip with the data."""
+    better = _causal(ppl_ratio=(0.894, 0.869, 0.920), next_token_agreement=(0.825, 0.81, 0.84),
+                     kl_teacher_student=(0.11, 0.10, 0.12))
+    lines = lr.causal_verdicts(better)
+    assert "**missed**" in lines[0] and "margin_low = 0.95" in lines[0]
+    assert "**missed**" in lines[1] and "**missed**" in lines[2]
+    faithful = _causal(ppl_ratio=(1.01, 0.99, 1.03), next_token_agreement=(0.96, 0.95, 0.97),
+                       kl_teacher_student=(0.01, 0.008, 0.012))
+    lines = lr.causal_verdicts(faithful)
+    assert all("**met**" in x for x in lines[:3])
+    edge = _causal(ppl_ratio=(1.04, 1.00, 1.08), next_token_agreement=(0.91, 0.88, 0.93),
+                   kl_teacher_student=(0.04, 0.03, 0.06))
+    assert all("**undecided**" in x for x in lr.causal_verdicts(edge)[:3])
+    # a frame without the fidelity rows says so instead of judging by the ratio alone silently
+    old = lr.causal_verdicts(_causal(ppl_ratio=(0.894, 0.869, 0.920)))
+    assert any("not in this results.csv" in x for x in old)
+
+
+def test_fidelity_helpers_on_known_cases() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=11, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    a, b = GPT2LMHeadModel(cfg).eval(), GPT2LMHeadModel(cfg).eval()
+    x = {"input_ids": torch.randint(0, 11, (5, 16))}
+    agree, kl = lr.sequence_fidelity(a, a, x)
+    assert (agree == 15).all() and abs(kl).max() < 1e-12  # a model against itself
+    agree, kl = lr.sequence_fidelity(b, a, x)
+    assert (kl > 0).all() and (agree <= 15).all()
+    est, lo, hi = lr.per_token_ci(np.array([3.0, 3.0, 3.0]), tokens=3)
+    assert est == lo == hi == pytest.approx(1.0)
+    est, lo, hi = lr.per_token_ci(np.array([0.0, 3.0, 0.0, 3.0]), tokens=3, n_boot=500)
+    assert lo < est < hi and est == pytest.approx(0.5)
+
+
+def test_exact_pair_share() -> None:
+    # non-causal, window w: |i - j| < w; n = 128, w = 33 with two sinks covers 45.5% of the pairs
+    assert lr.exact_pair_share(128, 33, [0, -1], False) == pytest.approx(0.455, abs=1e-3)
+    assert lr.exact_pair_share(512, 33, [0, -1], False) < 0.15  # n >= 4w: the map carries most pairs
+    assert lr.exact_pair_share(16, 16, 1, True) == pytest.approx(1.0)
+
+
+def test_teacher_convergence_is_stated_as_measured() -> None:
+    """The teacher bullet says "not shown to have converged" when training hit the step limit,
+    and reports the stop when the held-out loss stopped improving."""
+    def frame(stopped: float) -> pd.DataFrame:
+        vals = {"teacher_steps": 400, "teacher_stopped_early": stopped, "teacher_train_ppl": 60.0,
+                "teacher_heldout_ppl": 70.0, "teacher_eval_ppl": 75.0, "unk_share": 0.01}
+        t = pd.DataFrame([{"metric": k, "mean": v, "ci_low": v, "ci_high": v} for k, v in vals.items()])
+        return pd.concat([t.assign(case="causal-hybrid", stage="teacher"),
+                          _causal(ppl_ratio=(1.0, 0.99, 1.01))])
+    assert any("stopped when the held-out" in x for x in lr.causal_verdicts(frame(1.0)))
+    assert any("not shown to have converged" in x for x in lr.causal_verdicts(frame(0.0)))

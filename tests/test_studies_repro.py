@@ -316,3 +316,22 @@ def test_repro_yu_verdicts_flip_when_a_point_moves() -> None:
     after = exact_line(yu.summarize(moved, None))  # type: ignore[arg-type]
     assert f"agrees {base['agrees']}," in before and f"differs {base['differs']}," in before
     assert f"agrees {base['agrees'] - 1}," in after and f"differs {base['differs'] + 1}," in after
+
+
+def test_replot_records_the_commit_of_the_code_that_redrew(tmp_path, monkeypatch) -> None:
+    """``--replot`` keeps the commit that computed results.csv and adds the commit of the code
+    that redrew the summary, printed in the summary's provenance."""
+    import json
+
+    from studies._engine import provenance
+    from studies._framework import run_study
+
+    run_study(yu.STUDY, out=tmp_path, quick=True, progress=False)
+    folder = tmp_path / yu.STUDY.name
+    computed = json.loads((folder / "provenance.json").read_text())["git_commit"]
+    monkeypatch.setattr(provenance, "git_commit", lambda: "abc123-redrawing-code")
+    run_study(yu.STUDY, out=tmp_path, replot=True, progress=False)
+    prov = json.loads((folder / "provenance.json").read_text())
+    assert prov["git_commit"] == computed
+    assert prov["replot_git_commit"] == "abc123-redrawing-code"
+    assert "by the code at git commit abc123-redrawing-code" in (folder / "summary.md").read_text()

@@ -137,6 +137,36 @@ def test_beats_baseline_flips_with_the_effect_and_reports_worse():
         beats_baseline(s, "sdp")
 
 
+def margin_scores(delta: float, n: int = 40) -> dict[str, np.ndarray]:
+    """Log errors of uniform weights and of one map better by exactly ``delta`` on average,
+    with a paired sd of 0.001: the t interval is about delta ± 0.0003."""
+    base = np.random.default_rng(5).normal(0.0, 0.3, size=n)
+    z = orthonormal_noise(n, 1, seed=6)[:, 0]
+    return {"uniform": base, "hedgehog": base - delta + 0.001 * z}
+
+
+def test_beats_baseline_margin_turns_a_tiny_significant_win_into_a_tie():
+    tiny = margin_scores(0.0005)  # a 0.05% ratio, significant on 40 units
+    assert beats_baseline(tiny, "uniform").label == "beats"  # margin 0: any significant difference
+    v = beats_baseline(tiny, "uniform", margin=math.log(1.01))
+    assert v.label == "ties" and v.evidence["equivalent"] is True
+    assert "inside the margin" in v.statement and v.evidence["pairs"][0]["beyond_margin"] is False
+    # a 5% ratio clears the 1% margin: the rule can say "beats"
+    big = beats_baseline(margin_scores(math.log(1.05)), "uniform", margin=math.log(1.01))
+    assert big.label == "beats" and big.evidence["equivalent"] is False
+    # an interval that crosses the margin's end is a tie, but not equivalence
+    mid = beats_baseline(margin_scores(math.log(1.01)), "uniform", margin=math.log(1.01))
+    assert mid.label == "ties" and mid.evidence["equivalent"] is False
+    assert "crosses an end of the margin" in mid.statement
+    # worse by more than the margin on the worse side
+    w = beats_baseline(margin_scores(-math.log(1.05)), "uniform", margin=math.log(1.01))
+    assert w.label == "worse" and w.evidence["pairs"][0]["beyond_margin"] is True
+    w_tiny = beats_baseline(margin_scores(-0.0005), "uniform", margin=math.log(1.01))
+    assert w_tiny.label == "ties"
+    with pytest.raises(ValueError, match="margin must be finite and >= 0"):
+        beats_baseline(tiny, "uniform", margin=-0.1)
+
+
 def ranking_scores(delta: float, n: int = 20) -> dict[str, np.ndarray]:
     base = np.random.default_rng(3).normal(1.0, 0.5, size=n)
     z = orthonormal_noise(n, 2, seed=4)

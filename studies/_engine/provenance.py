@@ -80,6 +80,15 @@ def git_commit() -> str:
         return "unknown"
 
 
+def replot_stamp(when: str) -> dict[str, str]:
+    """What ``--replot`` adds to a report's provenance: when the figures and the summary were
+    redrawn from ``results.csv`` and the commit of the code that redrew them (`git_commit`,
+    ``+dirty`` when it differs from that commit). The numbers in ``results.csv`` keep the
+    commit that computed them (``git_commit``); the verdicts printed are those of the redrawing
+    code."""
+    return {"replotted_utc": when, "replot_git_commit": git_commit()}
+
+
 def command_line(ctx: Context, *, use_cache: bool = True) -> str:
     """The ``python -m studies run`` command that reproduces this run, with every flag that
     changes what is computed or where it goes.

@@ -246,7 +246,9 @@ def compose_summary(
     lines.append(f"- git commit: {prov.get('git_commit')}")
     lines.append(f"- date (UTC): {prov.get('date_utc')}")
     if "replotted_utc" in prov:
-        lines.append(f"- figures and summary redrawn from results.csv at {prov['replotted_utc']}")
+        by = prov.get("replot_git_commit")
+        lines.append(f"- figures and summary redrawn from results.csv at {prov['replotted_utc']}"
+                     + (f" by the code at git commit {by}" if by else ""))
     vers = prov.get("versions", {})
     lines.append(
         f"- python {prov.get('python')}; " + ", ".join(f"{k} {v}" for k, v in vers.items())

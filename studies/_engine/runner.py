@@ -163,7 +163,7 @@ def run_study(
         ctx.seed = int(prov.get("seed", seed))
         ctx.quick = bool(prov.get("quick", quick))
         ctx.device = torch.device(prov.get("device", str(ctx.device)))
-        prov["replotted_utc"] = _now()
+        prov.update(_prov.replot_stamp(_now()))
         stage = _report.staging_folder(folder)
     else:
         assert cells is not None
