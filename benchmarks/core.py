@@ -58,9 +58,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -286,7 +288,11 @@ print(json.dumps({"peak_mib": peak - base, "inputs_mib": 3 * q.numel() * 4 / 2**
 MEM_TRIES = 3
 
 
-def bench_memory(device: torch.device, ns=(4096, 16384)) -> dict[str, float]:
+def bench_memory(device: torch.device, ns=(4096, 16384), tries: int = MEM_TRIES) -> dict[str, float]:
+    """Group 3, memory: peak memory of one inference call of ``linear_attention`` (B = 4, H = 8,
+    d = 64, r = 256) at each ``n`` of ``ns`` (two values), non-causal and causal, and the ratio of
+    the second to the first (CPU: the least of ``tries`` fresh subprocesses; CUDA:
+    ``max_memory_allocated``)."""
     out = {}
     for causal in (False, True):
         for n in ns:
@@ -300,7 +306,7 @@ def bench_memory(device: torch.device, ns=(4096, 16384)) -> dict[str, float]:
                 peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
             else:
                 peaks = []
-                for _ in range(MEM_TRIES):
+                for _ in range(tries):
                     res = subprocess.run(
                         [sys.executable, "-c", _MEM_CHILD, str(n), "1" if causal else "0"],
                         capture_output=True, text=True, check=True,
@@ -628,7 +634,7 @@ SHORT_NS = (16, 48, 128, 512)
 
 
 def bench_short_causal(device: torch.device, dtype, repeats: int, ns=SHORT_NS,
-                       B: int = 32, H: int = 4, dh: int = 16, r: int = 64) -> dict[str, float]:
+                       B: int = 32, H: int = 4, dh: int = 16, r: int = 64, rounds: int = 3) -> dict[str, float]:
     """Group 7: causal calls on short sequences, forward and forward + backward (of the sum of the
     output, with respect to q, k and v), in milliseconds: ``linear_attention(causal=True)``, the
     naive quadratic form and SDPA (``is_causal=True``, exact softmax attention). Interleaved rounds,
@@ -653,7 +659,7 @@ def bench_short_causal(device: torch.device, dtype, repeats: int, ns=SHORT_NS,
             return run
 
         best: dict[str, float] = {}
-        for _ in range(3):
+        for _ in range(rounds):
             for name, fn in fns.items():
                 for mode, call in (("fwd", lambda fn=fn, q=q, k=k, v=v: fn(q, k, v)), ("fwdbwd", train(fn))):
                     key = f"short/{name}_{mode}_ms_n{n}"
@@ -684,7 +690,38 @@ def _league_verdicts(res: dict[str, float]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def _verdicts(name: str, part: dict[str, float]) -> list[str]:
+    """The lines comparing a group's ratios with their targets (league, hybrid, feature maps)."""
+    if name.startswith("league"):
+        return _league_verdicts(part)
+    if name.startswith("hybrid (w"):
+        val = part["hybrid/parallel_block/linear"]
+        return [f"   non-causal block hybrid x{val:5.2f} linear attention  "
+                f"{'within' if val <= HYBRID_TARGET else 'ABOVE'} target {HYBRID_TARGET}x"]
+    if name == "feature maps":
+        return [f"   {m:20s} x{part[f'{m}-gaussian/matmul']:5.2f} GEMM  "
+                f"{'within' if part[f'{m}-gaussian/matmul'] <= t else 'ABOVE'} target {t}x"
+                for m, t in FEATURE_TARGETS.items()]
+    return []
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished subprocesses (user + system), in seconds."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _error_summary(e: BaseException, frames: int = 3) -> str:
+    """``Type: message`` of ``e`` and the last ``frames`` frames of its traceback, indented."""
+    tb = traceback.extract_tb(e.__traceback__)[-frames:]
+    lines = [f"   {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
+    lines += [f"     at {Path(f.filename).name}:{f.lineno} in {f.name}: {(f.line or '').strip()}" for f in tb]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float] | int:
+    """Command line: print every group's ratios; a group that raises is reported (its error and
+    where) and the others run; the status is 1 if any failed, else the results as a dict."""
     p = argparse.ArgumentParser(prog="python -m benchmarks core", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -702,54 +739,68 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         torch.set_num_threads(a.threads)
     B, H, n, d, r = 4, 8, (512 if a.quick else 4096), 64, 256
     reps = 2 if a.quick else a.repeats
+    # --quick: every group at small sizes (the league at B=1, H=2), one round, one subprocess per
+    # memory figure, no torch.compile of the feature maps (minutes of Inductor on a CPU): a smoke
+    # run of every group
+    rounds = 1 if a.quick else 3
+    tries = 1 if a.quick else MEM_TRIES
     print(f"device={device} dtype={dtype} B={B} H={H} n={n} d={d} r={r} threads={torch.get_num_threads()}")
     results: dict[str, float] = {}
+    failed: list[str] = []
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
     from benchmarks.mc import bench_mc
 
     for name, fn in (
         ("monte carlo (driver / batched-matmul floor)",
          lambda: bench_mc(device, dtype, reps,
                           quick=a.quick)),
-        ("feature maps", lambda: bench_feature_maps(B, H, n, d, r, device, dtype, reps)),
+        ("feature maps", lambda: bench_feature_maps(B, H, n, d, r, device, dtype, reps, rounds,
+                                                    compile_maps=not a.quick)),
         ("feature maps: structured projection and QMC draws",
-         lambda: bench_structured_qmc(B, H, n, d, r, device, dtype, reps)),
-        ("attention", lambda: bench_attention(B, H, n, d, r, device, dtype, reps)),
-        ("memory", lambda: bench_memory(device, (n, 4 * n))),
+         lambda: bench_structured_qmc(B, H, n, d, r, device, dtype, reps, rounds, 20 if a.quick else 200)),
+        ("attention", lambda: bench_attention(B, H, n, d, r, device, dtype, reps, rounds)),
+        ("memory", lambda: bench_memory(device, (n, 4 * n), tries)),
         ("memory in training (causal, B=1, forward + backward)",
-         lambda: bench_train_memory(device, (n, 4 * n))),
+         lambda: bench_train_memory(device, (n,) if a.quick else (n, 4 * n))),
         ("recurrent", lambda: bench_recurrent(device, dtype, reps, 1000 if a.quick else 100_000)),
         (f"league (equal feature_dim F = {LEAGUE_F}, time / FAVOR+, fit included)",
-         lambda: bench_league(B, H, n, d, device, dtype, reps)),
+         lambda: bench_league(1 if a.quick else B, 2 if a.quick else H, n, d, device, dtype, reps)),
         ("check (the KernelApproxWarning prediction, opt-in; and a small default call / bare)",
          lambda: bench_check(B, H, n, d, r, device, dtype, reps)),
         ("short causal (B=32, H=4, d_h=16, r=64; ms and ratios)",
-         lambda: bench_short_causal(device, dtype, reps)),
+         lambda: bench_short_causal(device, dtype, reps, (16, 128) if a.quick else SHORT_NS, rounds=rounds)),
         ("hybrid (w=64: token and block window / linear attention)",
-         lambda: bench_hybrid(B, H, n, d, r, device, dtype, reps)),
-        ("hybrid memory (peak MiB, inference)", lambda: bench_hybrid_memory(device, (n, 4 * n))),
+         lambda: bench_hybrid(B, H, n, d, r, device, dtype, reps, rounds=rounds)),
+        ("hybrid memory (peak MiB, inference)",
+         lambda: bench_hybrid_memory(device, (n, 4 * n), tries=tries,
+                                     causals=(True,) if a.quick else (False, True))),
     ):
         if a.only and not name.startswith(a.only):
             continue
-        part = fn()
-        print(f"-- {name}")
-        for key, val in part.items():
-            print(f"   {key:42s} {val:10.3f}")
-        if name.startswith("league"):
-            print("\n".join(_league_verdicts(part)))
-        if name.startswith("hybrid (w"):
-            val = part["hybrid/parallel_block/linear"]
-            print(f"   non-causal block hybrid x{val:5.2f} linear attention  "
-                  f"{'within' if val <= HYBRID_TARGET else 'ABOVE'} target {HYBRID_TARGET}x")
-        if name == "feature maps":
-            for m, target in FEATURE_TARGETS.items():
-                val = part[f"{m}-gaussian/matmul"]
-                print(f"   {m:20s} x{val:5.2f} GEMM  {'within' if val <= target else 'ABOVE'} target {target}x")
+        t0, c0 = time.perf_counter(), _cpu_seconds()
+        try:
+            part = fn()
+            lines = [f"-- {name} ({time.perf_counter() - t0:.1f} s wall, {_cpu_seconds() - c0:.1f} s CPU)"]
+            lines += [f"   {key:42s} {val:10.3f}" for key, val in part.items()]
+            lines += _verdicts(name, part)
+        except Exception as e:  # noqa: BLE001 - one failing group must not stop the others
+            failed.append(name)
+            print(f"-- {name}: FAILED after {time.perf_counter() - t0:.1f} s")
+            print(_error_summary(e))
+            continue
+        print("\n".join(lines))
         results.update(part)
+    print(f"{len(results)} figures, {len(failed)} failed group(s); {time.perf_counter() - start:.1f} s wall, "
+          f"{_cpu_seconds() - cpu_start:.1f} s CPU")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": str(device), "dtype": a.dtype, **results}, f, indent=1)
+            json.dump({"device": str(device), "dtype": a.dtype, **results, "failed": failed}, f, indent=1)
+    if failed:
+        print(f"{len(failed)} group(s) failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return results
 
 
 if __name__ == "__main__":
-    main()
+    res = main()
+    sys.exit(res if isinstance(res, int) else 0)
