@@ -325,3 +325,24 @@ def test_gpu_harness_runs_every_case_on_a_cpu_at_a_tiny_size(tmp_path) -> None:
            and not (r.impl.startswith("performer") and r.status.startswith("unavailable"))]
     assert not bad, bad
     assert gpu.main(["--dry-run", "--tiny"]) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_harness_on_cuda_at_a_tiny_size(tmp_path) -> None:
+    """The GPU benchmark at its tiny size on the device (do_bench or CUDA events, peak memory):
+    every library and SDPA case runs; fla's and performer's rows are ok, refused or unavailable."""
+    from benchmarks import gpu
+
+    assert gpu.main(["--tiny", "--out", str(tmp_path), "--budget", "60"]) == 0
+    text = (tmp_path / "gpu.md").read_text()
+    assert text.startswith(f"### {torch.cuda.get_device_name()}")
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "gpu.csv").open()))
+    for r in rows:
+        if r["impl"].startswith(("fla", "performer")):
+            assert r["status"] == "ok" or r["status"].startswith(("refused", "unavailable")), r
+        elif r["status"] != "skipped (budget)":
+            assert r["status"] == "ok", r
+            assert float(r["ms"]) > 0 and float(r["peak_mib"]) >= 0, r
