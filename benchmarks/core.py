@@ -360,17 +360,19 @@ def train_path(path: str, d: int, r: int) -> tuple[ka.FeatureMap, dict[str, obje
     return ka.PositiveRF(d, r, sampler="orthogonal", seed=0), kw
 
 
-def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1) -> dict[str, float]:
+def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1,
+                       paths: tuple[str, ...] = TRAIN_PATHS) -> dict[str, float]:
     """Peak memory of causal training (forward + backward of ``linear_attention(causal=True)``,
     B x H=8 heads, d=64, r=256, float32), per path of `TRAIN_PATHS`: FAVOR+ on the
     running-maximum path with autograd through every chunk ("old"), on the shared-scale path with
     the recomputing backward ("new", which saves only its inputs), and on the running-maximum
     path with recomputed runs of 8 chunks ("runmax", the path of CUDA tensors); ``TrigRF``
     (signed features, always the running-maximum path) without and with recomputation. CPU: the
-    ``VmHWM`` method of `bench_memory` in a fresh subprocess; CUDA: ``max_memory_allocated``."""
+    ``VmHWM`` method of `bench_memory` in a fresh subprocess; CUDA: ``max_memory_allocated``.
+    ``paths``: a subset of `TRAIN_PATHS` (the ratios of the paths measured)."""
     out: dict[str, float] = {}
     for n in ns:
-        for path in TRAIN_PATHS:
+        for path in paths:
             if device.type == "cuda":
                 fm, kw = train_path(path, 64, 256)
                 fm = fm.to(device)
@@ -386,10 +388,9 @@ def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1) -> di
                 )
                 peak = json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"]
             out[f"train_{path}_peak_mib_n{n}"] = peak
-        out[f"train_new/old_n{n}"] = out[f"train_new_peak_mib_n{n}"] / out[f"train_old_peak_mib_n{n}"]
-        out[f"train_runmax/old_n{n}"] = out[f"train_runmax_peak_mib_n{n}"] / out[f"train_old_peak_mib_n{n}"]
-        out[f"train_trig/trig-autograd_n{n}"] = (out[f"train_trig_peak_mib_n{n}"]
-                                                 / out[f"train_trig-autograd_peak_mib_n{n}"])
+        for a, b in (("new", "old"), ("runmax", "old"), ("trig", "trig-autograd")):
+            if a in paths and b in paths:
+                out[f"train_{a}/{b}_n{n}"] = out[f"train_{a}_peak_mib_n{n}"] / out[f"train_{b}_peak_mib_n{n}"]
     return out
 
 
@@ -739,9 +740,10 @@ def main(argv: list[str] | None = None) -> dict[str, float] | int:
         torch.set_num_threads(a.threads)
     B, H, n, d, r = 4, 8, (512 if a.quick else 4096), 64, 256
     reps = 2 if a.quick else a.repeats
-    # --quick: every group at small sizes (the league at B=1, H=2), one round, one subprocess per
-    # memory figure, no torch.compile of the feature maps (minutes of Inductor on a CPU): a smoke
-    # run of every group
+    # --quick: every group at small sizes (the league at B=1, H=2), one round (one Monte Carlo
+    # pair), one subprocess per memory figure and fewer of them (training: three paths at one n;
+    # hybrid: causal at one n), no torch.compile of the feature maps (minutes of Inductor on a
+    # CPU): a smoke run of every group
     rounds = 1 if a.quick else 3
     tries = 1 if a.quick else MEM_TRIES
     print(f"device={device} dtype={dtype} B={B} H={H} n={n} d={d} r={r} threads={torch.get_num_threads()}")
@@ -752,8 +754,7 @@ def main(argv: list[str] | None = None) -> dict[str, float] | int:
 
     for name, fn in (
         ("monte carlo (driver / batched-matmul floor)",
-         lambda: bench_mc(device, dtype, reps,
-                          quick=a.quick)),
+         lambda: bench_mc(device, dtype, 1 if a.quick else reps, quick=a.quick)),
         ("feature maps", lambda: bench_feature_maps(B, H, n, d, r, device, dtype, reps, rounds,
                                                     compile_maps=not a.quick)),
         ("feature maps: structured projection and QMC draws",
@@ -761,7 +762,8 @@ def main(argv: list[str] | None = None) -> dict[str, float] | int:
         ("attention", lambda: bench_attention(B, H, n, d, r, device, dtype, reps, rounds)),
         ("memory", lambda: bench_memory(device, (n, 4 * n), tries)),
         ("memory in training (causal, B=1, forward + backward)",
-         lambda: bench_train_memory(device, (n,) if a.quick else (n, 4 * n))),
+         lambda: bench_train_memory(device, (n,) if a.quick else (n, 4 * n),
+                                    paths=("old", "new", "runmax") if a.quick else TRAIN_PATHS)),
         ("recurrent", lambda: bench_recurrent(device, dtype, reps, 1000 if a.quick else 100_000)),
         (f"league (equal feature_dim F = {LEAGUE_F}, time / FAVOR+, fit included)",
          lambda: bench_league(1 if a.quick else B, 2 if a.quick else H, n, d, device, dtype, reps)),
@@ -772,7 +774,7 @@ def main(argv: list[str] | None = None) -> dict[str, float] | int:
         ("hybrid (w=64: token and block window / linear attention)",
          lambda: bench_hybrid(B, H, n, d, r, device, dtype, reps, rounds=rounds)),
         ("hybrid memory (peak MiB, inference)",
-         lambda: bench_hybrid_memory(device, (n, 4 * n), tries=tries,
+         lambda: bench_hybrid_memory(device, (n,) if a.quick else (n, 4 * n), tries=tries,
                                      causals=(True,) if a.quick else (False, True))),
     ):
         if a.only and not name.startswith(a.only):
