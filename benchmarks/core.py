@@ -575,10 +575,11 @@ def bench_league(B, H, n, d, device, dtype, repeats, F: int = LEAGUE_F) -> dict[
     return out
 
 
-def bench_check(B, H, n, d, r, device, dtype, repeats) -> dict[str, float]:
+def bench_check(B, H, n, d, r, device, dtype, repeats, quick: bool = False) -> dict[str, float]:
     """Group 6: cost of ``linear_attention``'s closed-form check (``check=True``, opt-in)
     relative to the call without it, non-causal and causal, FAVOR+ with orthogonal rows. Inputs at
-    sigma = 0.25 so that nothing warns (the cost of the check, not of printing a warning)."""
+    sigma = 0.25 so that nothing warns (the cost of the check, not of printing a warning).
+    ``quick``: the small-call rows from 2 rounds of 50 calls (a smoke run)."""
     q, k, v = _inputs(B, H, n, d, device, dtype)
     q, k = 0.25 * q, 0.25 * k
     fm = ka.PositiveRF(d, r, sampler="orthogonal", batch_shape=(H,), seed=0).to(device)
@@ -601,7 +602,8 @@ def bench_check(B, H, n, d, r, device, dtype, repeats) -> dict[str, float]:
     out["check/alone_ms"] = 1e3 * t_check
     out["check/alone_vs_parallel"] = t_check / min(out["check/parallel_ms_without"] / 1e3, 1e9)
     out["check/alone_vs_causal"] = t_check / (out["check/causal_ms_without"] / 1e3)
-    out.update(bench_small_call(device, dtype, max(repeats, 7)))
+    out.update(bench_small_call(device, dtype, 2, rounds=2, calls=50) if quick
+               else bench_small_call(device, dtype, max(repeats, 7)))
     return out
 
 
@@ -768,7 +770,7 @@ def main(argv: list[str] | None = None) -> dict[str, float] | int:
         (f"league (equal feature_dim F = {LEAGUE_F}, time / FAVOR+, fit included)",
          lambda: bench_league(1 if a.quick else B, 2 if a.quick else H, n, d, device, dtype, reps)),
         ("check (the KernelApproxWarning prediction, opt-in; and a small default call / bare)",
-         lambda: bench_check(B, H, n, d, r, device, dtype, reps)),
+         lambda: bench_check(B, H, n, d, r, device, dtype, reps, quick=a.quick)),
         ("short causal (B=32, H=4, d_h=16, r=64; ms and ratios)",
          lambda: bench_short_causal(device, dtype, reps, (16, 128) if a.quick else SHORT_NS, rounds=rounds)),
         ("hybrid (w=64: token and block window / linear attention)",
