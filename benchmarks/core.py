@@ -579,7 +579,7 @@ def bench_check(B, H, n, d, r, device, dtype, repeats, quick: bool = False) -> d
     """Group 6: cost of ``linear_attention``'s closed-form check (``check=True``, opt-in)
     relative to the call without it, non-causal and causal, FAVOR+ with orthogonal rows. Inputs at
     sigma = 0.25 so that nothing warns (the cost of the check, not of printing a warning).
-    ``quick``: the small-call rows from 2 rounds of 50 calls (a smoke run)."""
+    ``quick``: one round, and the small-call rows from 2 rounds of 25 calls (a smoke run)."""
     q, k, v = _inputs(B, H, n, d, device, dtype)
     q, k = 0.25 * q, 0.25 * k
     fm = ka.PositiveRF(d, r, sampler="orthogonal", batch_shape=(H,), seed=0).to(device)
@@ -588,7 +588,7 @@ def bench_check(B, H, n, d, r, device, dtype, repeats, quick: bool = False) -> d
         name = "causal" if causal else "parallel"
         # interleaved repeats of the two variants, so that a load change hits both alike
         on, off = [], []
-        for _ in range(3):
+        for _ in range(1 if quick else 3):
             on.append(timeit(lambda c=causal: ka.linear_attention(q, k, v, fm, causal=c), device, repeats))
             off.append(timeit(lambda c=causal: ka.linear_attention(q, k, v, fm, causal=c, check=False),
                               device, repeats))
@@ -602,7 +602,7 @@ def bench_check(B, H, n, d, r, device, dtype, repeats, quick: bool = False) -> d
     out["check/alone_ms"] = 1e3 * t_check
     out["check/alone_vs_parallel"] = t_check / min(out["check/parallel_ms_without"] / 1e3, 1e9)
     out["check/alone_vs_causal"] = t_check / (out["check/causal_ms_without"] / 1e3)
-    out.update(bench_small_call(device, dtype, 2, rounds=2, calls=50) if quick
+    out.update(bench_small_call(device, dtype, 1, rounds=2, calls=25) if quick
                else bench_small_call(device, dtype, max(repeats, 7)))
     return out
 
