@@ -8,7 +8,11 @@ module of this package with a ``main(argv)``; its docstring describes what it me
 - ``mc``: the Monte Carlo drivers against their batched-matmul floor;
 - ``sklearn``: the scikit-learn front end against ``RBFSampler``;
 - ``train``: a small causal transformer with linear attention, eager, compiled and bf16;
-- ``decode``: per-token time of ``generate()`` after a long prompt, linearised or not.
+- ``decode``: per-token time of ``generate()`` after a long prompt, linearised or not;
+- ``gpu``: the library against fla, SDPA and performer-pytorch on one CUDA device (with a
+  reported warm-up phase; ``--out DIR`` writes a dated Markdown table and a CSV).
+
+``benchmarks/device_check.sh`` runs the CUDA tests and ``gpu --quick`` on a GPU machine in one go.
 
 Like ``studies/``, this folder is not part of the installed package.
 """
@@ -25,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "sklearn": "the scikit-learn front end against sklearn's RBFSampler",
     "train": "training a small causal transformer with linear attention: eager, compiled, bf16",
     "decode": "per-token decoding time of a tiny LLaMA, linearised or not",
+    "gpu": "the library against fla, SDPA and performer-pytorch on a CUDA device (warm-up reported)",
 }
 
 __all__ = ["BENCHMARKS", "run"]
@@ -43,8 +48,9 @@ def run(name: str, argv: Sequence[str] | None = None) -> int:
     Returns
     -------
     int
-        The status ``main`` returned where it returns one (``sklearn``, ``train``, ``decode``),
-        else 0 (``core`` and ``mc`` return their results as a dict).
+        The status ``main`` returned where it returns one (``sklearn``, ``train``, ``decode``,
+        ``gpu``; ``core`` when a group failed: 1), else 0 (``core`` and ``mc`` return their results
+        as a dict).
     """
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; one of {', '.join(BENCHMARKS)}")

@@ -58,9 +58,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -286,7 +288,11 @@ print(json.dumps({"peak_mib": peak - base, "inputs_mib": 3 * q.numel() * 4 / 2**
 MEM_TRIES = 3
 
 
-def bench_memory(device: torch.device, ns=(4096, 16384)) -> dict[str, float]:
+def bench_memory(device: torch.device, ns=(4096, 16384), tries: int = MEM_TRIES) -> dict[str, float]:
+    """Group 3, memory: peak memory of one inference call of ``linear_attention`` (B = 4, H = 8,
+    d = 64, r = 256) at each ``n`` of ``ns`` (two values), non-causal and causal, and the ratio of
+    the second to the first (CPU: the least of ``tries`` fresh subprocesses; CUDA:
+    ``max_memory_allocated``)."""
     out = {}
     for causal in (False, True):
         for n in ns:
@@ -300,7 +306,7 @@ def bench_memory(device: torch.device, ns=(4096, 16384)) -> dict[str, float]:
                 peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
             else:
                 peaks = []
-                for _ in range(MEM_TRIES):
+                for _ in range(tries):
                     res = subprocess.run(
                         [sys.executable, "-c", _MEM_CHILD, str(n), "1" if causal else "0"],
                         capture_output=True, text=True, check=True,
@@ -354,17 +360,19 @@ def train_path(path: str, d: int, r: int) -> tuple[ka.FeatureMap, dict[str, obje
     return ka.PositiveRF(d, r, sampler="orthogonal", seed=0), kw
 
 
-def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1) -> dict[str, float]:
+def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1,
+                       paths: tuple[str, ...] = TRAIN_PATHS) -> dict[str, float]:
     """Peak memory of causal training (forward + backward of ``linear_attention(causal=True)``,
     B x H=8 heads, d=64, r=256, float32), per path of `TRAIN_PATHS`: FAVOR+ on the
     running-maximum path with autograd through every chunk ("old"), on the shared-scale path with
     the recomputing backward ("new", which saves only its inputs), and on the running-maximum
     path with recomputed runs of 8 chunks ("runmax", the path of CUDA tensors); ``TrigRF``
     (signed features, always the running-maximum path) without and with recomputation. CPU: the
-    ``VmHWM`` method of `bench_memory` in a fresh subprocess; CUDA: ``max_memory_allocated``."""
+    ``VmHWM`` method of `bench_memory` in a fresh subprocess; CUDA: ``max_memory_allocated``.
+    ``paths``: a subset of `TRAIN_PATHS` (the ratios of the paths measured)."""
     out: dict[str, float] = {}
     for n in ns:
-        for path in TRAIN_PATHS:
+        for path in paths:
             if device.type == "cuda":
                 fm, kw = train_path(path, 64, 256)
                 fm = fm.to(device)
@@ -380,10 +388,9 @@ def bench_train_memory(device: torch.device, ns=(4096, 16384), B: int = 1) -> di
                 )
                 peak = json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"]
             out[f"train_{path}_peak_mib_n{n}"] = peak
-        out[f"train_new/old_n{n}"] = out[f"train_new_peak_mib_n{n}"] / out[f"train_old_peak_mib_n{n}"]
-        out[f"train_runmax/old_n{n}"] = out[f"train_runmax_peak_mib_n{n}"] / out[f"train_old_peak_mib_n{n}"]
-        out[f"train_trig/trig-autograd_n{n}"] = (out[f"train_trig_peak_mib_n{n}"]
-                                                 / out[f"train_trig-autograd_peak_mib_n{n}"])
+        for a, b in (("new", "old"), ("runmax", "old"), ("trig", "trig-autograd")):
+            if a in paths and b in paths:
+                out[f"train_{a}/{b}_n{n}"] = out[f"train_{a}_peak_mib_n{n}"] / out[f"train_{b}_peak_mib_n{n}"]
     return out
 
 
@@ -568,10 +575,11 @@ def bench_league(B, H, n, d, device, dtype, repeats, F: int = LEAGUE_F) -> dict[
     return out
 
 
-def bench_check(B, H, n, d, r, device, dtype, repeats) -> dict[str, float]:
+def bench_check(B, H, n, d, r, device, dtype, repeats, quick: bool = False) -> dict[str, float]:
     """Group 6: cost of ``linear_attention``'s closed-form check (``check=True``, opt-in)
     relative to the call without it, non-causal and causal, FAVOR+ with orthogonal rows. Inputs at
-    sigma = 0.25 so that nothing warns (the cost of the check, not of printing a warning)."""
+    sigma = 0.25 so that nothing warns (the cost of the check, not of printing a warning).
+    ``quick``: one round, and the small-call rows from 2 rounds of 25 calls (a smoke run)."""
     q, k, v = _inputs(B, H, n, d, device, dtype)
     q, k = 0.25 * q, 0.25 * k
     fm = ka.PositiveRF(d, r, sampler="orthogonal", batch_shape=(H,), seed=0).to(device)
@@ -580,7 +588,7 @@ def bench_check(B, H, n, d, r, device, dtype, repeats) -> dict[str, float]:
         name = "causal" if causal else "parallel"
         # interleaved repeats of the two variants, so that a load change hits both alike
         on, off = [], []
-        for _ in range(3):
+        for _ in range(1 if quick else 3):
             on.append(timeit(lambda c=causal: ka.linear_attention(q, k, v, fm, causal=c), device, repeats))
             off.append(timeit(lambda c=causal: ka.linear_attention(q, k, v, fm, causal=c, check=False),
                               device, repeats))
@@ -594,7 +602,8 @@ def bench_check(B, H, n, d, r, device, dtype, repeats) -> dict[str, float]:
     out["check/alone_ms"] = 1e3 * t_check
     out["check/alone_vs_parallel"] = t_check / min(out["check/parallel_ms_without"] / 1e3, 1e9)
     out["check/alone_vs_causal"] = t_check / (out["check/causal_ms_without"] / 1e3)
-    out.update(bench_small_call(device, dtype, max(repeats, 7)))
+    out.update(bench_small_call(device, dtype, 1, rounds=2, calls=25) if quick
+               else bench_small_call(device, dtype, max(repeats, 7)))
     return out
 
 
@@ -628,7 +637,7 @@ SHORT_NS = (16, 48, 128, 512)
 
 
 def bench_short_causal(device: torch.device, dtype, repeats: int, ns=SHORT_NS,
-                       B: int = 32, H: int = 4, dh: int = 16, r: int = 64) -> dict[str, float]:
+                       B: int = 32, H: int = 4, dh: int = 16, r: int = 64, rounds: int = 3) -> dict[str, float]:
     """Group 7: causal calls on short sequences, forward and forward + backward (of the sum of the
     output, with respect to q, k and v), in milliseconds: ``linear_attention(causal=True)``, the
     naive quadratic form and SDPA (``is_causal=True``, exact softmax attention). Interleaved rounds,
@@ -653,7 +662,7 @@ def bench_short_causal(device: torch.device, dtype, repeats: int, ns=SHORT_NS,
             return run
 
         best: dict[str, float] = {}
-        for _ in range(3):
+        for _ in range(rounds):
             for name, fn in fns.items():
                 for mode, call in (("fwd", lambda fn=fn, q=q, k=k, v=v: fn(q, k, v)), ("fwdbwd", train(fn))):
                     key = f"short/{name}_{mode}_ms_n{n}"
@@ -684,7 +693,38 @@ def _league_verdicts(res: dict[str, float]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def _verdicts(name: str, part: dict[str, float]) -> list[str]:
+    """The lines comparing a group's ratios with their targets (league, hybrid, feature maps)."""
+    if name.startswith("league"):
+        return _league_verdicts(part)
+    if name.startswith("hybrid (w"):
+        val = part["hybrid/parallel_block/linear"]
+        return [f"   non-causal block hybrid x{val:5.2f} linear attention  "
+                f"{'within' if val <= HYBRID_TARGET else 'ABOVE'} target {HYBRID_TARGET}x"]
+    if name == "feature maps":
+        return [f"   {m:20s} x{part[f'{m}-gaussian/matmul']:5.2f} GEMM  "
+                f"{'within' if part[f'{m}-gaussian/matmul'] <= t else 'ABOVE'} target {t}x"
+                for m, t in FEATURE_TARGETS.items()]
+    return []
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished subprocesses (user + system), in seconds."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _error_summary(e: BaseException, frames: int = 3) -> str:
+    """``Type: message`` of ``e`` and the last ``frames`` frames of its traceback, indented."""
+    tb = traceback.extract_tb(e.__traceback__)[-frames:]
+    lines = [f"   {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
+    lines += [f"     at {Path(f.filename).name}:{f.lineno} in {f.name}: {(f.line or '').strip()}" for f in tb]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float] | int:
+    """Command line: print every group's ratios; a group that raises is reported (its error and
+    where) and the others run; the status is 1 if any failed, else the results as a dict."""
     p = argparse.ArgumentParser(prog="python -m benchmarks core", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -702,54 +742,69 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         torch.set_num_threads(a.threads)
     B, H, n, d, r = 4, 8, (512 if a.quick else 4096), 64, 256
     reps = 2 if a.quick else a.repeats
+    # --quick: every group at small sizes (the league at B=1, H=2), one round (one Monte Carlo
+    # pair), one subprocess per memory figure and fewer of them (training: three paths at one n;
+    # hybrid: causal at one n), no torch.compile of the feature maps (minutes of Inductor on a
+    # CPU): a smoke run of every group
+    rounds = 1 if a.quick else 3
+    tries = 1 if a.quick else MEM_TRIES
     print(f"device={device} dtype={dtype} B={B} H={H} n={n} d={d} r={r} threads={torch.get_num_threads()}")
     results: dict[str, float] = {}
+    failed: list[str] = []
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
     from benchmarks.mc import bench_mc
 
     for name, fn in (
         ("monte carlo (driver / batched-matmul floor)",
-         lambda: bench_mc(device, dtype, reps,
-                          quick=a.quick)),
-        ("feature maps", lambda: bench_feature_maps(B, H, n, d, r, device, dtype, reps)),
+         lambda: bench_mc(device, dtype, 1 if a.quick else reps, quick=a.quick)),
+        ("feature maps", lambda: bench_feature_maps(B, H, n, d, r, device, dtype, reps, rounds,
+                                                    compile_maps=not a.quick)),
         ("feature maps: structured projection and QMC draws",
-         lambda: bench_structured_qmc(B, H, n, d, r, device, dtype, reps)),
-        ("attention", lambda: bench_attention(B, H, n, d, r, device, dtype, reps)),
-        ("memory", lambda: bench_memory(device, (n, 4 * n))),
+         lambda: bench_structured_qmc(B, H, n, d, r, device, dtype, reps, rounds, 20 if a.quick else 200)),
+        ("attention", lambda: bench_attention(B, H, n, d, r, device, dtype, reps, rounds)),
+        ("memory", lambda: bench_memory(device, (n, 4 * n), tries)),
         ("memory in training (causal, B=1, forward + backward)",
-         lambda: bench_train_memory(device, (n, 4 * n))),
+         lambda: bench_train_memory(device, (n,) if a.quick else (n, 4 * n),
+                                    paths=("old", "new", "runmax") if a.quick else TRAIN_PATHS)),
         ("recurrent", lambda: bench_recurrent(device, dtype, reps, 1000 if a.quick else 100_000)),
         (f"league (equal feature_dim F = {LEAGUE_F}, time / FAVOR+, fit included)",
-         lambda: bench_league(B, H, n, d, device, dtype, reps)),
+         lambda: bench_league(1 if a.quick else B, 2 if a.quick else H, n, d, device, dtype, reps)),
         ("check (the KernelApproxWarning prediction, opt-in; and a small default call / bare)",
-         lambda: bench_check(B, H, n, d, r, device, dtype, reps)),
+         lambda: bench_check(B, H, n, d, r, device, dtype, reps, quick=a.quick)),
         ("short causal (B=32, H=4, d_h=16, r=64; ms and ratios)",
-         lambda: bench_short_causal(device, dtype, reps)),
+         lambda: bench_short_causal(device, dtype, reps, (16, 128) if a.quick else SHORT_NS, rounds=rounds)),
         ("hybrid (w=64: token and block window / linear attention)",
-         lambda: bench_hybrid(B, H, n, d, r, device, dtype, reps)),
-        ("hybrid memory (peak MiB, inference)", lambda: bench_hybrid_memory(device, (n, 4 * n))),
+         lambda: bench_hybrid(B, H, n, d, r, device, dtype, reps, rounds=rounds)),
+        ("hybrid memory (peak MiB, inference)",
+         lambda: bench_hybrid_memory(device, (n,) if a.quick else (n, 4 * n), tries=tries,
+                                     causals=(True,) if a.quick else (False, True))),
     ):
         if a.only and not name.startswith(a.only):
             continue
-        part = fn()
-        print(f"-- {name}")
-        for key, val in part.items():
-            print(f"   {key:42s} {val:10.3f}")
-        if name.startswith("league"):
-            print("\n".join(_league_verdicts(part)))
-        if name.startswith("hybrid (w"):
-            val = part["hybrid/parallel_block/linear"]
-            print(f"   non-causal block hybrid x{val:5.2f} linear attention  "
-                  f"{'within' if val <= HYBRID_TARGET else 'ABOVE'} target {HYBRID_TARGET}x")
-        if name == "feature maps":
-            for m, target in FEATURE_TARGETS.items():
-                val = part[f"{m}-gaussian/matmul"]
-                print(f"   {m:20s} x{val:5.2f} GEMM  {'within' if val <= target else 'ABOVE'} target {target}x")
+        t0, c0 = time.perf_counter(), _cpu_seconds()
+        try:
+            part = fn()
+            lines = [f"-- {name} ({time.perf_counter() - t0:.1f} s wall, {_cpu_seconds() - c0:.1f} s CPU)"]
+            lines += [f"   {key:42s} {val:10.3f}" for key, val in part.items()]
+            lines += _verdicts(name, part)
+        except Exception as e:  # noqa: BLE001 - one failing group must not stop the others
+            failed.append(name)
+            print(f"-- {name}: FAILED after {time.perf_counter() - t0:.1f} s")
+            print(_error_summary(e))
+            continue
+        print("\n".join(lines))
         results.update(part)
+    print(f"{len(results)} figures, {len(failed)} failed group(s); {time.perf_counter() - start:.1f} s wall, "
+          f"{_cpu_seconds() - cpu_start:.1f} s CPU")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": str(device), "dtype": a.dtype, **results}, f, indent=1)
+            json.dump({"device": str(device), "dtype": a.dtype, **results, "failed": failed}, f, indent=1)
+    if failed:
+        print(f"{len(failed)} group(s) failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return results
 
 
 if __name__ == "__main__":
-    main()
+    res = main()
+    sys.exit(res if isinstance(res, int) else 0)

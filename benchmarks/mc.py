@@ -216,7 +216,7 @@ def bench_mc(device: torch.device, dtype: torch.dtype, repeats: int, quick: bool
     d = 16 if quick else 64
     ctx = _ctx(quick, device, torch.float64)
     add(f"error_vs_r cell positive-gaussian d{d}",
-        lambda: E.run_cell({"estimator": "positive-gaussian", "d": d}, ctx),
+        lambda: E.run_cell({"spec": "positive-gaussian", "d": d}, ctx),
         lambda: error_vs_r_floor(d, quick, device, torch.float64))
     return out
 

@@ -323,8 +323,7 @@ def test_replot_records_the_commit_of_the_code_that_redrew(tmp_path, monkeypatch
     that redrew the summary, printed in the summary's provenance."""
     import json
 
-    from studies._engine import provenance
-    from studies._framework import run_study
+    from studies._engine import provenance, run_study
 
     run_study(yu.STUDY, out=tmp_path, quick=True, progress=False)
     folder = tmp_path / yu.STUDY.name
