@@ -175,15 +175,26 @@ def check_device(name: str, value: object) -> torch.device | None:
     if value is None:
         return None
     if isinstance(value, torch.device):
-        return value
+        return _check_available(name, value)
     if isinstance(value, (str, int)) and not isinstance(value, bool):
         try:
-            return torch.device(value)
+            device = torch.device(value)
         except (RuntimeError, ValueError, TypeError):
-            pass
+            device = None
+        if device is not None:
+            return _check_available(name, device)
         raise ValueError(f"{name} must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
                          f"got {value!r}")
     raise TypeError(f"{name} must be a torch.device, a str or None, got {value!r} ({type(value).__name__})")
+
+
+def _check_available(name: str, device: torch.device) -> torch.device:
+    """``device``, unless it is a CUDA device that this torch build or machine does not have."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}={str(device)!r}: torch {torch.__version__} sees no CUDA device here "
+                         "(torch.cuda.is_available() is False: a CPU build, or no GPU); pass device='cpu' "
+                         "or install a CUDA build of torch")
+    return device
 
 
 def check_dtype(name: str, value: object, *, floating: bool = True, allow_none: bool = True) -> torch.dtype | None:

@@ -24,6 +24,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *
         check_floating("v", v)
     for name, t in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
         check_last_dim(name, t, t.shape[-1] if t.dim() else 0)
+        if t.device != q.device:
+            raise ValueError(f"q, k and v must be on one device, got q on {q.device} and {name} on {t.device}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"q and k must have the same last dimension d, got q {tuple(q.shape)} and k {tuple(k.shape)}"

@@ -264,6 +264,11 @@ row("ka.LinearAttentionState", "log-scale-not-tensor",
 
 row("ka.hybrid_attention", "fm-not-map", lambda: ka.hybrid_attention(Q5, K5, V5, 3, window=2), "feature_map")
 row("ka.hybrid_attention", "q-1d", lambda: ka.hybrid_attention(torch.ones(4), K5, V5, fm4(), window=2), "q")
+row("ka.hybrid_attention", "v-other-device",
+    lambda: ka.hybrid_attention(Q5[None], K5[None], V5[None].to("meta"), fm4(), window=2), "v on meta")
+row("ka.linear_attention", "k-other-device",
+    lambda: ka.linear_attention(Q5[None], K5[None].to("meta"), V5[None], fm4()), "k on meta")
+row("ka.PositiveRF", "device-cuda-unavailable", lambda: ka.PositiveRF(4, 8, device="cuda"), "torch.cuda.is_available")
 row("ka.RecurrentHybridAttention", "fm-not-map", lambda: ka.RecurrentHybridAttention(3, window=2), "feature_map")
 row("ka.HybridAttentionState", "kv-not-tensor",
     lambda: ka.HybridAttentionState(3, torch.zeros(1, 1), *(torch.zeros(0, 4),) * 4, (), 0, 2), "kv")

@@ -258,6 +258,8 @@ class FeatureMap(nn.Module):
         k = check_floating("k", k)
         check_last_dim("q", q, self.dim)
         check_last_dim("k", k, self.dim)
+        if q.device != k.device:
+            raise ValueError(f"q and k must be on one device, got q on {q.device} and k on {k.device}")
         try:
             torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], self.batch_shape)
         except RuntimeError:
