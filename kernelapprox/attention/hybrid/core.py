@@ -55,10 +55,11 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from ..._validation import _as_int, check_tensor_fields, inputs_validated, no_autocast
+from ..._validation import _as_int, check_finite_float, check_tensor_fields, inputs_validated, no_autocast
 from ...maps.base import FeatureMap
-from .._common import apply_padding, check_eps, normalise, padding_mask, prepare, with_ones
-from .sinks import check_sinks
+from .._common import apply_padding, normalise, padding_mask, prepare, with_ones
+from .sinks import CausalSinks, check_sinks
+from .softmax import softmax_limit
 
 __all__ = [
     "hybrid_attention",
@@ -122,6 +123,12 @@ def resolve_sinks(sinks: object, n: int | None, *, causal: bool) -> tuple[int, .
             raise ValueError(f"sinks position {s} is out of range {where} for n = {n}")
         out.add(p)
     return tuple(sorted(out))
+
+
+def check_hybrid_eps(eps: object) -> float:
+    """``eps`` (the signed maps' denominator guard) as a finite real number > 0, else
+    ``TypeError``/``ValueError`` naming it."""
+    return check_finite_float("eps", eps, min=0.0, min_open=True)
 
 
 def _check_chunk(chunk_size: object) -> int:
@@ -249,7 +256,58 @@ class HybridAttentionState:
     window: int
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the fields' types and their consistency (a forged or corrupted state is refused
+        with the field named): ``position`` and ``window`` non-negative ints; a ring buffer of
+        ``min(window, position)`` slots (``window`` slots also accepted); the sink positions
+        sorted, unique, before ``position``, one per stored sink key and value; ``log_scale``
+        of shape (..., 1, 1)."""
         check_tensor_fields(self, "kv", "log_scale", "keys", "values", "sink_keys", "sink_values")
+        for name in ("position", "window"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                raise ValueError(f"HybridAttentionState.{name} must be an int >= 0, got {val!r}")
+        pos = self.sink_positions
+        if not isinstance(pos, tuple) or any(isinstance(p, bool) or not isinstance(p, int) for p in pos):
+            raise TypeError(f"HybridAttentionState.sink_positions must be a tuple of ints, got {pos!r}")
+        if list(pos) != sorted(set(pos)) or (pos and (pos[0] < 0 or pos[-1] >= self.position)):
+            raise ValueError(
+                f"HybridAttentionState.sink_positions must be sorted, unique and in [0, position = {self.position}), "
+                f"got {pos}"
+            )
+        for name in ("kv", "log_scale", "keys", "values", "sink_keys", "sink_values"):
+            if getattr(self, name).dim() < 2:
+                raise ValueError(f"HybridAttentionState.{name} must have shape (..., rows, columns), "
+                                 f"got {tuple(getattr(self, name).shape)}")
+        if tuple(self.log_scale.shape[-2:]) != (1, 1):
+            raise ValueError(f"HybridAttentionState.log_scale must have shape (..., 1, 1), got {tuple(self.log_scale.shape)}")
+        slots = self.keys.shape[-2]
+        need = min(self.window, self.position)
+        if slots not in (need, self.window) or self.values.shape[-2] != slots:
+            raise ValueError(
+                f"HybridAttentionState's ring buffer must hold min(window, position) = {need} keys and values "
+                f"(window = {self.window}, position = {self.position}), got keys {tuple(self.keys.shape)} and values "
+                f"{tuple(self.values.shape)}"
+            )
+        ns = len(pos)
+        if self.sink_keys.shape[-2] != ns or self.sink_values.shape[-2] != ns:
+            raise ValueError(
+                f"HybridAttentionState.sink_positions lists {ns} sinks, but sink_keys has shape "
+                f"{tuple(self.sink_keys.shape)} and sink_values {tuple(self.sink_values.shape)}"
+            )
+        if self.sink_keys.shape[-1] != self.keys.shape[-1] or self.sink_values.shape[-1] != self.values.shape[-1]:
+            raise ValueError(
+                f"HybridAttentionState: sink_keys {tuple(self.sink_keys.shape)} and sink_values "
+                f"{tuple(self.sink_values.shape)} must have the widths of keys {tuple(self.keys.shape)} and values "
+                f"{tuple(self.values.shape)}"
+            )
+        if self.kv.shape[-1] != self.values.shape[-1] + 1:
+            raise ValueError(
+                f"HybridAttentionState.kv must have shape (..., F, dv + 1) with dv = {self.values.shape[-1]} "
+                f"(the values' width), got {tuple(self.kv.shape)}"
+            )
 
     def detach(self) -> HybridAttentionState:
         """The same state, detached from autograd."""
@@ -287,6 +345,12 @@ def _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal, key_paddin
         pad = pad.to(q.device)
         k, v = apply_padding(pad, k, v)  # finite content; the forms give padded keys weight 0
     return q, k, v, out_dtype, cdt, w, C, pad
+
+
+def _softmax_limit(q, k, v, feature_map, causal, kpad, out_dtype):
+    """``window >= n``: every key a query attends to is exact (`softmax_limit`)."""
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
+    return softmax_limit(q, k, v, lead, causal, kpad, out_dtype)
 
 
 @no_autocast
@@ -352,8 +416,11 @@ def parallel_hybrid_attention(
     """
     q, k, v, out_dtype, cdt, w, C, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, False,
                                                    key_padding_mask)
+    eps = check_hybrid_eps(eps)
     n = q.shape[-2]
     sink_idx = resolve_sinks(sinks, n, causal=False)
+    if w >= n:  # the window covers every key: softmax attention, no remainder
+        return _softmax_limit(q, k, v, feature_map, False, kpad, out_dtype)
     with inputs_validated():
         fq, sq = feature_map.log_features(q)
         fk, sk = feature_map.key_log_features(k)
@@ -822,11 +889,14 @@ def _causal_core(
     t_end = t0 + n
     G_last = G_end[..., -1:].unsqueeze(-1)  # (..., 1, 1)
     kv = S
-    keys = k.new_zeros(*lead, w, d)
-    vals = v.new_zeros(*lead, w, dv)
-    for p in range(max(0, t_end - w), t_end):
-        keys[..., p % w, :] = k[..., p - t0 + b, :]
-        vals[..., p % w, :] = v[..., p - t0 + b, :]
+    # the ring buffer holds the last min(w, t_end) keys, the key of position p in slot p mod w
+    # (sized by the tokens seen, not by the window); one gather, no loop
+    size = min(w, t_end)
+    pos = torch.arange(t_end - size, t_end, device=dev)
+    order = torch.argsort(pos % w) if size else pos
+    src = (pos - t0 + b)[order]
+    keys = k.index_select(-2, src)
+    vals = v.index_select(-2, src)
     pos_all = [] if initial_state is None else list(initial_state.sink_positions)
     sk_list = [] if initial_state is None else [initial_state.sink_keys.to(cdt).expand(*lead, -1, d)]
     sv_list = [] if initial_state is None else [initial_state.sink_values.to(cdt).expand(*lead, -1, dv)]
@@ -842,22 +912,51 @@ def _causal_core(
     return res, state
 
 
-def check_hybrid_state(state: object, fm: FeatureMap, w: int, d: int, dv: int) -> HybridAttentionState:
+def check_hybrid_state(
+    state: object, fm: FeatureMap, w: int, d: int, dv: int, sinks: CausalSinks | None = None,
+    name: str = "initial_state",
+) -> HybridAttentionState:
+    """``state`` checked against the call: its own consistency (`HybridAttentionState.validate`),
+    the window, the widths, and (with ``sinks``) the sinks it stored: those of ``sinks`` before its
+    position, else a continuation with other sinks."""
     if not isinstance(state, HybridAttentionState):
-        raise TypeError(f"initial_state must be a HybridAttentionState, got {type(state).__name__}")
+        raise TypeError(f"{name} must be a HybridAttentionState, got {type(state).__name__}")
+    state.validate()
     if state.window != w:
-        raise ValueError(f"initial_state was built with window={state.window}, got window={w}")
+        raise ValueError(f"{name} was built with window={state.window}, got window={w}")
     if tuple(state.kv.shape[-2:]) != (fm.feature_dim, dv + 1):
         raise ValueError(
-            f"initial_state has kv of shape {tuple(state.kv.shape)}, expected (..., {fm.feature_dim}, {dv + 1}) "
+            f"{name} has kv of shape {tuple(state.kv.shape)}, expected (..., {fm.feature_dim}, {dv + 1}) "
             "= (..., feature_dim, dv + 1)"
         )
     if state.keys.shape[-1] != d or state.values.shape[-1] != dv:
         raise ValueError(
-            f"initial_state holds keys of dimension {state.keys.shape[-1]} and values of {state.values.shape[-1]}, "
+            f"{name} holds keys of dimension {state.keys.shape[-1]} and values of {state.values.shape[-1]}, "
             f"expected {d} and {dv}"
         )
+    if sinks is not None:
+        expect = sinks.within(0, state.position)
+        if tuple(state.sink_positions) != expect:
+            raise ValueError(
+                f"{name} was built with other sinks: it stored sinks at positions {state.sink_positions} before "
+                f"position {state.position}, the sinks given place them at {expect}"
+            )
     return state
+
+
+def state_batch(state: HybridAttentionState, lead: torch.Size, name: str = "initial_state") -> None:
+    """Refuse a state whose batch dimensions do not broadcast to ``lead`` (the call's)."""
+    for field in ("kv", "keys", "values", "sink_keys", "sink_values"):
+        shape = getattr(state, field).shape[:-2]
+        try:
+            ok = torch.broadcast_shapes(shape, lead) == lead
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{name} holds a batch of shape {tuple(shape)} ({field}), which does not match the inputs' batch "
+                f"{tuple(lead)}: a state continues the sequences it was built from"
+            )
 
 
 @no_autocast
@@ -940,9 +1039,17 @@ def chunk_hybrid_attention(
             "return_state=True with a key_padding_mask: the state's window buffer would hold padded keys; "
             "decode unpadded sequences (or drop return_state)"
         )
+    eps = check_hybrid_eps(eps)
+    spec = CausalSinks(sinks)  # absolute positions; later ones apply to later segments
+    t0 = 0
     if initial_state is not None:
-        check_hybrid_state(initial_state, feature_map, w, q.shape[-1], v.shape[-1])
-    sink_idx = resolve_sinks(sinks, None, causal=True)  # absolute; later ones apply to later segments
+        check_hybrid_state(initial_state, feature_map, w, q.shape[-1], v.shape[-1], spec)
+        state_batch(initial_state, torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+                                                          feature_map.batch_shape))
+        t0 = initial_state.position
+    sink_idx = spec.within(t0, t0 + q.shape[-2])
+    if initial_state is None and not return_state and w >= q.shape[-2]:  # softmax attention
+        return _softmax_limit(q, k, v, feature_map, True, kpad, out_dtype)
     return _causal_core(q, k, v, feature_map, w, C, sink_idx, eps, out_dtype, cdt, initial_state, return_state,
                         kpad)
 
@@ -1044,6 +1151,7 @@ def hybrid_attention(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if check_window_mode(window_mode) == "block" and check_window(window) > 0:
+        check_hybrid_eps(eps)
         if initial_state is not None or return_state:
             raise ValueError(
                 "window_mode='block' has no state to carry (the recurrent form slides its window): use "
@@ -1052,8 +1160,13 @@ def hybrid_attention(
         q, k, v, out_dtype, cdt, w, _, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal,
                                                       key_padding_mask)
         n = q.shape[-2]
-        sink_idx = tuple(p for p in resolve_sinks(sinks, None if causal else n, causal=causal) if p < n)
-        return _block_core(q, k, v, feature_map, w, sink_idx, causal, check_eps(eps), out_dtype, cdt, kpad)
+        if w >= n:  # one block (two when causal): every key a query attends to is exact
+            return _softmax_limit(q, k, v, feature_map, causal, kpad, out_dtype)
+        sink_idx = CausalSinks(sinks).within(0, n) if causal else resolve_sinks(sinks, n, causal=False)
+        lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
+        if math.prod(lead) == 0:  # an empty batch: the empty output
+            return q.new_zeros(*lead, n, v.shape[-1]).to(out_dtype)
+        return _block_core(q, k, v, feature_map, w, sink_idx, causal, eps, out_dtype, cdt, kpad)
     if causal:
         return chunk_hybrid_attention(
             q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size,
@@ -1067,3 +1180,9 @@ def hybrid_attention(
     return parallel_hybrid_attention(q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size, eps=eps,
                                      key_padding_mask=key_padding_mask)
 
+
+
+# A checkpoint holding a state loads with ``torch.load(..., weights_only=True)``: the class is
+# allow-listed for the restricted unpickler (tensors, ints and a tuple of ints); a loaded state
+# is checked when it is used (`HybridAttentionState.validate`).
+torch.serialization.add_safe_globals([HybridAttentionState])
