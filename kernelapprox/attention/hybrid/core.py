@@ -633,8 +633,10 @@ def _block_core(
     for i, (x, out_mask, rows, _) in enumerate(parts):
         if dense and i > 0:
             drop = (first[1:] if i == 1 else last[:-1]).reshape(-1)
+            # the pairs that cross sequences: rows nb - 1, 2 nb - 1, ... of both neighbour products
+            # (indices from the shapes, no device read)
             x = x.masked_fill(drop[:, None, None], _NEG_INF) if grad else x.index_fill_(
-                0, drop.nonzero().reshape(-1), _NEG_INF)
+                0, torch.arange(nb - 1, nf - 1, nb, device=dev), _NEG_INF)
         elif not (dense and not causal):  # the block itself needs no mask when dense and non-causal
             x = x.masked_fill(out_mask, _NEG_INF) if grad else x.masked_fill_(out_mask, _NEG_INF)
         masked.append(x)
