@@ -7,6 +7,7 @@ sinks, batches or value widths.
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -237,3 +238,51 @@ def test_recurrent_batch_or_value_width_change_is_refused():
     rnn.step(q[:, 1], k[:, 1], v[:, 1])  # the state is intact after the refusals
     assert rnn.state.position == 2
     assert math.prod(rnn.state.kv.shape[:-2]) == 2
+
+
+# ------------------------------------------------------------------ no silently wrong rows at large norms
+POSITIVE = [e.name for e in ka.estimators() if e.positive]
+
+
+def _log_reference(q, k, v, fm, window, sinks, mode):
+    """Non-causal hybrid attention from the float64 log-domain scores: q.k on the exact set,
+    logsumexp_f(log phi_f(q) + log psi_f(k)) elsewhere, softmax over the keys (no overflow at any
+    norm)."""
+    from kernelapprox.attention.hybrid import exact_set_mask
+    from kernelapprox.attention.hybrid.logfeatures import log_features_pair
+
+    fm64 = copy.deepcopy(fm).double()
+    q, k, v = q.double(), k.double(), v.double()
+    n = q.shape[-2]
+    S = exact_set_mask(n, window=window, sinks=sinks, window_mode=mode)
+    lq, lk = log_features_pair(fm64, q, k)
+    rem = torch.logsumexp(lq.unsqueeze(-2) + lk.unsqueeze(-3), -1)
+    return torch.softmax(torch.where(S, q @ k.mT, rem), -1) @ v
+
+
+@pytest.mark.parametrize("name", POSITIVE)
+def test_non_causal_forms_have_no_wrong_rows_at_large_norms(name):
+    # one shared key scale let the remainder's normaliser underflow: zero or wrong rows from
+    # |q|^2 = 4 (positive, hyperbolic, fitted maps) in float32 and bfloat16
+    g = torch.Generator().manual_seed(0)
+    fm = ka.get_estimator(name).build(4, 16, seed=0)
+    dirs = torch.randn(2, 2, 24, 4, generator=g)
+    dirs = dirs / dirs.norm(dim=-1, keepdim=True)
+    v = torch.randn(2, 24, 3, generator=g)
+    bad = {}
+    for sq_norm in (4, 16, 32, 64, 128):
+        q, k = (sq_norm ** 0.5 * dirs).unbind(0)
+        if name == "relu":
+            q, k = q.abs(), k.abs()
+        if fm.data_dependent:
+            fm.fit(q, k)
+        for mode in ("token", "block"):
+            ref = _log_reference(q, k, v, fm, 3, 1, mode)
+            for dt in (torch.float32, torch.bfloat16):
+                out = hybrid_attention(q.to(dt), k.to(dt), v.to(dt), fm, window=3, sinks=1, window_mode=mode,
+                                       chunk_size=8)
+                err = (out.double() - ref).abs().amax(-1)
+                n_bad = int((~(err <= 0.5)).sum())
+                if n_bad:
+                    bad[(sq_norm, mode, str(dt))] = n_bad
+    assert bad == {}

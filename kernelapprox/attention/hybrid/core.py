@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from ..._validation import _as_int, check_finite_float, check_tensor_fields, inputs_validated, no_autocast
 from ...maps.base import FeatureMap
 from .._common import apply_padding, normalise, padding_mask, prepare, with_ones
+from .logfeatures import log_features_pair, shift_per_feature
 from .sinks import CausalSinks, check_sinks
 from .softmax import softmax_limit
 
@@ -205,8 +206,8 @@ def exact_set_mask(
 class HybridAttentionState:
     r"""State of causal hybrid attention after ``position`` tokens (for decoding).
 
-    - a ring buffer of the last ``window`` keys and values (the key of position $p$ in slot
-      $p \bmod w$), exact for the next queries;
+    - a ring buffer of the last ``min(window, position)`` keys and values (the key of position
+      $p$ in slot $p \bmod w$; it grows with the tokens seen), exact for the next queries;
     - the linear state $[S \mid z] = \sum_{j} \varphi(k_j)[v_j, 1]^\top$ over the keys that
       have left the window (sinks excluded), stored scaled by $e^{-\text{log\_scale}}$;
     - the sink keys and values seen so far, exact for every later query.
@@ -219,8 +220,8 @@ class HybridAttentionState:
         $[S \mid z]$ divided by ``exp(log_scale)``.
     log_scale : Tensor, shape (..., 1, 1)
         Largest key log-scale in the linear state (``-inf`` while it is empty).
-    keys : Tensor, shape (..., window, d)
-    values : Tensor, shape (..., window, dv)
+    keys : Tensor, shape (..., min(window, position), d)
+    values : Tensor, shape (..., min(window, position), dv)
     sink_keys : Tensor, shape (..., s, d)
     sink_values : Tensor, shape (..., s, dv)
     sink_positions : tuple of int
@@ -421,43 +422,66 @@ def parallel_hybrid_attention(
     sink_idx = resolve_sinks(sinks, n, causal=False)
     if w >= n:  # the window covers every key: softmax attention, no remainder
         return _softmax_limit(q, k, v, feature_map, False, kpad, out_dtype)
-    with inputs_validated():
-        fq, sq = feature_map.log_features(q)
-        fk, sk = feature_map.key_log_features(k)
-    lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
-    d, Fd = q.shape[-1], fq.shape[-1]
-    q = q.expand(*lead, n, d)
-    k = k.expand(*lead, n, d)
-    fq = fq.expand(*lead, n, Fd)
-    fk = fk.expand(*lead, n, Fd)
-    sq = sq.expand(*lead, n).double()
-    sk = sk.expand(*lead, n).double()
-    v1 = with_ones(v).expand(*lead, n, v.shape[-1] + 1)
-    dv = v.shape[-1]
-    dev = q.device
-
-    is_sink = torch.zeros(n, dtype=torch.bool, device=dev)
-    if sink_idx:
-        is_sink[list(sink_idx)] = True
-    s_rem = sk.masked_fill(is_sink, _NEG_INF)
-    if kpad is not None:
-        kpad = kpad.expand(*lead, n)
-        s_rem = s_rem.masked_fill(kpad, _NEG_INF)
-    with torch.no_grad():
-        G = _finite_or_zero(s_rem.amax(dim=-1, keepdim=True))  # (..., 1)
-    wk = exp_diff(s_rem, G, cdt)  # (..., n): 0 for sinks
-    # key weights folded into the key features once: they serve the global sum and the window
-    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fk, wk)))
-    # without autograd, features this call owns are scaled in place (a fresh (n, F) buffer costs
-    # page faults on CPU, see `kernelapprox.attention.linear.parallel`)
-    fresh = inplace and feature_map._fresh_key_features() and fk.is_contiguous() and fq.is_contiguous()
-    if fresh and fk.shape == (*lead, n, Fd) and fq.shape == (*lead, n, Fd):
-        fkw_all = fk.mul_(wk.unsqueeze(-1))  # (..., n, F), rows of sinks zero
-    else:
+    if feature_map.positive:
+        # per-feature log-domain shifts (`shift_per_feature`): the remainder's normaliser cannot
+        # underflow, whatever the norms
+        lq, lk = log_features_pair(feature_map, q, k)
+        lead = torch.broadcast_shapes(lq.shape[:-2], lk.shape[:-2], v.shape[:-2], q.shape[:-2])
+        d, Fd = q.shape[-1], lq.shape[-1]
+        q = q.expand(*lead, n, d)
+        k = k.expand(*lead, n, d)
+        v1 = with_ones(v).expand(*lead, n, v.shape[-1] + 1)
+        dv = v.shape[-1]
+        dev = q.device
+        drop = torch.zeros(n, dtype=torch.bool, device=dev)
+        if sink_idx:
+            drop[list(sink_idx)] = True
+        if kpad is not None:
+            kpad = kpad.expand(*lead, n)
+            drop = drop | kpad
+        fq, fkw_all, base = shift_per_feature(lq.expand(*lead, n, Fd), lk.expand(*lead, n, Fd), drop)
+        fq, fkw_all = fq.to(cdt), fkw_all.to(cdt)
+        inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fkw_all)))
         fresh = False
-        fkw_all = fk * wk.unsqueeze(-1)
-    T = torch.matmul(fkw_all.mT, v1)  # (..., F, dv1)
-    base = sq + G  # (..., n): log of the feature part's scale
+        T = torch.matmul(fkw_all.mT, v1)  # (..., F, dv1)
+    else:
+        with inputs_validated():
+            fq, sq = feature_map.log_features(q)
+            fk, sk = feature_map.key_log_features(k)
+        lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
+        d, Fd = q.shape[-1], fq.shape[-1]
+        q = q.expand(*lead, n, d)
+        k = k.expand(*lead, n, d)
+        fq = fq.expand(*lead, n, Fd)
+        fk = fk.expand(*lead, n, Fd)
+        sq = sq.expand(*lead, n).double()
+        sk = sk.expand(*lead, n).double()
+        v1 = with_ones(v).expand(*lead, n, v.shape[-1] + 1)
+        dv = v.shape[-1]
+        dev = q.device
+
+        is_sink = torch.zeros(n, dtype=torch.bool, device=dev)
+        if sink_idx:
+            is_sink[list(sink_idx)] = True
+        s_rem = sk.masked_fill(is_sink, _NEG_INF)
+        if kpad is not None:
+            kpad = kpad.expand(*lead, n)
+            s_rem = s_rem.masked_fill(kpad, _NEG_INF)
+        with torch.no_grad():
+            G = _finite_or_zero(s_rem.amax(dim=-1, keepdim=True))  # (..., 1)
+        wk = exp_diff(s_rem, G, cdt)  # (..., n): 0 for sinks
+        # key weights folded into the key features once: they serve the global sum and the window
+        inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fk, wk)))
+        # without autograd, features this call owns are scaled in place (a fresh (n, F) buffer costs
+        # page faults on CPU, see `kernelapprox.attention.linear.parallel`)
+        fresh = inplace and feature_map._fresh_key_features() and fk.is_contiguous() and fq.is_contiguous()
+        if fresh and fk.shape == (*lead, n, Fd) and fq.shape == (*lead, n, Fd):
+            fkw_all = fk.mul_(wk.unsqueeze(-1))  # (..., n, F), rows of sinks zero
+        else:
+            fresh = False
+            fkw_all = fk * wk.unsqueeze(-1)
+        T = torch.matmul(fkw_all.mT, v1)  # (..., F, dv1)
+        base = sq + G  # (..., n): log of the feature part's scale
 
     shifts = [base.detach()]
     h = min(w - 1, n - 1)
@@ -597,8 +621,17 @@ def _block_core(
             Gk = _finite_or_zero(g.amax(-1, keepdim=True)).expand(*lead, nb)
             G_read = Gk
     v1b = aligned(with_ones(v))  # (*lead, nb, c, dv1)
-    wk = exp_diff(s_b, Gk.unsqueeze(-1), cdt).unsqueeze(-1)  # key weights at their block's scale
-    T = torch.matmul(aligned(fk).mT, v1b * wk)  # (*lead, nb, F, dv1)
+    logdom = feature_map.positive and not causal
+    if logdom:  # per-feature log-domain shifts (`shift_per_feature`): no underflow of the remainder
+        lq, lk = log_features_pair(feature_map, q, k)
+        Fd = lq.shape[-1]
+        drop = is_sink if kpad is None else is_sink | kpad
+        fq, psk, s_q = shift_per_feature(lq.expand(*lead, n, Fd), lk.expand(*lead, n, Fd), drop)
+        fq = fq.to(cdt)
+        T = torch.matmul(aligned(psk.to(cdt)).mT, v1b)  # (*lead, nb, F, dv1)
+    else:
+        wk = exp_diff(s_b, Gk.unsqueeze(-1), cdt).unsqueeze(-1)  # key weights at their block's scale
+        T = torch.matmul(aligned(fk).mT, v1b * wk)  # (*lead, nb, F, dv1)
     R = _block_remainder(T, Gk, causal, grad, cdt) if nb > 2 else None
     # exact part: per block, dense products against the block itself, the previous block and (non-causal)
     # the next one. In the flattened batch of blocks the neighbours are one entry away, so each is one
@@ -626,7 +659,10 @@ def _block_core(
         nxt = torch.bmm(q3[:-1], k3[1:].mT)
         last = (torch.arange(nf, device=dev) % nb == nb - 1).reshape(nf, 1, 1)
         parts.append((nxt, ~valid[1:] | last[:-1], slice(None, -1), slice(1, None)))
-    base = aligned(sq.expand(*lead, n).double().unsqueeze(-1))[..., 0] + G_read.unsqueeze(-1)  # (*lead, nb, c)
+    if logdom:
+        base = aligned(s_q.unsqueeze(-1))[..., 0]  # (*lead, nb, c)
+    else:
+        base = aligned(sq.expand(*lead, n).double().unsqueeze(-1))[..., 0] + G_read.unsqueeze(-1)  # (*lead, nb, c)
     m = base.reshape(nf, c)
     masked = []
     dense = kpad is None and not tail  # only whole blocks are masked: index them, no full-size mask
