@@ -55,10 +55,12 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from ..._validation import _as_int, check_tensor_fields, inputs_validated, no_autocast
+from ..._validation import _as_int, check_finite_float, check_tensor_fields, inputs_validated, no_autocast
 from ...maps.base import FeatureMap
-from .._common import apply_padding, check_eps, normalise, padding_mask, prepare, with_ones
-from .sinks import check_sinks
+from .._common import apply_padding, normalise, padding_mask, prepare, with_ones
+from .logfeatures import log_features_pair, shift_per_feature
+from .sinks import CausalSinks, check_sinks
+from .softmax import softmax_limit
 
 __all__ = [
     "hybrid_attention",
@@ -122,6 +124,12 @@ def resolve_sinks(sinks: object, n: int | None, *, causal: bool) -> tuple[int, .
             raise ValueError(f"sinks position {s} is out of range {where} for n = {n}")
         out.add(p)
     return tuple(sorted(out))
+
+
+def check_hybrid_eps(eps: object) -> float:
+    """``eps`` (the signed maps' denominator guard) as a finite real number > 0, else
+    ``TypeError``/``ValueError`` naming it."""
+    return check_finite_float("eps", eps, min=0.0, min_open=True)
 
 
 def _check_chunk(chunk_size: object) -> int:
@@ -198,8 +206,8 @@ def exact_set_mask(
 class HybridAttentionState:
     r"""State of causal hybrid attention after ``position`` tokens (for decoding).
 
-    - a ring buffer of the last ``window`` keys and values (the key of position $p$ in slot
-      $p \bmod w$), exact for the next queries;
+    - a ring buffer of the last ``min(window, position)`` keys and values (the key of position
+      $p$ in slot $p \bmod w$; it grows with the tokens seen), exact for the next queries;
     - the linear state $[S \mid z] = \sum_{j} \varphi(k_j)[v_j, 1]^\top$ over the keys that
       have left the window (sinks excluded), stored scaled by $e^{-\text{log\_scale}}$;
     - the sink keys and values seen so far, exact for every later query.
@@ -212,8 +220,8 @@ class HybridAttentionState:
         $[S \mid z]$ divided by ``exp(log_scale)``.
     log_scale : Tensor, shape (..., 1, 1)
         Largest key log-scale in the linear state (``-inf`` while it is empty).
-    keys : Tensor, shape (..., window, d)
-    values : Tensor, shape (..., window, dv)
+    keys : Tensor, shape (..., min(window, position), d)
+    values : Tensor, shape (..., min(window, position), dv)
     sink_keys : Tensor, shape (..., s, d)
     sink_values : Tensor, shape (..., s, dv)
     sink_positions : tuple of int
@@ -249,7 +257,58 @@ class HybridAttentionState:
     window: int
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the fields' types and their consistency (a forged or corrupted state is refused
+        with the field named): ``position`` and ``window`` non-negative ints; a ring buffer of
+        ``min(window, position)`` slots (``window`` slots also accepted); the sink positions
+        sorted, unique, before ``position``, one per stored sink key and value; ``log_scale``
+        of shape (..., 1, 1)."""
         check_tensor_fields(self, "kv", "log_scale", "keys", "values", "sink_keys", "sink_values")
+        for name in ("position", "window"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                raise ValueError(f"HybridAttentionState.{name} must be an int >= 0, got {val!r}")
+        pos = self.sink_positions
+        if not isinstance(pos, tuple) or any(isinstance(p, bool) or not isinstance(p, int) for p in pos):
+            raise TypeError(f"HybridAttentionState.sink_positions must be a tuple of ints, got {pos!r}")
+        if list(pos) != sorted(set(pos)) or (pos and (pos[0] < 0 or pos[-1] >= self.position)):
+            raise ValueError(
+                f"HybridAttentionState.sink_positions must be sorted, unique and in [0, position = {self.position}), "
+                f"got {pos}"
+            )
+        for name in ("kv", "log_scale", "keys", "values", "sink_keys", "sink_values"):
+            if getattr(self, name).dim() < 2:
+                raise ValueError(f"HybridAttentionState.{name} must have shape (..., rows, columns), "
+                                 f"got {tuple(getattr(self, name).shape)}")
+        if tuple(self.log_scale.shape[-2:]) != (1, 1):
+            raise ValueError(f"HybridAttentionState.log_scale must have shape (..., 1, 1), got {tuple(self.log_scale.shape)}")
+        slots = self.keys.shape[-2]
+        need = min(self.window, self.position)
+        if slots not in (need, self.window) or self.values.shape[-2] != slots:
+            raise ValueError(
+                f"HybridAttentionState's ring buffer must hold min(window, position) = {need} keys and values "
+                f"(window = {self.window}, position = {self.position}), got keys {tuple(self.keys.shape)} and values "
+                f"{tuple(self.values.shape)}"
+            )
+        ns = len(pos)
+        if self.sink_keys.shape[-2] != ns or self.sink_values.shape[-2] != ns:
+            raise ValueError(
+                f"HybridAttentionState.sink_positions lists {ns} sinks, but sink_keys has shape "
+                f"{tuple(self.sink_keys.shape)} and sink_values {tuple(self.sink_values.shape)}"
+            )
+        if self.sink_keys.shape[-1] != self.keys.shape[-1] or self.sink_values.shape[-1] != self.values.shape[-1]:
+            raise ValueError(
+                f"HybridAttentionState: sink_keys {tuple(self.sink_keys.shape)} and sink_values "
+                f"{tuple(self.sink_values.shape)} must have the widths of keys {tuple(self.keys.shape)} and values "
+                f"{tuple(self.values.shape)}"
+            )
+        if self.kv.shape[-1] != self.values.shape[-1] + 1:
+            raise ValueError(
+                f"HybridAttentionState.kv must have shape (..., F, dv + 1) with dv = {self.values.shape[-1]} "
+                f"(the values' width), got {tuple(self.kv.shape)}"
+            )
 
     def detach(self) -> HybridAttentionState:
         """The same state, detached from autograd."""
@@ -287,6 +346,12 @@ def _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal, key_paddin
         pad = pad.to(q.device)
         k, v = apply_padding(pad, k, v)  # finite content; the forms give padded keys weight 0
     return q, k, v, out_dtype, cdt, w, C, pad
+
+
+def _softmax_limit(q, k, v, feature_map, causal, kpad, out_dtype):
+    """``window >= n``: every key a query attends to is exact (`softmax_limit`)."""
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
+    return softmax_limit(q, k, v, lead, causal, kpad, out_dtype)
 
 
 @no_autocast
@@ -352,45 +417,71 @@ def parallel_hybrid_attention(
     """
     q, k, v, out_dtype, cdt, w, C, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, False,
                                                    key_padding_mask)
+    eps = check_hybrid_eps(eps)
     n = q.shape[-2]
     sink_idx = resolve_sinks(sinks, n, causal=False)
-    with inputs_validated():
-        fq, sq = feature_map.log_features(q)
-        fk, sk = feature_map.key_log_features(k)
-    lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
-    d, Fd = q.shape[-1], fq.shape[-1]
-    q = q.expand(*lead, n, d)
-    k = k.expand(*lead, n, d)
-    fq = fq.expand(*lead, n, Fd)
-    fk = fk.expand(*lead, n, Fd)
-    sq = sq.expand(*lead, n).double()
-    sk = sk.expand(*lead, n).double()
-    v1 = with_ones(v).expand(*lead, n, v.shape[-1] + 1)
-    dv = v.shape[-1]
-    dev = q.device
-
-    is_sink = torch.zeros(n, dtype=torch.bool, device=dev)
-    if sink_idx:
-        is_sink[list(sink_idx)] = True
-    s_rem = sk.masked_fill(is_sink, _NEG_INF)
-    if kpad is not None:
-        kpad = kpad.expand(*lead, n)
-        s_rem = s_rem.masked_fill(kpad, _NEG_INF)
-    with torch.no_grad():
-        G = _finite_or_zero(s_rem.amax(dim=-1, keepdim=True))  # (..., 1)
-    wk = exp_diff(s_rem, G, cdt)  # (..., n): 0 for sinks
-    # key weights folded into the key features once: they serve the global sum and the window
-    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fk, wk)))
-    # without autograd, features this call owns are scaled in place (a fresh (n, F) buffer costs
-    # page faults on CPU, see `kernelapprox.attention.linear.parallel`)
-    fresh = inplace and feature_map._fresh_key_features() and fk.is_contiguous() and fq.is_contiguous()
-    if fresh and fk.shape == (*lead, n, Fd) and fq.shape == (*lead, n, Fd):
-        fkw_all = fk.mul_(wk.unsqueeze(-1))  # (..., n, F), rows of sinks zero
-    else:
+    if w >= n:  # the window covers every key: softmax attention, no remainder
+        return _softmax_limit(q, k, v, feature_map, False, kpad, out_dtype)
+    if feature_map.positive:
+        # per-feature log-domain shifts (`shift_per_feature`): the remainder's normaliser cannot
+        # underflow, whatever the norms
+        lq, lk = log_features_pair(feature_map, q, k)
+        lead = torch.broadcast_shapes(lq.shape[:-2], lk.shape[:-2], v.shape[:-2], q.shape[:-2])
+        d, Fd = q.shape[-1], lq.shape[-1]
+        q = q.expand(*lead, n, d)
+        k = k.expand(*lead, n, d)
+        v1 = with_ones(v).expand(*lead, n, v.shape[-1] + 1)
+        dv = v.shape[-1]
+        dev = q.device
+        drop = torch.zeros(n, dtype=torch.bool, device=dev)
+        if sink_idx:
+            drop[list(sink_idx)] = True
+        if kpad is not None:
+            kpad = kpad.expand(*lead, n)
+            drop = drop | kpad
+        fq, fkw_all, base = shift_per_feature(lq.expand(*lead, n, Fd), lk.expand(*lead, n, Fd), drop)
+        fq, fkw_all = fq.to(cdt), fkw_all.to(cdt)
+        inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fkw_all)))
         fresh = False
-        fkw_all = fk * wk.unsqueeze(-1)
-    T = torch.matmul(fkw_all.mT, v1)  # (..., F, dv1)
-    base = sq + G  # (..., n): log of the feature part's scale
+        T = torch.matmul(fkw_all.mT, v1)  # (..., F, dv1)
+    else:
+        with inputs_validated():
+            fq, sq = feature_map.log_features(q)
+            fk, sk = feature_map.key_log_features(k)
+        lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
+        d, Fd = q.shape[-1], fq.shape[-1]
+        q = q.expand(*lead, n, d)
+        k = k.expand(*lead, n, d)
+        fq = fq.expand(*lead, n, Fd)
+        fk = fk.expand(*lead, n, Fd)
+        sq = sq.expand(*lead, n).double()
+        sk = sk.expand(*lead, n).double()
+        v1 = with_ones(v).expand(*lead, n, v.shape[-1] + 1)
+        dv = v.shape[-1]
+        dev = q.device
+
+        is_sink = torch.zeros(n, dtype=torch.bool, device=dev)
+        if sink_idx:
+            is_sink[list(sink_idx)] = True
+        s_rem = sk.masked_fill(is_sink, _NEG_INF)
+        if kpad is not None:
+            kpad = kpad.expand(*lead, n)
+            s_rem = s_rem.masked_fill(kpad, _NEG_INF)
+        with torch.no_grad():
+            G = _finite_or_zero(s_rem.amax(dim=-1, keepdim=True))  # (..., 1)
+        wk = exp_diff(s_rem, G, cdt)  # (..., n): 0 for sinks
+        # key weights folded into the key features once: they serve the global sum and the window
+        inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fk, wk)))
+        # without autograd, features this call owns are scaled in place (a fresh (n, F) buffer costs
+        # page faults on CPU, see `kernelapprox.attention.linear.parallel`)
+        fresh = inplace and feature_map._fresh_key_features() and fk.is_contiguous() and fq.is_contiguous()
+        if fresh and fk.shape == (*lead, n, Fd) and fq.shape == (*lead, n, Fd):
+            fkw_all = fk.mul_(wk.unsqueeze(-1))  # (..., n, F), rows of sinks zero
+        else:
+            fresh = False
+            fkw_all = fk * wk.unsqueeze(-1)
+        T = torch.matmul(fkw_all.mT, v1)  # (..., F, dv1)
+        base = sq + G  # (..., n): log of the feature part's scale
 
     shifts = [base.detach()]
     h = min(w - 1, n - 1)
@@ -530,8 +621,17 @@ def _block_core(
             Gk = _finite_or_zero(g.amax(-1, keepdim=True)).expand(*lead, nb)
             G_read = Gk
     v1b = aligned(with_ones(v))  # (*lead, nb, c, dv1)
-    wk = exp_diff(s_b, Gk.unsqueeze(-1), cdt).unsqueeze(-1)  # key weights at their block's scale
-    T = torch.matmul(aligned(fk).mT, v1b * wk)  # (*lead, nb, F, dv1)
+    logdom = feature_map.positive and not causal
+    if logdom:  # per-feature log-domain shifts (`shift_per_feature`): no underflow of the remainder
+        lq, lk = log_features_pair(feature_map, q, k)
+        Fd = lq.shape[-1]
+        drop = is_sink if kpad is None else is_sink | kpad
+        fq, psk, s_q = shift_per_feature(lq.expand(*lead, n, Fd), lk.expand(*lead, n, Fd), drop)
+        fq = fq.to(cdt)
+        T = torch.matmul(aligned(psk.to(cdt)).mT, v1b)  # (*lead, nb, F, dv1)
+    else:
+        wk = exp_diff(s_b, Gk.unsqueeze(-1), cdt).unsqueeze(-1)  # key weights at their block's scale
+        T = torch.matmul(aligned(fk).mT, v1b * wk)  # (*lead, nb, F, dv1)
     R = _block_remainder(T, Gk, causal, grad, cdt) if nb > 2 else None
     # exact part: per block, dense products against the block itself, the previous block and (non-causal)
     # the next one. In the flattened batch of blocks the neighbours are one entry away, so each is one
@@ -559,15 +659,20 @@ def _block_core(
         nxt = torch.bmm(q3[:-1], k3[1:].mT)
         last = (torch.arange(nf, device=dev) % nb == nb - 1).reshape(nf, 1, 1)
         parts.append((nxt, ~valid[1:] | last[:-1], slice(None, -1), slice(1, None)))
-    base = aligned(sq.expand(*lead, n).double().unsqueeze(-1))[..., 0] + G_read.unsqueeze(-1)  # (*lead, nb, c)
+    if logdom:
+        base = aligned(s_q.unsqueeze(-1))[..., 0]  # (*lead, nb, c)
+    else:
+        base = aligned(sq.expand(*lead, n).double().unsqueeze(-1))[..., 0] + G_read.unsqueeze(-1)  # (*lead, nb, c)
     m = base.reshape(nf, c)
     masked = []
     dense = kpad is None and not tail  # only whole blocks are masked: index them, no full-size mask
     for i, (x, out_mask, rows, _) in enumerate(parts):
         if dense and i > 0:
             drop = (first[1:] if i == 1 else last[:-1]).reshape(-1)
+            # the pairs that cross sequences: rows nb - 1, 2 nb - 1, ... of both neighbour products
+            # (indices from the shapes, no device read)
             x = x.masked_fill(drop[:, None, None], _NEG_INF) if grad else x.index_fill_(
-                0, drop.nonzero().reshape(-1), _NEG_INF)
+                0, torch.arange(nb - 1, nf - 1, nb, device=dev), _NEG_INF)
         elif not (dense and not causal):  # the block itself needs no mask when dense and non-causal
             x = x.masked_fill(out_mask, _NEG_INF) if grad else x.masked_fill_(out_mask, _NEG_INF)
         masked.append(x)
@@ -822,11 +927,14 @@ def _causal_core(
     t_end = t0 + n
     G_last = G_end[..., -1:].unsqueeze(-1)  # (..., 1, 1)
     kv = S
-    keys = k.new_zeros(*lead, w, d)
-    vals = v.new_zeros(*lead, w, dv)
-    for p in range(max(0, t_end - w), t_end):
-        keys[..., p % w, :] = k[..., p - t0 + b, :]
-        vals[..., p % w, :] = v[..., p - t0 + b, :]
+    # the ring buffer holds the last min(w, t_end) keys, the key of position p in slot p mod w
+    # (sized by the tokens seen, not by the window); one gather, no loop
+    size = min(w, t_end)
+    pos = torch.arange(t_end - size, t_end, device=dev)
+    order = torch.argsort(pos % w) if size else pos
+    src = (pos - t0 + b)[order]
+    keys = k.index_select(-2, src)
+    vals = v.index_select(-2, src)
     pos_all = [] if initial_state is None else list(initial_state.sink_positions)
     sk_list = [] if initial_state is None else [initial_state.sink_keys.to(cdt).expand(*lead, -1, d)]
     sv_list = [] if initial_state is None else [initial_state.sink_values.to(cdt).expand(*lead, -1, dv)]
@@ -842,22 +950,51 @@ def _causal_core(
     return res, state
 
 
-def check_hybrid_state(state: object, fm: FeatureMap, w: int, d: int, dv: int) -> HybridAttentionState:
+def check_hybrid_state(
+    state: object, fm: FeatureMap, w: int, d: int, dv: int, sinks: CausalSinks | None = None,
+    name: str = "initial_state",
+) -> HybridAttentionState:
+    """``state`` checked against the call: its own consistency (`HybridAttentionState.validate`),
+    the window, the widths, and (with ``sinks``) the sinks it stored: those of ``sinks`` before its
+    position, else a continuation with other sinks."""
     if not isinstance(state, HybridAttentionState):
-        raise TypeError(f"initial_state must be a HybridAttentionState, got {type(state).__name__}")
+        raise TypeError(f"{name} must be a HybridAttentionState, got {type(state).__name__}")
+    state.validate()
     if state.window != w:
-        raise ValueError(f"initial_state was built with window={state.window}, got window={w}")
+        raise ValueError(f"{name} was built with window={state.window}, got window={w}")
     if tuple(state.kv.shape[-2:]) != (fm.feature_dim, dv + 1):
         raise ValueError(
-            f"initial_state has kv of shape {tuple(state.kv.shape)}, expected (..., {fm.feature_dim}, {dv + 1}) "
+            f"{name} has kv of shape {tuple(state.kv.shape)}, expected (..., {fm.feature_dim}, {dv + 1}) "
             "= (..., feature_dim, dv + 1)"
         )
     if state.keys.shape[-1] != d or state.values.shape[-1] != dv:
         raise ValueError(
-            f"initial_state holds keys of dimension {state.keys.shape[-1]} and values of {state.values.shape[-1]}, "
+            f"{name} holds keys of dimension {state.keys.shape[-1]} and values of {state.values.shape[-1]}, "
             f"expected {d} and {dv}"
         )
+    if sinks is not None:
+        expect = sinks.within(0, state.position)
+        if tuple(state.sink_positions) != expect:
+            raise ValueError(
+                f"{name} was built with other sinks: it stored sinks at positions {state.sink_positions} before "
+                f"position {state.position}, the sinks given place them at {expect}"
+            )
     return state
+
+
+def state_batch(state: HybridAttentionState, lead: torch.Size, name: str = "initial_state") -> None:
+    """Refuse a state whose batch dimensions do not broadcast to ``lead`` (the call's)."""
+    for field in ("kv", "keys", "values", "sink_keys", "sink_values"):
+        shape = getattr(state, field).shape[:-2]
+        try:
+            ok = torch.broadcast_shapes(shape, lead) == lead
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{name} holds a batch of shape {tuple(shape)} ({field}), which does not match the inputs' batch "
+                f"{tuple(lead)}: a state continues the sequences it was built from"
+            )
 
 
 @no_autocast
@@ -940,9 +1077,17 @@ def chunk_hybrid_attention(
             "return_state=True with a key_padding_mask: the state's window buffer would hold padded keys; "
             "decode unpadded sequences (or drop return_state)"
         )
+    eps = check_hybrid_eps(eps)
+    spec = CausalSinks(sinks)  # absolute positions; later ones apply to later segments
+    t0 = 0
     if initial_state is not None:
-        check_hybrid_state(initial_state, feature_map, w, q.shape[-1], v.shape[-1])
-    sink_idx = resolve_sinks(sinks, None, causal=True)  # absolute; later ones apply to later segments
+        check_hybrid_state(initial_state, feature_map, w, q.shape[-1], v.shape[-1], spec)
+        state_batch(initial_state, torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+                                                          feature_map.batch_shape))
+        t0 = initial_state.position
+    sink_idx = spec.within(t0, t0 + q.shape[-2])
+    if initial_state is None and not return_state and w >= q.shape[-2]:  # softmax attention
+        return _softmax_limit(q, k, v, feature_map, True, kpad, out_dtype)
     return _causal_core(q, k, v, feature_map, w, C, sink_idx, eps, out_dtype, cdt, initial_state, return_state,
                         kpad)
 
@@ -1044,6 +1189,7 @@ def hybrid_attention(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if check_window_mode(window_mode) == "block" and check_window(window) > 0:
+        check_hybrid_eps(eps)
         if initial_state is not None or return_state:
             raise ValueError(
                 "window_mode='block' has no state to carry (the recurrent form slides its window): use "
@@ -1052,8 +1198,13 @@ def hybrid_attention(
         q, k, v, out_dtype, cdt, w, _, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal,
                                                       key_padding_mask)
         n = q.shape[-2]
-        sink_idx = tuple(p for p in resolve_sinks(sinks, None if causal else n, causal=causal) if p < n)
-        return _block_core(q, k, v, feature_map, w, sink_idx, causal, check_eps(eps), out_dtype, cdt, kpad)
+        if w >= n:  # one block (two when causal): every key a query attends to is exact
+            return _softmax_limit(q, k, v, feature_map, causal, kpad, out_dtype)
+        sink_idx = CausalSinks(sinks).within(0, n) if causal else resolve_sinks(sinks, n, causal=False)
+        lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
+        if math.prod(lead) == 0:  # an empty batch: the empty output
+            return q.new_zeros(*lead, n, v.shape[-1]).to(out_dtype)
+        return _block_core(q, k, v, feature_map, w, sink_idx, causal, eps, out_dtype, cdt, kpad)
     if causal:
         return chunk_hybrid_attention(
             q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size,
@@ -1067,3 +1218,9 @@ def hybrid_attention(
     return parallel_hybrid_attention(q, k, v, feature_map, window=window, sinks=sinks, chunk_size=chunk_size, eps=eps,
                                      key_padding_mask=key_padding_mask)
 
+
+
+# A checkpoint holding a state loads with ``torch.load(..., weights_only=True)``: the class is
+# allow-listed for the restricted unpickler (tensors, ints and a tuple of ints); a loaded state
+# is checked when it is used (`HybridAttentionState.validate`).
+torch.serialization.add_safe_globals([HybridAttentionState])

@@ -15,7 +15,15 @@ import torch
 from ..._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
 from ...maps.base import FeatureMap
 from .._common import check_feature_map, normalise, with_ones
-from .core import HybridAttentionState, check_hybrid_state, check_window, exp_diff, resolve_sinks
+from .core import (
+    HybridAttentionState,
+    check_hybrid_eps,
+    check_hybrid_state,
+    check_window,
+    exp_diff,
+    state_batch,
+)
+from .sinks import CausalSinks
 
 __all__ = ["RecurrentHybridAttention"]
 
@@ -76,11 +84,12 @@ class RecurrentHybridAttention:
         check_feature_map(feature_map)
         self.feature_map = feature_map
         self.window = check_window(window)
-        self.sinks = frozenset(resolve_sinks(sinks, None, causal=True))
-        if state is not None and not isinstance(state, HybridAttentionState):
-            raise TypeError(f"state must be a HybridAttentionState, got {type(state).__name__}")
+        self.sinks = CausalSinks(sinks)
+        if state is not None:
+            check_hybrid_state(state, feature_map, self.window, state.keys.shape[-1], state.values.shape[-1],
+                               self.sinks, name="state")
         self.state = state
-        self.eps = eps
+        self.eps = check_hybrid_eps(eps)
 
     def reset(self) -> None:
         """Forget the state."""
@@ -89,9 +98,10 @@ class RecurrentHybridAttention:
     def _empty(self, lead: torch.Size, d: int, dv: int, dtype: torch.dtype, device: torch.device) -> HybridAttentionState:
         Fd, w = self.feature_map.feature_dim, self.window
         z = torch.zeros((), dtype=dtype, device=device)
+        # the ring buffer grows with the tokens seen, up to `window` slots
         return HybridAttentionState(
             z.expand(*lead, Fd, dv + 1).clone(), torch.full((*lead, 1, 1), _NEG_INF, dtype=torch.float64, device=device),
-            z.expand(*lead, w, d).clone(), z.expand(*lead, w, dv).clone(),
+            z.expand(*lead, 0, d).clone(), z.expand(*lead, 0, dv).clone(),
             z.expand(*lead, 0, d).clone(), z.expand(*lead, 0, dv).clone(), (), 0, w,
         )
 
@@ -140,10 +150,25 @@ class RecurrentHybridAttention:
         if st is None:
             st = self._empty(lead, d, dv, cdt, q.device)
         else:
-            check_hybrid_state(st, fm, w, d, dv)
+            if st.values.shape[-1] != dv:
+                raise ValueError(
+                    f"v_t has width {dv}, but the state holds values of width {st.values.shape[-1]} (from the previous "
+                    "steps): the value width cannot change between steps (reset() to start a new sequence)"
+                )
+            check_hybrid_state(st, fm, w, d, dv, name="state")
+            try:
+                state_batch(st, lead, name="state")
+            except ValueError:
+                raise ValueError(
+                    f"q_t, k_t, v_t have batch shape {tuple(lead)}, but the state holds a batch of shape "
+                    f"{tuple(st.kv.shape[:-2])} (from the previous steps): the batch cannot change between steps "
+                    "(reset() to start a new sequence)"
+                ) from None
         t = st.position
         kv, g = st.kv.to(cdt), st.log_scale
         keys, vals = st.keys.to(cdt), st.values.to(cdt)
+        if keys.shape[-2] > min(w, t):  # a buffer of `window` slots before it filled: its used slots
+            keys, vals = keys[..., :t, :], vals[..., :t, :]
         sk, sv, spos = st.sink_keys.to(cdt), st.sink_values.to(cdt), st.sink_positions
         st = HybridAttentionState(kv, g, keys, vals, sk, sv, spos, t, w)
         # 1. the key leaving the window joins the linear state (the current key if w = 0)
@@ -158,7 +183,10 @@ class RecurrentHybridAttention:
             sk = torch.cat((sk.expand(*lead, *sk.shape[-2:]), k.expand(*lead, 1, d)), dim=-2)
             sv = torch.cat((sv.expand(*lead, *sv.shape[-2:]), v.expand(*lead, 1, dv)), dim=-2)
             spos = (*spos, t)
-        if w:
+        if w and t < w:  # the buffer grows until it holds `window` keys
+            keys = torch.cat((keys.expand(*lead, t, d), k.expand(*lead, 1, d)), dim=-2)
+            vals = torch.cat((vals.expand(*lead, t, dv), v.expand(*lead, 1, dv)), dim=-2)
+        elif w:
             slot = t % w
             keys = keys.expand(*lead, w, d).clone()
             vals = vals.expand(*lead, w, dv).clone()
@@ -170,10 +198,10 @@ class RecurrentHybridAttention:
             fq, sq = fm.log_features(q)  # (..., 1, F), (..., 1)
         shifts = [(sq.double().unsqueeze(-1) + g).detach()]  # (..., 1, 1)
         parts_k, parts_v, parts_m = [], [], []
-        if w:
+        if w:  # every slot of the buffer is filled
             parts_k.append(keys)
             parts_v.append(vals)
-            parts_m.append(torch.arange(w, device=q.device) <= t)  # filled slots
+            parts_m.append(torch.ones(keys.shape[-2], dtype=torch.bool, device=q.device))
         active = [u for u, p in enumerate(spos) if p <= t - w]
         if active and w:
             parts_k.append(sk[..., active, :])

@@ -57,7 +57,7 @@ def check_sinks(sinks: object, *, name: str = "sinks") -> int | tuple[int, ...]:
             if c < 0:
                 raise ValueError(f"{name} as a count of leading positions must be >= 0, got {c}")
             return c
-        sinks = sinks.tolist()  # type: ignore[union-attr]
+        sinks = sinks.tolist()  # type: ignore[attr-defined]
     else:
         c = _as_int(sinks)
         if c is not None:
@@ -74,3 +74,41 @@ def check_sinks(sinks: object, *, name: str = "sinks") -> int | tuple[int, ...]:
             raise TypeError(f"{name} must contain ints (positions), got {s!r}")
         out.add(p)
     return tuple(sorted(out))
+
+
+class CausalSinks:
+    """Causal sinks without materialising a count: the leading ``count`` positions and the listed
+    ``positions`` (``sinks = 10**12`` costs nothing until tokens arrive).
+
+    Examples
+    --------
+    >>> s = CausalSinks(10**12)
+    >>> 5 in s, s.within(3, 6)
+    (True, (3, 4, 5))
+    >>> CausalSinks([7, 2]).within(0, 8)
+    (2, 7)
+    """
+
+    __slots__ = ("count", "positions", "_set")
+    count: int
+    positions: tuple[int, ...]
+    _set: frozenset[int]
+
+    def __init__(self, sinks: object, *, name: str = "sinks") -> None:
+        spec = check_sinks(sinks, name=name)
+        if isinstance(spec, int):
+            self.count, self.positions = spec, ()
+        else:
+            if spec and spec[0] < 0:
+                raise ValueError(f"{name} position {spec[0]} is out of range [0, n) (causal positions are absolute)")
+            self.count, self.positions = 0, spec
+        self._set = frozenset(self.positions)
+
+    def __contains__(self, p: object) -> bool:
+        return isinstance(p, int) and (0 <= p < self.count or p in self._set)
+
+    def within(self, lo: int, hi: int) -> tuple[int, ...]:
+        """The sink positions ``p`` with ``lo <= p < hi``, sorted (at most ``hi - lo``)."""
+        lo = max(lo, 0)
+        lead = tuple(range(lo, min(hi, self.count)))
+        return lead + tuple(p for p in self.positions if lo <= p < hi and p >= self.count)
