@@ -1173,7 +1173,11 @@ def exponent_table(df: pd.DataFrame, rst: pd.DataFrame) -> tuple[pd.DataFrame, p
                              "range": names[tuple(v["range"])], "n": v["n"], "p": v["slope"],
                              "low": v["low"], "high": v["high"]})
         used = g[np.isfinite(g["q90 (δ = 0.1)"])]["d"].to_numpy(float)
-        lin = compare_to_reference(s.slope, s.low, s.high, 1.0, tolerance=TOL_P, relative=False,
+        # the primary variant (median r*, all d) may have fewer than MIN_POINTS d where the
+        # 90% quantile has enough: the verdict then centres on the first variant that resolves
+        est = s.slope if math.isfinite(s.slope) else next(
+            v["slope"] for v in s.variants if math.isfinite(v["slope"]))
+        lin = compare_to_reference(est, s.low, s.high, 1.0, tolerance=TOL_P, relative=False,
                                    what="p (median r*, all d; interval: envelope)")
         rec: dict[str, Any] = {"spec": e, "R": R, "eps": eps, "d_used": _dset(used.tolist()),
                                "p": s.slope, "p_primary_lo": s.primary_low,
