@@ -1187,7 +1187,7 @@ def exponent_table(df: pd.DataFrame, rst: pd.DataFrame) -> tuple[pd.DataFrame, p
                                "C_star": c_star(used, s.high - 1.0) if s.high > 1 else math.nan}
         for b in THEORY_BOUNDS:
             le = local_exponent(used, bound_shape(b, used, R, eps))
-            vb = compare_to_reference(s.slope, s.low, s.high, le, tolerance=0.0, relative=False,
+            vb = compare_to_reference(est, s.low, s.high, le, tolerance=0.0, relative=False,
                                       what=f"p against the {b} shape's local exponent")
             rec[f"lexp[{b}]"] = le
             rec[f"excluded[{b}]"] = vb.label == "differs"
