@@ -10,8 +10,7 @@ module of this package with a ``main(argv)``; its docstring describes what it me
 - ``train``: a small causal transformer with linear attention, eager, compiled and bf16;
 - ``decode``: per-token time of ``generate()`` after a long prompt, linearised or not.
 
-Like ``studies/``, this folder is not part of the installed package. The former command lines
-``python -m studies.bench_NAME`` still work (``studies/bench_*.py`` forward here).
+Like ``studies/``, this folder is not part of the installed package.
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ def error_vs_r_floor(d: int, quick: bool, device: torch.device, dtype: torch.dty
 
 
 def _ctx(quick: bool, device: torch.device, dtype: torch.dtype):
-    from studies._framework import Context
+    from studies._engine import Context
 
     return Context(device=device, seed=0, quick=quick, out=Path("."), dtype=dtype, study="error-vs-r")
 

@@ -40,8 +40,6 @@ from .maps import (
     ReluFeatures,
     TaylorFeatures,
     TrigRF,
-    distillation_loss,
-    fit_feature_map,
 )
 from .registry import (
     Estimator,
@@ -59,6 +57,7 @@ from .samplers import (
     StructuredSampler,
     get_sampler,
 )
+from .training import distillation_loss, fit_feature_map
 
 __version__ = "0.1.0"
 

@@ -90,7 +90,6 @@ from ._validation import (
     check_positive_int,
     check_seed,
 )
-from .attention._common import install_input_check
 from .maps.base import FeatureMap
 from .registry import estimators
 
@@ -769,10 +768,3 @@ def warn_if_hopeless(
         )
     return rel
 
-
-def _linear_attention_check(feature_map: Any, q: torch.Tensor, k: torch.Tensor) -> None:
-    """The check of ``ka.linear_attention(..., check=True)``: `warn_if_hopeless`."""
-    warn_if_hopeless(feature_map, q, k)
-
-
-install_input_check(_linear_attention_check)

@@ -46,6 +46,59 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *
         ) from None
 
 
+def padding_mask(
+    mask: object, k_shape: torch.Size, lead: torch.Size | None = None, name: str = "key_padding_mask"
+) -> torch.Tensor | None:
+    r"""A key padding mask as a bool tensor ``True`` = padded, with ``len(k_shape) - 1`` dimensions.
+
+    Accepted (the conventions of `torch.nn.MultiheadAttention`): ``None``; a bool tensor,
+    ``True`` where the key is padding (ignored); or a float tensor added to the scores, holding
+    ``0`` (kept) and ``-inf`` (padded) only. Shape ``(B, m)`` with ``B = k.shape[0]`` (the
+    leading dimensions between the batch and the keys, e.g. the heads, are broadcast), or any
+    shape broadcasting with ``k.shape[:-1]``. An integer tensor (a Hugging Face
+    ``attention_mask``, ``1`` = token) is refused: its polarity is the opposite, pass
+    ``attention_mask == 0``.
+
+    A float mask with other values would be a per-key bias $b_j$; linear attention could fold
+    $e^{b_j}$ into the keys' weights, but the additive attention masks met in practice are 0/-inf,
+    and anything else is more likely a wrong mask: refused.
+    """
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a bool torch.Tensor (True = padded) or None, got {type(mask).__name__}")
+    if mask.dtype.is_floating_point:
+        if not torch.compiler.is_compiling():
+            ok = (mask == 0) | (mask == float("-inf"))
+            if not bool(ok.all()):
+                raise ValueError(
+                    f"{name} is a float mask of shape {tuple(mask.shape)} with values other than 0 and -inf: "
+                    "an additive key padding mask holds 0 (kept) and -inf (padded) only; pass a bool mask "
+                    "(True = padded)"
+                )
+        mask = mask == float("-inf")
+    elif mask.dtype != torch.bool:
+        raise TypeError(
+            f"{name} must be a bool tensor (True = padded key, as in torch.nn.MultiheadAttention) or a float "
+            f"0/-inf mask, got dtype {mask.dtype}; for a Hugging Face attention_mask (1 = token) pass "
+            "attention_mask == 0"
+        )
+    given = tuple(mask.shape)
+    nk = len(k_shape) - 1  # dimensions of k.shape[:-1]
+    m = k_shape[-2]
+    want = f"(batch, m) or a shape broadcasting with k.shape[:-1] = {tuple(k_shape[:-1])}, m = {m} keys"
+    if mask.dim() == 0 or mask.shape[-1] != m or mask.dim() > max(nk, 2):
+        raise ValueError(f"{name} has shape {tuple(mask.shape)}; expected {want}")
+    if mask.dim() == 2 and nk > 2:  # (B, m): broadcast over the heads (and any dims before the keys)
+        mask = mask.reshape(mask.shape[0], *([1] * (nk - 2)), m)
+    try:
+        torch.broadcast_shapes(mask.shape, tuple(k_shape[:-1]), *(() if lead is None else (tuple(lead),)))
+    except RuntimeError:
+        extra = "" if lead is None else f", and the batch shape {tuple(lead)} of q, k, v"
+        raise ValueError(f"{name} has shape {given}; expected {want}{extra}") from None
+    return mask
+
+
 @no_autocast
 def softmax_kernel(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     r"""The softmax kernel matrix $K = \exp(q k^\top)$.
@@ -127,8 +180,6 @@ def softmax_attention(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    from .attention._common import padding_mask  # (attention imports this module)
-
     pad = padding_mask(key_padding_mask, k.shape)
     cdt = compute_dtype(out_dtype)
     q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)

@@ -39,12 +39,12 @@ import torch
 from torch import nn
 
 from ._validation import check_device, check_dtype, check_positive_int
-from .attention import LinearAttentionState, linear_attention
+from .attention import LinearAttentionState
 from .attention._common import padding_mask
-from .attention.hybrid import HybridAttentionState, check_window, check_window_mode, hybrid_attention
-from .attention.hybrid.sinks import check_sinks
+from .attention.hybrid import HybridAttentionState, check_window, check_window_mode
+from .attention.padded import check_window_sinks, padded_attention
 from .maps.base import FeatureMap
-from .registry import get_estimator
+from .maps.spec import default_num_features, resolve_feature_map
 from .samplers import GivenSampler, Sampler
 
 __all__ = ["LinearAttention", "LinearAttentionHeads", "MultiheadLinearAttention", "default_num_features"]
@@ -53,30 +53,6 @@ FeatureMapSpec = str | FeatureMap | Callable[[int, int], FeatureMap]
 
 #: Attribute set on a feature map once a layer has checked it (`LinearAttentionHeads`, ``check``).
 _CHECKED = "_kernelapprox_checked"
-
-
-def default_num_features(dim_head: int) -> int:
-    r"""Default number of random projections per head: $r = \lfloor d_h \ln d_h \rfloor$ (at least 1).
-
-    The default of performer-pytorch's ``FastAttention`` (``nb_features``), kept so that a
-    migrated model has the same cost.
-
-    Parameters
-    ----------
-    dim_head : int
-        $d_h$, the dimension of one head.
-
-    Returns
-    -------
-    int
-
-    Examples
-    --------
-    >>> default_num_features(64)
-    266
-    """
-    d = check_positive_int("dim_head", dim_head)
-    return max(1, int(d * math.log(d)))
 
 
 def _check_bool(name: str, value: object) -> bool:
@@ -175,17 +151,6 @@ def resolve_attn_mask(
     return causal, pad
 
 
-def _check_sinks(sinks: object, window: int | None) -> int | tuple[int, ...]:
-    """``sinks`` as a count or a tuple of positions (`check_sinks`); only with a ``window``."""
-    out = check_sinks(sinks)
-    if window is None and out not in (0, ()):
-        raise ValueError(
-            f"sinks={sinks!r} needs window= (hybrid attention: exact window and sinks, the feature map for the "
-            "rest); pass window=0 for exact sinks alone"
-        )
-    return out
-
-
 def _merge_padding(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     if a is None:
         return b
@@ -213,7 +178,7 @@ def _build_feature_map(
     device: torch.device | str | None,
     dtype: torch.dtype | None,
 ) -> FeatureMap:
-    """The layer's map: built by name, taken as given, or from a factory; then validated."""
+    """The layer's map: built by name, taken as given, or from a factory (`resolve_feature_map`); then validated."""
     if isinstance(feature_map, FeatureMap):
         extra = {
             "num_features": num_features, "sampler": sampler, "feature_map_kwargs": feature_map_kwargs,
@@ -224,45 +189,21 @@ def _build_feature_map(
                 f"{', '.join(given)} only apply to a feature map built by name; got a "
                 f"{type(feature_map).__name__} instance (configure it when building it)"
             )
-        fm = feature_map
-        if device is not None or dtype is not None:
-            fm = fm.to(device=device, dtype=dtype)
-    elif isinstance(feature_map, str):
-        if feature_map_kwargs is not None and not isinstance(feature_map_kwargs, Mapping):
-            raise TypeError(
-                f"feature_map_kwargs must be a mapping or None, got {type(feature_map_kwargs).__name__}"
-            )
-        est = get_estimator(feature_map)
-        r = num_features
-        if r is None and est.is_random:
-            r = default_num_features(dim_head)
-        kwargs: dict[str, Any] = {
-            "sampler": "orthogonal" if sampler is None else sampler,
-            "seed": seed,
-            "batch_shape": (heads,),  # one draw (or one learned weight) per head; ignored if deterministic
-            "device": device,
-            "dtype": dtype,
-        }
-        kwargs.update(feature_map_kwargs or {})
-        fm = est.build(dim_head, r, **kwargs)
-    elif callable(feature_map):
+    elif not isinstance(feature_map, str) and callable(feature_map):
         if num_features is not None or sampler is not None or feature_map_kwargs is not None:
             raise TypeError(
                 "num_features, sampler and feature_map_kwargs only apply to a feature map built by "
                 "name; a factory feature_map(dim_head, heads) configures the map itself"
             )
-        fm = feature_map(dim_head, heads)
-        if not isinstance(fm, FeatureMap):
-            raise TypeError(
-                f"feature_map factory must return a kernelapprox FeatureMap, got {type(fm).__name__}"
-            )
-        if device is not None or dtype is not None:
-            fm = fm.to(device=device, dtype=dtype)
-    else:
+    elif not isinstance(feature_map, str):
         raise TypeError(
             "feature_map must be an estimator name (e.g. 'positive'), a kernelapprox FeatureMap or a "
             f"factory feature_map(dim_head, heads) -> FeatureMap, got {type(feature_map).__name__}"
         )
+    fm = resolve_feature_map(
+        feature_map, dim=dim_head, heads=heads, num_features=num_features, sampler=sampler, seed=seed,
+        options=feature_map_kwargs, device=device, dtype=dtype,
+    )
     if fm.dim != dim_head:
         raise ValueError(f"feature_map has dim={fm.dim}, but the heads have dim_head={dim_head}")
     bs = tuple(fm.batch_shape)
@@ -424,7 +365,7 @@ class LinearAttentionHeads(nn.Module):
         super().__init__()
         self.dim_head = check_positive_int("dim_head", dim_head)
         self.window = None if window is None else check_window(window)
-        self.sinks = _check_sinks(sinks, self.window)
+        self.sinks = check_window_sinks(sinks, self.window)
         self.window_mode = check_window_mode(window_mode)
         device = check_device("device", device)
         check_dtype("dtype", dtype)
@@ -611,28 +552,8 @@ class LinearAttentionHeads(nn.Module):
             kc = k if key_padding_mask is None else k.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
             warn_if_hopeless(fm, q, kc)
             object.__setattr__(fm, _CHECKED, True)  # a plain flag: once per map, not per layer or call
-        if self.window is not None:
-            return self._hybrid(q, k, v, initial_state, return_state, key_padding_mask,
-                                self.causal if causal is None else causal)
-        return linear_attention(
-            q, k, v, fm, causal=self.causal if causal is None else causal, chunk_size=self.chunk_size,
-            initial_state=initial_state, return_state=return_state, key_padding_mask=key_padding_mask,
-        )
-
-    def _hybrid(self, q, k, v, initial_state, return_state, key_padding_mask, causal):
-        """`kernelapprox.hybrid_attention` of the scaled heads (grouped key/value heads repeated)."""
-        if k.shape[1] != q.shape[1] and k.shape[1] != 1:  # grouped-query heads
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        if v.shape[1] != q.shape[1] and v.shape[1] != 1:
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        if q.shape[-2] != k.shape[-2]:
-            raise ValueError(
-                f"window={self.window} (hybrid attention) needs self-attention, as many keys as queries: got "
-                f"q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}"
-            )
-        sinks = self.sinks if isinstance(self.sinks, int) else list(self.sinks)
-        return hybrid_attention(
-            q, k, v, self.feature_map, window=cast(int, self.window), sinks=sinks, causal=causal,
+        return padded_attention(
+            q, k, v, fm, window=self.window, sinks=self.sinks, causal=self.causal if causal is None else causal,
             chunk_size=self.chunk_size, initial_state=initial_state, return_state=return_state,
             key_padding_mask=key_padding_mask, window_mode=self.window_mode,
         )
@@ -912,6 +833,16 @@ class LinearAttention(nn.Module):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dim() != 3 or t.shape[-1] != width:
                 raise ValueError(f"{name} must have shape {layout}{dim_name}={width}), got shape {tuple(t.shape)}")
+            if not t.is_floating_point():
+                raise TypeError(
+                    f"{name} must be a floating-point tensor (the layer computes in {self.to_q.weight.dtype}), got "
+                    f"dtype {t.dtype}; token ids go through an embedding first"
+                )
+            if t.shape[1 if self.batch_first else 0] == 0:
+                raise ValueError(
+                    f"{name} is an empty sequence (shape {tuple(t.shape)}, batch_first={self.batch_first}); "
+                    "need n >= 1 tokens"
+                )
         _check_bool("return_state", return_state)
         if self.window is not None and key is not query:
             raise ValueError(

@@ -59,6 +59,7 @@ from sklearn.utils._param_validation import Interval, StrOptions  # type: ignore
 from sklearn.utils.validation import check_is_fitted, validate_data  # type: ignore[import-untyped]
 
 from ._logdomain import _sqnorm_half
+from .maps.spec import resolve_feature_map
 from .registry import Estimator, estimators, get_estimator
 from .samplers import SAMPLERS, Sampler, get_sampler
 
@@ -313,7 +314,8 @@ class RandomFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
             gamma = float(self.gamma)
         rng = check_random_state(self.random_state)
         seed = int(rng.randint(np.iinfo(np.int32).max))
-        fm = est.build(X.shape[1], r, sampler=sampler, seed=seed, dtype=torch.float64)
+        fm = resolve_feature_map(est.name, dim=X.shape[1], num_features=r, sampler=sampler, seed=seed,
+                                 dtype=torch.float64)
         scale = math.sqrt((2.0 if self.kernel == "rbf" else 1.0) * gamma)
         if est.data_dependent:
             xs = torch.from_numpy(np.asarray(X, dtype=np.float64) * scale)

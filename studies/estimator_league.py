@@ -440,7 +440,7 @@ def evaluate(spec: EstimatorSpec, r: int, ref: dict[str, torch.Tensor], ctx: Con
     if spec.learned:
         fm = _build(spec, r, (), seed, ctx, dtype=FIT_DTYPE)
         qc, kc = ref["q_cal"].to(FIT_DTYPE), ref["k_cal"].to(FIT_DTYPE)
-        loss = getattr(getattr(ka.maps, "hedgehog", None), "distillation_loss", None)
+        loss = getattr(getattr(ka, "training", None), "distillation_loss", None)
         if loss is not None:
             with torch.no_grad():
                 info["fit_loss_first"] = float(loss(fm, qc, kc))

@@ -126,17 +126,17 @@ class EstimatorSpec:
         Raises
         ------
         NotImplementedError
-            A learned estimator while ``kernelapprox.maps.hedgehog.fit_feature_map`` does not exist.
+            A learned estimator while ``kernelapprox.training.fit_feature_map`` does not exist.
         """
         if self.data_dependent:
             fit = getattr(fm, "fit", None)
             if fit is not None:
                 fit(q, k)
         if self.learned:
-            fit_feature_map = getattr(getattr(ka.maps, "hedgehog", None), "fit_feature_map", None)
+            fit_feature_map = getattr(getattr(ka, "training", None), "fit_feature_map", None)
             if fit_feature_map is None:
                 raise NotImplementedError(
-                    f"{self.key} is a learned map but kernelapprox.maps.hedgehog.fit_feature_map is not "
+                    f"{self.key} is a learned map but kernelapprox.training.fit_feature_map is not "
                     "available: it cannot be trained"
                 )
             kw: dict[str, Any] = {"steps": steps, "seed": seed, "progress": False}

@@ -38,7 +38,7 @@ sinks; ``r`` below the number of such keys), ``taylor`` (fixed size), and Hedgeh
 head on calibration text (:func:`kernelapprox.fit_feature_map`, ``FIT_STEPS`` Adam steps): to the
 remainder at ``w = FIT_WINDOW`` with the sinks (``hedgehog-remainder``) or to whole rows
 (``hedgehog-whole``), both with a gain (``HedgehogFeatures(gain=True)``) set for each window on
-the calibration text by :func:`kernelapprox.maps.hedgehog.fit_gain`.
+the calibration text by :func:`kernelapprox.training.fit_gain`.
 
 End to end (``kind = "e2e"``): every layer's attention replaced by hybrid attention (``w =
 TARGET_W``, the sinks) by :func:`kernelapprox.hf.linearize` with one map per layer; cosine similarity of the
@@ -208,7 +208,7 @@ def _hedgehog(name: str, r: int, layer_pos: int, ctx: Context) -> Any:
 
 def _set_gain(fm: Any, w: int, ctx: Context, layer_pos: int) -> None:
     """The Hedgehog gain for window ``w`` (with the sinks), on the calibration text."""
-    from kernelapprox.maps.hedgehog import fit_gain
+    from kernelapprox.training import fit_gain
 
     qc, kc, _ = _inputs(ctx.quick, "calibration")
     fm.log_gain.requires_grad_(True)

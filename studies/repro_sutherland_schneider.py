@@ -48,10 +48,10 @@ $T = \max_i q_i/b_i$ ($b_i$ = the bound) lies in $[\max_i \ell_i/b_i, \max_i u_i
 (reference 0.5, absolute tolerance 0.5): *agrees* = the bound holds at every point, *differs* =
 it is violated at one at least, *inconclusive* otherwise. Reported as: for our derived bound
 *consistent with our re-derivation* / *inconsistent with our re-derivation* / *inconclusive*
-(what is compared is our own derivation); for the S&S bound the helper's *differs* as is and,
+(what is compared is our own derivation); for the S&S bound ``compare_to_reference``'s *differs* as is and,
 because a holding bound with unread constants is no evidence for the paper's statement,
-*inconclusive* otherwise (``BOUND_CONSTANTS_VERIFIED = False``; with constants read in the paper
-the helper's label would be reported as is). Orthogonal rows are measured and plotted only
+*inconclusive* otherwise (the bound's ``ka.theory.CONSTANT_STATUS`` is not ``SOURCE``; with constants
+read in the paper ``compare_to_reference``'s label would be reported as is). Orthogonal rows are measured and plotted only
 (neither bound covers dependent rows).
 """
 
@@ -67,7 +67,7 @@ import torch
 
 import kernelapprox as ka
 import kernelapprox.montecarlo as mc
-from kernelapprox.theory.uniform import derived_sincos_features
+from kernelapprox.theory.uniform import CONSTANT_STATUS, derived_sincos_features
 from studies._engine import Context, Study, df_to_markdown, fmt, row, save_figure, set_style
 from studies.estimators import get
 from studies.verdicts import Verdict, compare_to_reference
@@ -84,10 +84,15 @@ SUP_R_QUICK = [16, 64]
 SUP_DRAWS, SUP_DRAWS_QUICK = 64, 24
 RADIUS = 1.0  # inputs in the ball of radius R = 1, so ‖Δ‖ <= 2
 FAIL = 0.1  # δ: the bound and the measured (1 − δ) quantile
-#: Whether the uniform bound's constants were read in the paper's statement (they were not: the
-#: searchable copies of arXiv:1506.02785 stop after section 1; ``ka.theory.uniform.CONSTANT_NOTES``).
-#: A holding S&S bound is then reported as inconclusive, never as agreement.
-BOUND_CONSTANTS_VERIFIED = False
+
+
+def bound_constants_verified() -> bool:
+    """Whether the S&S bound's constants were read in the paper's statement: the library's record
+    (``ka.theory.CONSTANT_STATUS["sutherland-schneider"] == "SOURCE"``; why, in ``CONSTANT_NOTES``).
+    Otherwise a holding S&S bound is reported as inconclusive, never as agreement."""
+    return CONSTANT_STATUS["sutherland-schneider"] == "SOURCE"
+
+
 #: Family-wise level of the per-point quantile intervals of the bound verdicts (Bonferroni).
 BOUND_ALPHA = 0.05
 
@@ -254,7 +259,7 @@ def derived_sup_bound(num_projections: int, d: int, radius: float, fail: float =
 
 
 def bound_verdict(sup: pd.DataFrame, column: str, *, what: str) -> tuple[Verdict | None, int, int]:
-    r"""The bound verdict of the module docstring for one bound: helper verdict, points used, dropped.
+    r"""The bound verdict of the module docstring for one bound: the verdict of ``compare_to_reference``, points used, dropped.
 
     Parameters
     ----------
@@ -649,9 +654,9 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                          f"{n_used} points, {n_drop} vacuous left out) — {v.statement}; {rule}.")
         v, n_used, n_drop = bound_verdict(gi, "ss_bound", what="the worst measured / bound ratio")
         if v is not None:
-            label = (v.label if BOUND_CONSTANTS_VERIFIED or v.label == "differs"
+            label = (v.label if bound_constants_verified() or v.label == "differs"
                      else "inconclusive")
-            why = ("read in the paper" if BOUND_CONSTANTS_VERIFIED else
+            why = ("read in the paper" if bound_constants_verified() else
                    "recalled, not read in the paper, so a bound that holds is no evidence for "
                    f"its statement (`compare_to_reference` alone: {v.label})")
             g.append(f"- **{label}** ({PAPER} uniform bound; {n_used} points, {n_drop} vacuous "

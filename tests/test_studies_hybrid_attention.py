@@ -20,7 +20,7 @@ from kernelapprox.attention.hybrid import exact_set_mask, hybrid_attention  # no
 from kernelapprox.theory.hybrid_attention import exact_mass  # noqa: E402
 from studies import STUDY_MODULES  # noqa: E402
 from studies import hybrid_attention as hy  # noqa: E402
-from studies._framework import ROW_KEYS, load_studies, run_study  # noqa: E402
+from studies._engine import ROW_KEYS, load_studies, run_study  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import torch
 import kernelapprox as ka
 from studies import STUDY_MODULES
 from studies import estimator_league as league
-from studies._framework import ROW_KEYS, load_studies, run_study
+from studies._engine import ROW_KEYS, load_studies, run_study
 from studies.estimators import get, select
 
 D = league.D
@@ -319,7 +319,7 @@ def test_ready_trains_learned_maps(monkeypatch: pytest.MonkeyPatch) -> None:
     before = [p.detach().clone() for p in fm.parameters()]
     spec.ready(fm, q, k, steps=3, seed=0)
     assert any(not torch.equal(a, b) for a, b in zip(before, fm.parameters(), strict=True))
-    monkeypatch.delattr(ka.maps.hedgehog, "fit_feature_map")
+    monkeypatch.delattr(ka.training, "fit_feature_map")
     with pytest.raises(NotImplementedError, match="fit_feature_map"):
         spec.ready(spec.build(D, D, seed=0), q, k, steps=3)
 

@@ -20,7 +20,7 @@ import kernelapprox as ka  # noqa: E402
 from kernelapprox import hf  # noqa: E402
 from studies import STUDY_MODULES  # noqa: E402
 from studies import real_attention as ra  # noqa: E402
-from studies._framework import ROW_KEYS, load_studies, run_study  # noqa: E402
+from studies._engine import ROW_KEYS, load_studies, run_study  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ pytest.importorskip("peft")
 
 from studies import STUDY_MODULES  # noqa: E402
 from studies import linearize_recover as lr  # noqa: E402
-from studies._framework import ROW_KEYS, load_studies, run_study  # noqa: E402
+from studies._engine import ROW_KEYS, load_studies, run_study  # noqa: E402
 
 
 @pytest.fixture(scope="module")

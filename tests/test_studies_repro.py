@@ -40,7 +40,7 @@ def _sq_err_gauss(W: np.ndarray, delta: np.ndarray) -> np.ndarray:
 
 
 def test_repro_studies_are_registered() -> None:
-    from studies._framework import load_studies
+    from studies._engine import load_studies
 
     names = set(load_studies(strict=True))
     for mod in ("repro_yu_orf_variance", "repro_performer_attention",

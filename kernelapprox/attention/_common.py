@@ -1,87 +1,22 @@
-"""Pieces shared by the parallel, chunked and recurrent forms of linear attention."""
+"""Pieces shared by the parallel, chunked and recurrent forms of linear attention (the input checks
+`check_qkv` and `padding_mask` are those of `kernelapprox.exact`, shared with softmax attention)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
 from .._validation import broadcast_batch, check_bool, check_finite_float, compute_dtype
-from ..exact import check_qkv
+from ..exact import check_qkv, padding_mask  # noqa: F401 (padding_mask: imported from here by the forms)
 from ..maps.base import FeatureMap
 from .state import LinearAttentionState
 
-#: The checks ``linear_attention(..., check=True)`` runs, ``fn(feature_map, q, k)``. Attention
-#: imports no statistics: `kernelapprox.diagnose` (a layer above) installs its closed-form check
-#: here when it is imported, which ``import kernelapprox`` always does.
-_INPUT_CHECKS: list[Callable[[FeatureMap, torch.Tensor, torch.Tensor], object]] = []
-
-
-def install_input_check(fn: Callable[[FeatureMap, torch.Tensor, torch.Tensor], object]) -> None:
-    """Add ``fn(feature_map, q, k)`` to the checks of ``linear_attention(..., check=True)`` (once)."""
-    if fn not in _INPUT_CHECKS:
-        _INPUT_CHECKS.append(fn)
-
 
 def run_input_checks(feature_map: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> None:
-    """Run the installed checks (`install_input_check`) on one call's inputs."""
-    if not _INPUT_CHECKS:
-        raise RuntimeError("check=True needs kernelapprox.diagnose, which installs the check (import kernelapprox)")
-    for fn in _INPUT_CHECKS:
-        fn(feature_map, q, k)
+    """The check of ``linear_attention(..., check=True)``: `kernelapprox.diagnose.warn_if_hopeless`,
+    called by name (imported here, on the first checked call: attention loads no statistics)."""
+    from ..diagnose import warn_if_hopeless
 
-
-def padding_mask(
-    mask: object, k_shape: torch.Size, lead: torch.Size | None = None, name: str = "key_padding_mask"
-) -> torch.Tensor | None:
-    r"""A key padding mask as a bool tensor ``True`` = padded, with ``len(k_shape) - 1`` dimensions.
-
-    Accepted (the conventions of `torch.nn.MultiheadAttention`): ``None``; a bool tensor,
-    ``True`` where the key is padding (ignored); or a float tensor added to the scores, holding
-    ``0`` (kept) and ``-inf`` (padded) only. Shape ``(B, m)`` with ``B = k.shape[0]`` (the
-    leading dimensions between the batch and the keys, e.g. the heads, are broadcast), or any
-    shape broadcasting with ``k.shape[:-1]``. An integer tensor (a Hugging Face
-    ``attention_mask``, ``1`` = token) is refused: its polarity is the opposite, pass
-    ``attention_mask == 0``.
-
-    A float mask with other values would be a per-key bias $b_j$; linear attention could fold
-    $e^{b_j}$ into the keys' weights, but the additive attention masks met in practice are 0/-inf,
-    and anything else is more likely a wrong mask: refused.
-    """
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a bool torch.Tensor (True = padded) or None, got {type(mask).__name__}")
-    if mask.dtype.is_floating_point:
-        if not torch.compiler.is_compiling():
-            ok = (mask == 0) | (mask == float("-inf"))
-            if not bool(ok.all()):
-                raise ValueError(
-                    f"{name} is a float mask of shape {tuple(mask.shape)} with values other than 0 and -inf: "
-                    "an additive key padding mask holds 0 (kept) and -inf (padded) only; pass a bool mask "
-                    "(True = padded)"
-                )
-        mask = mask == float("-inf")
-    elif mask.dtype != torch.bool:
-        raise TypeError(
-            f"{name} must be a bool tensor (True = padded key, as in torch.nn.MultiheadAttention) or a float "
-            f"0/-inf mask, got dtype {mask.dtype}; for a Hugging Face attention_mask (1 = token) pass "
-            "attention_mask == 0"
-        )
-    given = tuple(mask.shape)
-    nk = len(k_shape) - 1  # dimensions of k.shape[:-1]
-    m = k_shape[-2]
-    want = f"(batch, m) or a shape broadcasting with k.shape[:-1] = {tuple(k_shape[:-1])}, m = {m} keys"
-    if mask.dim() == 0 or mask.shape[-1] != m or mask.dim() > max(nk, 2):
-        raise ValueError(f"{name} has shape {tuple(mask.shape)}; expected {want}")
-    if mask.dim() == 2 and nk > 2:  # (B, m): broadcast over the heads (and any dims before the keys)
-        mask = mask.reshape(mask.shape[0], *([1] * (nk - 2)), m)
-    try:
-        torch.broadcast_shapes(mask.shape, tuple(k_shape[:-1]), *(() if lead is None else (tuple(lead),)))
-    except RuntimeError:
-        extra = "" if lead is None else f", and the batch shape {tuple(lead)} of q, k, v"
-        raise ValueError(f"{name} has shape {given}; expected {want}{extra}") from None
-    return mask
+    warn_if_hopeless(feature_map, q, k)
 
 
 def apply_padding(

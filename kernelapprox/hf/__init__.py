@@ -56,8 +56,6 @@ from .checkpoint import load_linearized, save_linearized
 from .data import load_minilm, pydoc_text, sentence_embeddings, token_chunks
 from .linearize import Linearized, linearize
 from .switch import INSTALL_HINT
-from .switch import transformers_module as _transformers  # noqa: F401  (the former private names,
-from .switch import valid_keys as _valid_keys  # noqa: F401  still read as hf._transformers / hf._valid_keys)
 
 __all__ = [
     "Capture",

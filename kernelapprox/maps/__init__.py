@@ -7,7 +7,8 @@ one estimator family per module, over the base classes of `kernelapprox.maps.bas
 - `kernelapprox.maps.dense_exponential`: ``OptimalPositiveRF`` (FAVOR++), ``SADERF``, ``SDERF`` (FAVOR#);
 - `kernelapprox.maps.hybrid`: ``HybridRF``;
 - `kernelapprox.maps.deterministic`: ``EluFeatures``, ``ReluFeatures``, ``TaylorFeatures``, ``NystromFeatures``;
-- `kernelapprox.maps.hedgehog`: ``HedgehogFeatures`` and its fitting (``fit_feature_map``).
+- `kernelapprox.maps.hedgehog`: ``HedgehogFeatures`` (fitted by `kernelapprox.training.fit_feature_map`).
+- `kernelapprox.maps.spec`: the reading of a ``feature_map=`` argument (`resolve_feature_map`).
 
 Each family's closed forms live in the `kernelapprox.theory` module of the same name.
 """
@@ -24,7 +25,7 @@ from .trig import TrigRF
 from .deterministic import EluFeatures, NystromFeatures, ReluFeatures, TaylorFeatures
 from .dense_exponential import SADERF, SDERF, OptimalPositiveRF, optimal_A
 from .hybrid import HybridRF, default_num_angular
-from .hedgehog import HedgehogFeatures, distillation_loss, fit_feature_map
+from .hedgehog import HedgehogFeatures
 # isort: on
 
 __all__ = [
@@ -44,6 +45,4 @@ __all__ = [
     "TaylorFeatures",
     "NystromFeatures",
     "HedgehogFeatures",
-    "fit_feature_map",
-    "distillation_loss",
 ]

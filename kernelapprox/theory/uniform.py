@@ -40,8 +40,7 @@ Sources and how sure we are (read the tags):
 How far each value can be trusted is recorded in `CONSTANT_STATUS`, and what was checked, against
 which text, in `CONSTANT_NOTES` (read both before quoting a number): the Rahimi–Recht constants
 come from (secondary) transcriptions of the paper; the Sutherland–Schneider and Sriperumbudur–Szabó
-constants are RECALLED — the stored full-text copies of both papers that could be searched return
-only their opening sections, not the statements with the constants.  What *was* checked for
+constants are RECALLED — not checked against the statements in the papers.  What *was* checked for
 Sutherland–Schneider: the opening of arXiv:1506.02785 defines the paired map $\tilde z$ with
 $D/2$ frequencies (so ``r = D/2`` here), and re-running Rahimi–Recht's proof for that map gives
 exactly the recalled exponent $D\varepsilon^2/(8(d+2))$ and a prefactor whose supremum over $d$
@@ -111,23 +110,20 @@ CONSTANT_STATUS = {
 CONSTANT_NOTES = {
     "rahimi-recht": (
         "SOURCE-2nd: 2^8 and 4(d+2) as in two secondary transcriptions of RR07 Claim 1 (a third "
-        "gives 8(d+2)); the paper's own statement was not read (the stored copies return its "
-        "opening only). Re-running its proof: the exponent 4(d+2) holds for per-frequency terms "
+        "gives 8(d+2)); not checked against the statement in RR07 itself. Re-running its proof: the exponent 4(d+2) holds for per-frequency terms "
         "of range 2 (sin/cos, r frequencies); for cos(w'x + b) terms (range 4, not "
         "shift-invariant) the proof's Hoeffding step does not carry over as written."),
     "sutherland-schneider": (
         "RECALLED: Prop. 1 (sin/cos, 66, 8(d+2)) and the cos + offset statement (98, 32(d+2)) of "
-        "SS15 (arXiv:1506.02785) could not be read: the stored full-text copies return the "
-        "opening (abstract, section 1) only. Checked there: z~ has D/2 frequencies (r = D/2 "
-        "here). Consistent with our re-derivation: RR07's proof steps for z~ give "
+        "SS15 (arXiv:1506.02785) are not checked against the paper. Checked against its section 1: "
+        "z~ has D/2 frequencies (r = D/2 here). Consistent with our re-derivation: RR07's proof steps for z~ give "
         "beta_d (sigma_p l / eps)^(2d/(d+2)) exp(-D eps^2 / (8(d+2))) with "
         "beta_d = ((d/2)^(-d/(d+2)) + (d/2)^(2/(d+2))) 2^((6d+2)/(d+2)), sup_d beta_d = 66.0 "
         "(d = 64), provided E L_f^2 <= sigma_p^2 (SS15's Lipschitz step, not re-derived: the "
         "derivation here proves 4 sigma_p^2). The offset constants are not re-derived."),
     "sriperumbudur-szabo": (
-        "RECALLED: Thm 1 of SSz15 (arXiv:1506.02155) could not be read: the stored full-text "
-        "copies return the opening only; h, the constants 32/32/16 and |S| = diameter are from "
-        "memory."),
+        "RECALLED: Thm 1 of SSz15 (arXiv:1506.02155) is not checked against the paper: h, the "
+        "constants 32/32/16 and |S| = diameter are recalled."),
     "performer": (
         "SHAPE-ONLY: Thm 4 / Thm 7 of arXiv:2009.14794 state Theta(...) with any constant "
         "probability; the constant is a parameter."),
@@ -195,7 +191,7 @@ def rahimi_recht_features(eps: float, delta: float, dim: int, radius: float) -> 
     for ``variant="sincos"`` [DERIVED].
 
     Status: SOURCE-2nd — the constants were read in two secondary transcriptions (a third one gives
-    $8(d+2)$), not in the paper (the stored copies of the paper return its opening only).
+    $8(d+2)$), not checked against the statement in the paper itself.
     Re-running the proof (as in `sutherland_schneider_features`, "Re-derivation") gives the
     exponent $D\varepsilon^2/(4(d+2))$ for $D$ per-frequency terms of range 2, i.e. the sin/cos
     map with $D$ frequencies; for $\cos(w^\top x+b)$ features the per-feature product has range
@@ -240,8 +236,7 @@ def sutherland_schneider_features(
     r"""Sutherland–Schneider's improved uniform bound, transported to the softmax kernel on $B(R)$.
 
     RECALLED, NOT VERIFIED (``CONSTANT_STATUS``, ``CONSTANT_NOTES``) — the constants 66/98 and the
-    exponents below are from memory of the paper (the searchable copies of arXiv:1506.02785 stop
-    after its first section); the sin/cos one is consistent with our re-derivation (below), the
+    exponents below are recalled, not checked against the statement in arXiv:1506.02785; the sin/cos one is consistent with our re-derivation (below), the
     offset one is not re-derived.  A measured $r^*$ below this value is not evidence that the
     bound holds.
 

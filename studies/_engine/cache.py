@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -190,11 +189,3 @@ def check_entries(cache_dir: Path, keys: list[str]) -> None:
         if not stat.S_ISREG(mode):
             kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
             raise CacheEntryError(f"the cache entry {path} is {kind}: remove it, then run again")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a killed run leaves
-    either the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

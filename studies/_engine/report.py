@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from studies._engine.cache import write_atomic
+from kernelapprox._io import write_atomic
 from studies._engine.model import ROW_KEYS, Study, load_studies
 
 if TYPE_CHECKING:  # pragma: no cover

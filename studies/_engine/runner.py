@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernelapprox._io import write_atomic
 from studies._engine import cache as _cache
 from studies._engine import executors as _exec
 from studies._engine import provenance as _prov
@@ -192,7 +193,7 @@ def run_study(
             # the parent writes the cache (workers may not share this filesystem); every executor's
             # record goes through the same JSON round trip, so the rows are the same objects
             text = _cache.seal(rec, key)
-            _cache.write_atomic(cache_dir / f"{key}.json", text)
+            write_atomic(cache_dir / f"{key}.json", text)
             recs[key] = json.loads(text)
             bar.set_postfix_str(_short(rec["cell"]), refresh=False)
             bar.update(sum(1 for k in keys if k == key))

@@ -21,7 +21,8 @@ import torch
 from conftest import F64, randn
 
 import kernelapprox as ka
-from kernelapprox.maps.hedgehog import HedgehogFeatures, distillation_loss, fit_feature_map
+from kernelapprox.maps.hedgehog import HedgehogFeatures
+from kernelapprox.training import distillation_loss, fit_feature_map
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: threads only cost
 REPO = Path(__file__).resolve().parent.parent
