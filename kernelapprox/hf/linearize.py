@@ -26,7 +26,7 @@ __all__ = ["Linearized", "MapSpec", "SinkSpec", "linearize"]
 MapSpec = str | FeatureMap | Callable[[int, int, int], FeatureMap] | Mapping[int, FeatureMap]
 
 
-def _build_map(
+def build_map(
     spec: MapSpec, layer: int, heads: int, dim: int, num_features: int | None, sampler: str | None,
     seed: int | None, options: Mapping[str, Any],
 ) -> FeatureMap:
@@ -101,7 +101,7 @@ def _check_named_map(
     if not (isinstance(dim, int) and isinstance(heads, int) and dim > 0 and heads > 0):
         return  # an unusual config: the maps are checked when first built
     with torch.random.fork_rng(devices=[]):  # a seedless trial draw must not move the global RNG
-        _build_map(name, 0, heads, dim, num_features, sampler, seed, options)
+        build_map(name, 0, heads, dim, num_features, sampler, seed, options)
 
 
 
@@ -118,7 +118,7 @@ def _check_sinks(sinks: object) -> int | tuple[int, ...]:
 
 
 
-def _attention_modules(model: Any) -> dict[int, torch.nn.Module]:
+def attention_modules(model: Any) -> dict[int, torch.nn.Module]:
     """Self-attention modules by ``layer_idx`` (the first one of each index), where the model has them."""
     found: dict[int, torch.nn.Module] = {}
     for mod in model.modules():
@@ -129,7 +129,7 @@ def _attention_modules(model: Any) -> dict[int, torch.nn.Module]:
     return found
 
 
-def _module_shape(mod: torch.nn.Module, cfg: Any) -> tuple[int, int] | None:
+def module_shape(mod: torch.nn.Module, cfg: Any) -> tuple[int, int] | None:
     """(heads, d_head) of an attention module, from its attributes or the config."""
 
     def first_int(obj: Any, names: tuple[str, ...]) -> int | None:
@@ -573,7 +573,7 @@ def linearize(
     torch.Size([1, 17])
     """
     from ..attention.hybrid import check_window
-    from ..maps.hedgehog import fit_feature_map
+    from ..training import fit_feature_map
 
     impl = check_model(model)
     keep_layers = layer_set(layers)
@@ -609,7 +609,7 @@ def linearize(
         _check_named_map(feature_map, model, num_features, sampler, seed, options)
     elif options:
         raise TypeError(f"options {sorted(options)} only apply to maps built from a name, got feature_map={feature_map!r}")
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     for mod in modules.values():
         if _MAP_ATTR in mod._modules:
             raise ValueError(
@@ -619,7 +619,7 @@ def linearize(
     n_calls = num_attention_calls(model)
     heads_of: dict[int, int] = {}
     for layer, mod in modules.items():
-        shape = _module_shape(mod, model.config)
+        shape = module_shape(mod, model.config)
         if shape is not None:
             heads_of[layer] = shape[0]
     if isinstance(exact_spec, dict):
@@ -643,7 +643,7 @@ def linearize(
 
     def map_for(layer: int, heads: int, dim: int, module: torch.nn.Module | None = None) -> FeatureMap:
         if layer not in maps:
-            maps[layer] = _build_map(feature_map, layer, heads, dim, num_features, sampler, seed, options)
+            maps[layer] = build_map(feature_map, layer, heads, dim, num_features, sampler, seed, options)
         attach(layer, module)
         return maps[layer]
 
@@ -652,7 +652,7 @@ def linearize(
     for layer in sorted(modules):
         if keep_layers is not None and layer not in keep_layers:
             continue
-        shape = _module_shape(modules[layer], model.config)
+        shape = module_shape(modules[layer], model.config)
         if shape is not None:
             map_for(layer, *shape, modules[layer])
 
