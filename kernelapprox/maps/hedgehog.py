@@ -22,7 +22,6 @@ References
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any, ClassVar
 
@@ -343,12 +342,3 @@ register_estimator(
     HedgehogFeatures, name="hedgehog-lolcats", label="hedgehog (lolcats)", params={"variant": "lolcats"},
     feature_dim="2r",
 )
-
-
-def __getattr__(name: str) -> Any:
-    """``fit_feature_map``, ``fit_gain`` and ``distillation_loss`` are `kernelapprox.training`'s
-    (a module above attention): resolved there on first use, for imports that still name this one."""
-    if name in ("fit_feature_map", "fit_gain", "distillation_loss"):
-        training = importlib.import_module("kernelapprox.training")
-        return getattr(training, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
