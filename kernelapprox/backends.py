@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import threading
 
 import torch
 
@@ -63,6 +64,190 @@ def has_module(name: str) -> bool:
 
 
 # --------------------------------------------------------------------------- feature maps
+#
+# The dtype rule of the feature maps. CPU policy (the CPU and ``meta``): every computation in
+# ``promote(input, map)``, at least float32 (16-bit inputs are promoted). Accelerator policy (any
+# other device): a 16-bit input keeps 16-bit GEMM operands (the accumulation is float32 in the
+# GEMM kernels of cuBLAS and Triton), the log-domain statistics (norms, row maxima, log-scales,
+# fitted parameters) are float32, and the outputs come back in the input's dtype.
+
+#: Environment switch of the dtype policy: ``"auto"`` (by device) or ``"accelerator"`` (the
+#: accelerator policy on every device; for tests of that policy on CPU tensors).
+POLICY_ENV_VAR = "KERNELAPPROX_DTYPE_POLICY"
+_POLICIES = ("auto", "accelerator")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class _PolicyFlag(threading.local):
+    """Per-thread override behind `accelerator_dtypes` (a thread-local attribute, which
+    ``torch.compile`` traces)."""
+
+    def __init__(self) -> None:
+        self.forced = False
+
+
+_POLICY = _PolicyFlag()
+
+
+class accelerator_dtypes:  # noqa: N801 - a context manager, like contextlib's
+    """Within this block the feature maps follow the accelerator dtype policy on every device.
+
+    For tests and error measurements of that policy on CPU tensors (`gemm_dtype`). Re-entrant;
+    the previous value is restored on exit. The environment variable
+    ``KERNELAPPROX_DTYPE_POLICY=accelerator`` does the same for a whole process.
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> from kernelapprox import backends
+    >>> x = torch.randn(5, 8, dtype=torch.bfloat16)
+    >>> fm = ka.PositiveRF(8, 16, seed=0)
+    >>> with backends.accelerator_dtypes():
+    ...     f, log_scale = fm.log_features(x)
+    >>> f.dtype, log_scale.dtype
+    (torch.bfloat16, torch.float32)
+    """
+
+    def __enter__(self) -> None:
+        self._prev = _POLICY.forced
+        _POLICY.forced = True
+
+    def __exit__(self, *exc: object) -> None:
+        _POLICY.forced = self._prev
+
+
+def dtype_policy(device: torch.device | str) -> str:
+    """The dtype policy on ``device``: ``"accelerator"`` or ``"cpu"``.
+
+    ``"accelerator"`` on any device but the CPU and ``meta``, inside `accelerator_dtypes`, or when
+    ``KERNELAPPROX_DTYPE_POLICY=accelerator``; ``"cpu"`` otherwise.
+
+    Examples
+    --------
+    >>> dtype_policy("cpu")
+    'cpu'
+    """
+    if _POLICY.forced or is_accelerator(device):
+        return "accelerator"
+    value = os.environ.get(POLICY_ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in _POLICIES:
+        raise ValueError(f"{POLICY_ENV_VAR} must be one of {_POLICIES}, got {value!r}")
+    return "accelerator" if value == "accelerator" else "cpu"
+
+
+def gemm_dtype(x_dtype: torch.dtype, device: torch.device | str, compute: torch.dtype) -> torch.dtype:
+    """The dtype of a feature map's GEMM operands for an input of ``x_dtype`` on ``device``.
+
+    Parameters
+    ----------
+    x_dtype : torch.dtype
+        The input's dtype (before any promotion).
+    device : torch.device or str
+    compute : torch.dtype
+        The map's compute dtype, ``promote(x_dtype, map dtype)`` and at least float32.
+
+    Returns
+    -------
+    torch.dtype
+        ``x_dtype`` when it is 16-bit, the map computes in float32 and the accelerator policy
+        holds (`dtype_policy`); ``compute`` otherwise. The statistics stay in ``compute``
+        (float32 there) and the outputs come back in ``x_dtype``.
+
+    Examples
+    --------
+    >>> gemm_dtype(torch.bfloat16, "cpu", torch.float32)
+    torch.float32
+    >>> with accelerator_dtypes():
+    ...     gemm_dtype(torch.bfloat16, "cpu", torch.float32)
+    torch.bfloat16
+    """
+    if x_dtype in _LOW_PRECISION and compute == torch.float32 and dtype_policy(device) == "accelerator":
+        return x_dtype
+    return compute
+
+
+class _TorchPathFlag(threading.local):
+    def __init__(self) -> None:
+        self.forced = False
+
+
+_TORCH_PATH = _TorchPathFlag()
+
+
+class torch_path:  # noqa: N801 - a context manager, like contextlib's
+    """Within this block the feature maps take their torch path on every device (the fused
+    kernels' backward re-runs the torch map under it; also for comparisons). Re-entrant.
+
+    Examples
+    --------
+    >>> with torch_path():
+    ...     pass
+    """
+
+    def __enter__(self) -> None:
+        self._prev = _TORCH_PATH.forced
+        _TORCH_PATH.forced = True
+
+    def __exit__(self, *exc: object) -> None:
+        _TORCH_PATH.forced = self._prev
+
+
+def use_fused_maps(x: object) -> bool:
+    """Whether a feature-map call on ``x`` takes the fused Triton kernels
+    (`kernelapprox.maps.fused_exponential`): ``x`` is a CUDA tensor of dtype float16, bfloat16 or
+    float32, Triton is installed, ``KERNELAPPROX_BACKEND`` is not ``"torch"``, and the call is
+    neither inside `torch_path` nor traced by ``torch.compile`` (which compiles the torch path).
+
+    Examples
+    --------
+    >>> import torch
+    >>> use_fused_maps(torch.zeros(3, 4))  # a CPU tensor
+    False
+    """
+    if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+        return False
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or _TORCH_PATH.forced:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return forced_backend() != "torch" and has_module("triton")
+
+
+def fused_log_features(
+    fm: torch.nn.Module, x: torch.Tensor, shared: bool = False, key: bool = False
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``fm.log_features(x, shared)`` (``key``: ``key_log_features``) from the fused kernel when
+    `use_fused_maps` holds and the map has a fused form; ``None`` otherwise (the map then takes its
+    torch path). ``x`` is validated by the caller.
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> fused_log_features(ka.PositiveRF(4, 8, seed=0), torch.zeros(3, 4)) is None  # CPU: torch path
+    True
+    """
+    if not use_fused_maps(x):
+        return None
+    from .maps import fused_exponential
+
+    return fused_exponential.log_features(fm, x, shared, key)
+
+
+def fused_features(fm: torch.nn.Module, x: torch.Tensor, key: bool = False) -> torch.Tensor | None:
+    """``fm(x)`` (``key``: ``fm.key_features(x)``) from the fused kernel, or ``None`` (see
+    `fused_log_features`).
+
+    Examples
+    --------
+    >>> import torch, kernelapprox as ka
+    >>> fused_features(ka.PositiveRF(4, 8, seed=0), torch.zeros(3, 4)) is None
+    True
+    """
+    if not use_fused_maps(x):
+        return None
+    from .maps import fused_exponential
+
+    return fused_exponential.features(fm, x, key)
 
 
 # --------------------------------------------------------------------------- attention

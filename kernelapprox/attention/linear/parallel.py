@@ -104,8 +104,8 @@ def parallel_linear_attention(
             # The per-query scale cancels. Without autograd, phi(Q) may reuse the memory of
             # phi(K) and the product that of [wV, w] (both dead by now): fresh buffers of that
             # size cost page faults on CPU (~0.25 ms per MB).
-            if recycle and feature_map._fresh_key_features():
-                fq = feature_map._query_features_into(q, fk)
+            if recycle and feature_map.key_features_recyclable():
+                fq = feature_map.query_features_into(q, fk)
             else:
                 fq = feature_map.query_features(q)
         del fk
