@@ -30,38 +30,13 @@ def build_map(
     spec: MapSpec, layer: int, heads: int, dim: int, num_features: int | None, sampler: str | None,
     seed: int | None, options: Mapping[str, Any],
 ) -> FeatureMap:
-    from ..registry import get_estimator
+    """The map of ``layer`` (`kernelapprox.maps.spec.resolve_feature_map`, the library's one
+    reading of a ``feature_map=`` argument and its defaults; a factory is called as
+    ``(layer, heads, d_head)``)."""
+    from ..maps.spec import resolve_feature_map
 
-    if isinstance(spec, FeatureMap):
-        return spec
-    if isinstance(spec, Mapping):
-        if layer not in spec:
-            raise KeyError(f"feature_map has no map for layer {layer} (keys {sorted(spec)})")
-        fm = spec[layer]
-        if not isinstance(fm, FeatureMap):
-            raise TypeError(f"feature_map[{layer}] must be a FeatureMap, got {type(fm).__name__}")
-        return fm
-    if isinstance(spec, str):
-        est = get_estimator(spec)
-        kw: dict[str, Any] = dict(options)
-        if est.is_random:
-            kw.setdefault("batch_shape", (heads,))
-            if sampler is not None:
-                kw.setdefault("sampler", sampler)
-            kw.setdefault("seed", None if seed is None else seed * 1_000_003 + layer)
-        elif est.learned:
-            kw.setdefault("batch_shape", (heads,))
-            kw.setdefault("seed", None if seed is None else seed * 1_000_003 + layer)
-        return est.build(dim, num_features, **kw)
-    if callable(spec):
-        fm = spec(layer, heads, dim)
-        if not isinstance(fm, FeatureMap):
-            raise TypeError(f"feature_map({layer}, {heads}, {dim}) must return a FeatureMap, got {type(fm).__name__}")
-        return fm
-    raise TypeError(
-        "feature_map must be an estimator name, a FeatureMap, a callable (layer, heads, d_head) -> FeatureMap "
-        f"or a mapping layer -> FeatureMap, got {type(spec).__name__}"
-    )
+    return resolve_feature_map(spec, dim=dim, heads=heads, layer=layer, num_features=num_features,
+                               sampler=sampler, seed=seed, options=options, factory_args=(layer, heads, dim))
 
 
 def _check_map_spec(spec: object, layers: set[int] | None, model: Any) -> None:
@@ -493,9 +468,12 @@ def linearize(
     layers : int or sequence of int, optional
         Attention calls to linearise (``None``: all); the others keep softmax attention.
     num_features : int, optional
-        ``r`` for maps built from a name (required for random, Nyström and learned maps).
+        ``r`` for maps built from a name (default: $\lfloor d\ln d\rfloor$ projections for a
+        random map, the estimator's own otherwise; `kernelapprox.maps.spec.resolve_feature_map`,
+        the defaults `kernelapprox.nn` and `kernelapprox.sklearn` use too).
     sampler : str, optional
-        Projection sampler for random maps built from a name (default: the estimator's).
+        Projection sampler for random maps built from a name (default: ``"orthogonal"``, as in
+        `kernelapprox.nn`).
     seed : int or None, default 0
         Seed of the maps built from a name (layer ``l`` uses ``seed * 1000003 + l``); ``None``
         follows torch's global RNG.
