@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from ... import backends
 from ..._validation import inputs_validated, no_autocast
 from ...maps.base import FeatureMap
 from .._common import (
@@ -292,6 +293,33 @@ def chunk_linear_attention(
     q, k, v, out_dtype, cdt = prepare(q, k, v, feature_map, True, initial_state)
     given_state = initial_state  # per-feature scales kept for the rescue and the returned state
     initial_state = shared_state(initial_state)
+    log2 = feature_map.positive and has_log2_features(feature_map)
+    device_path = False
+    if _path == "auto":
+        grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or any(p.requires_grad for p in feature_map.parameters()))
+        plan = backends.attention_plan(q.device, q.dtype, n=q.shape[-2], gated=log2, grad=grad)
+        device_path = plan.path != "cpu"
+    if device_path and log2:
+        # Accelerators (and the forced accelerator path): every feature at its own causal scale
+        # (the per-feature gated recurrence, by blocks), no host read, no rescue needed.
+        with inputs_validated():
+            lq = feature_map.query_log2_features(q)
+            lk = feature_map.key_log2_features(k)
+        if lq is not None and lk is not None:
+            dv = v.shape[-1]
+            v1 = with_ones(v, _GEMM_COLUMNS)
+            if pad is not None:
+                v1 = v1.masked_fill(pad.unsqueeze(-1), 0.0)
+            lead = torch.broadcast_shapes(lq.shape[:-2], lk.shape[:-2], v1.shape[:-2])
+            raw = per_feature_attention(lq, lk, v1, pad, given_state, lead, dv)
+            out = normalise(raw[..., :dv], raw[..., dv:dv + 1], True, eps).to(out_dtype)
+            if return_state:
+                st = None if given_state is None else log2_state(given_state, dv, v1.dtype)
+                kv, t = per_feature_keys(lk, with_ones(v), pad, st)
+                return out, feature_state(kv, t)
+            return out
     k, v = apply_padding(pad, k, v)
     with inputs_validated():
         fq = feature_map.query_features(q)  # the per-query scale cancels
@@ -316,7 +344,8 @@ def chunk_linear_attention(
     mask = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()
     path = _path
     if path == "auto":
-        path = "shared" if not compiling and feature_map.positive and fq.device.type == "cpu" else "runmax"
+        path = ("shared" if not compiling and not device_path and feature_map.positive and fq.device.type == "cpu"
+                else "runmax")
     # The shared-scale path takes every token (the usual case) or, per sequence, the tokens before
     # the first one it cannot take (`clean_mask`): those rows are the whole sequence with the keys
     # and values from that token on given weight 0 (same shapes, hence the same GEMMs and bitwise
@@ -333,11 +362,10 @@ def chunk_linear_attention(
                 s.expand(*lead, s.shape[-1]).masked_fill(~keep, float("-inf")), mask, initial_state, cdt, lead,
             )[0]
         raw, state = chunk_runmax.running_max_attention(
-            fq, fk, v1, s, mask, initial_state, cdt, lead, recompute=_recompute)
+            fq, fk, v1, s, mask, initial_state, cdt, lead, recompute=_recompute, host_reads=not device_path)
         if head is not None and keep is not None:
             raw = torch.where(keep.unsqueeze(-1), head, raw)
-    log2 = feature_map.positive and has_log2_features(feature_map)
-    if log2 and not compiling:
+    if log2 and not compiling and not device_path:
         raw = _rescue_underflow(raw, q, k, v, feature_map, pad, given_state, lead)
     out = normalise(raw[..., :dv], raw[..., dv:dv + 1], feature_map.positive, eps).to(out_dtype)
     if return_state:
