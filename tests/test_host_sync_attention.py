@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _sync import host_syncs
 
 import kernelapprox as ka
 from kernelapprox import backends
-
-from _sync import host_syncs
 
 MAPS = ["positive", "oprf", "hedgehog", "elu", "trig-sincos"]
 
