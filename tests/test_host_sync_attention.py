@@ -1,6 +1,6 @@
 """Default calls of linear attention read no device value on the host (no ``.item()``,
-``bool(tensor)``): the non-causal form, a decoding step and the layer everywhere; the causal form on
-the accelerator path (forced on CPU tensors through ``KERNELAPPROX_BACKEND=accelerator``). The CPU's
+``bool(tensor)``): the non-causal form under autograd, a decoding step and the layer everywhere;
+the non-causal form without autograd and the causal form on the accelerator path (forced on CPU tensors through ``KERNELAPPROX_BACKEND=accelerator``). The CPU's
 own causal algorithms decide on the host (shared-scale coverage, underflow rescue), where reading a
 CPU value costs no stall. And ``torch.compile(fullgraph=True)`` of a causal call."""
 
@@ -27,14 +27,16 @@ def _qkv(seed=0, n=64):
 
 
 @pytest.mark.parametrize("name", MAPS)
-def test_parallel_and_decoding_step_have_no_host_sync(name):
+def test_parallel_and_decoding_step_have_no_host_sync(name, monkeypatch):
     fm = _map(name)
     q, k, v = _qkv()
     if fm.data_dependent:
         fm.fit(q, k)
     assert not host_syncs(ka.linear_attention, q, k, v, fm)
+    monkeypatch.setenv(backends.ENV_VAR, "accelerator")  # the CPU's no-grad path reads CPU values
     with torch.no_grad():
         assert not host_syncs(ka.linear_attention, q, k, v, fm)
+    monkeypatch.delenv(backends.ENV_VAR)
     rnn = ka.RecurrentLinearAttention(fm)
     rnn.step(q[..., 0, :], k[..., 0, :], v[..., 0, :])
     assert not host_syncs(rnn.step, q[..., 1, :], k[..., 1, :], v[..., 1, :])

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from ... import backends
 from ..._validation import inputs_validated, no_autocast
 from ...maps.base import FeatureMap
 from .._common import (
     apply_padding,
     check_options,
+    den_floor,
     feature_state,
     has_log2_features,
     key_side,
@@ -17,6 +19,7 @@ from .._common import (
     padding_mask,
     per_feature_parallel,
     prepare,
+    shared_state,
     with_ones,
 )
 from ..state import LinearAttentionState
@@ -84,7 +87,17 @@ def parallel_linear_attention(
         # and neither the forward nor the backward's 1/den can underflow, however peaked the
         # features (with and without autograd: the two give the same rows). Other maps (bounded
         # or signed features): one shared key scale and a per-row query shift.
-        lk = feature_map.key_log2_features(k) if feature_map.positive and has_log2_features(feature_map) else None
+        log2 = feature_map.positive and has_log2_features(feature_map)
+        grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or any(p.requires_grad for p in feature_map.parameters()))
+        # On the CPU without autograd the cheaper shared key scale runs first (in place), and the
+        # per-feature form only where a denominator fell below `den_floor` (one host read of a
+        # CPU value); elsewhere (autograd, states, accelerators, torch.compile) it runs directly.
+        cpu_first = (log2 and recycle and not return_state and q.device.type == "cpu"
+                     and backends.attention_plan(q.device, q.dtype, n=q.shape[-2], gated=True, grad=grad,
+                                                 warn=False).path == "cpu")
+        lk = feature_map.key_log2_features(k) if log2 and not cpu_first else None
         lq = None if lk is None else feature_map.query_log2_features(q)
         if lk is not None and lq is not None:
             vo = with_ones(v, _GEMM_COLUMNS)
@@ -97,7 +110,7 @@ def parallel_linear_attention(
             if return_state:
                 return out, feature_state(kv[..., :dv + 1].contiguous(), t)
             return out
-        fk, v1, kv0, g = key_side(feature_map, k, v, initial_state, _GEMM_COLUMNS, pad)
+        fk, v1, kv0, g = key_side(feature_map, k, v, shared_state(initial_state), _GEMM_COLUMNS, pad)
         # [S | z] = phi(K)^T [V, 1] in one GEMM: numerator and denominator then share their
         # rounding (a constant v is returned exactly; separate reductions disagree by ~n*eps).
         # The GEMMs run at a width padded to a multiple of 8 (zero columns after the ones).
@@ -117,6 +130,19 @@ def parallel_linear_attention(
         o = torch.matmul(fq, kv, out=v1)
     else:
         o = torch.matmul(fq, kv)  # (..., n, P)
+    if cpu_first:
+        den = o[..., dv]
+        small = den < den_floor(den.dtype)
+        if pad is not None:
+            small = small & (~pad).any(dim=-1, keepdim=True)
+        if bool(small.any()):  # rare: peaked features; the whole call per feature
+            lq, lk = feature_map.query_log2_features(q), feature_map.key_log2_features(k)
+            if lq is not None and lk is not None:
+                st = None
+                if initial_state is not None:
+                    kvs, X0 = log2_state(initial_state, dv, o.dtype)
+                    st = (torch.nn.functional.pad(kvs, (0, o.shape[-1] - kvs.shape[-1])), X0)
+                o = per_feature_parallel(lq, lk, with_ones(v, _GEMM_COLUMNS), pad, st)[0]
     out = normalise(o[..., :dv], o[..., dv:dv + 1], feature_map.positive, eps).to(out_dtype)
     if return_state:
         kv = kv[..., :dv + 1].contiguous()
