@@ -299,3 +299,31 @@ class inputs_validated:  # noqa: N801 - used as a context manager, like contextl
 def validation_skipped() -> bool:
     """Whether the caller already validated the inputs (see `inputs_validated`)."""
     return _VALIDATED.skipped
+
+
+class KernelApproxWarning(UserWarning):
+    """The library's warnings (once per call site, by Python's default warning filter): the closed
+    forms predict that a random feature map cannot approximate $e^{q^\\top k}$ on the given batch.
+
+    Also issued where a fast device path falls back to the torch path (`kernelapprox.backends`)
+    and by scikit-learn's softmax features outside their regime. The closed-form check is
+    `kernelapprox.diagnose.warn_if_hopeless`: once per map by `kernelapprox.nn.LinearAttention`,
+    `kernelapprox.nn.LinearAttentionHeads` and `kernelapprox.hf.linearize` (their ``check=False``
+    turns it off), and by ``ka.linear_attention(..., check=True)``. Silence it with
+    ``warnings.filterwarnings("ignore", category=ka.KernelApproxWarning)``.
+
+    Examples
+    --------
+    >>> import torch, warnings, kernelapprox as ka
+    >>> from kernelapprox.diagnose import warn_if_hopeless
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k = (2 * torch.randn(2, 32, 16, generator=g)).unbind(0)    # logits far too large
+    >>> with warnings.catch_warnings(record=True) as w:
+    ...     warnings.simplefilter("always")
+    ...     _ = warn_if_hopeless(ka.PositiveRF(16, 64, seed=0), q, k)
+    >>> issubclass(w[0].category, ka.KernelApproxWarning), issubclass(ka.KernelApproxWarning, UserWarning)
+    (True, True)
+    """
+
+
+#: Predicted relative kernel MSE above which `warn_if_hopeless` warns.

@@ -351,7 +351,7 @@ def _warn_once(reason: str) -> None:
     if reason in _WARNED:
         return
     _WARNED.add(reason)
-    from .diagnose import KernelApproxWarning
+    from ._validation import KernelApproxWarning
 
     warnings.warn(f"linear attention falls back to the torch path: {reason}", KernelApproxWarning, stacklevel=4)
 

@@ -83,6 +83,7 @@ import numpy as np
 import torch
 
 from ._validation import (
+    KernelApproxWarning,  # noqa: F401  (its public home is here and ka)
     _as_int,
     check_finite_float,
     check_floating,
@@ -585,29 +586,6 @@ def _hybrid_diagnosis(
                      hybrid=hyb, exact_mass=per_head)
 
 
-class KernelApproxWarning(UserWarning):
-    """Raised (once per call site, by Python's default warning filter) when the closed forms predict
-    that a random feature map cannot approximate $e^{q^\\top k}$ on the given batch.
-
-    Issued by `warn_if_hopeless`: once per map by `kernelapprox.nn.LinearAttention`,
-    `kernelapprox.nn.LinearAttentionHeads` and `kernelapprox.hf.linearize` (their ``check=False``
-    turns it off), and by ``ka.linear_attention(..., check=True)``. Silence it with
-    ``warnings.filterwarnings("ignore", category=ka.KernelApproxWarning)``.
-
-    Examples
-    --------
-    >>> import torch, warnings, kernelapprox as ka
-    >>> g = torch.Generator().manual_seed(0)
-    >>> q, k = (2 * torch.randn(2, 32, 16, generator=g)).unbind(0)    # logits far too large
-    >>> with warnings.catch_warnings(record=True) as w:
-    ...     warnings.simplefilter("always")
-    ...     _ = warn_if_hopeless(ka.PositiveRF(16, 64, seed=0), q, k)
-    >>> issubclass(w[0].category, ka.KernelApproxWarning), issubclass(ka.KernelApproxWarning, UserWarning)
-    (True, True)
-    """
-
-
-#: Predicted relative kernel MSE above which `warn_if_hopeless` warns.
 WARN_RELATIVE_MSE = 1.0
 
 
