@@ -4,23 +4,24 @@ A model swapped to linear (or hybrid) attention by `kernelapprox.hf.linearize` l
 that per-head distillation alone does not give back ([Kas21]_, [Zha24]_). LoLCATs [Zha25]_
 recovers it in two cheap stages, both against the original model (the *teacher*):
 
-1. `transfer` (attention transfer): each linearised layer's feature-map parameters
-   $\theta_l$ (one set per head) are trained so that the student's attention output, computed on
-   the **teacher's** queries, keys and values of that layer, matches the teacher's softmax output:
+**Stage 1,** `transfer` (attention transfer): each linearised layer's feature-map parameters
+$\theta_l$ (one set per head) are trained so that the student's attention output, computed on
+the **teacher's** queries, keys and values of that layer, matches the teacher's softmax output:
 
-   $$
-   \mathcal L_l(\theta_l) = \frac{1}{H\,n\,d_v}\sum_{h,i}\big\|\hat o^{(l,h)}_i(\theta_l) - o^{(l,h)}_i\big\|_2^2
-   \;\big[+\ \tfrac1{Hn}\textstyle\sum_{h,i} \mathrm{CE}\big(A^{(l,h)}_{i\cdot}, \hat A^{(l,h)}_{i\cdot}(\theta_l)\big)\big],
-   $$
+$$
+\mathcal L_l(\theta_l) = \frac{1}{H\,n\,d_v}\sum_{h,i}\big\|\hat o^{(l,h)}_i(\theta_l) - o^{(l,h)}_i\big\|_2^2
+\;\big[+\ \tfrac1{Hn}\textstyle\sum_{h,i} \mathrm{CE}\big(A^{(l,h)}_{i\cdot}, \hat A^{(l,h)}_{i\cdot}(\theta_l)\big)\big],
+$$
 
-   with $o = \mathrm{softmax}(s\,qk^\top + M)v$ the teacher's attention output (before the
-   output projection) and $\hat o$ linear attention (or hybrid attention, exact on a window and
-   sinks) with the map $\varphi_{\theta_l}$. The layers are independent: layer $l$ sees the
-   teacher's inputs, never those produced by the linearised layers below it.
-2. `finetune`: low-rank adapters ([Hu22], from ``peft``) on the attention projections of the
-   linearised model, feature maps frozen, trained on the model's own output against the teacher:
-   the cosine of the sentence embeddings or the MSE of the last hidden states (encoders), the KL
-   divergence of the next-token distributions (causal language models).
+with $o = \mathrm{softmax}(s\,qk^\top + M)v$ the teacher's attention output (before the
+output projection) and $\hat o$ linear attention (or hybrid attention, exact on a window and
+sinks) with the map $\varphi_{\theta_l}$. The layers are independent: layer $l$ sees the
+teacher's inputs, never those produced by the linearised layers below it.
+
+**Stage 2,** `finetune`: low-rank adapters ([Hu22], from ``peft``) on the attention projections of the
+linearised model, feature maps frozen, trained on the model's own output against the teacher:
+the cosine of the sentence embeddings or the MSE of the last hidden states (encoders), the KL
+divergence of the next-token distributions (causal language models).
 
 `save` / `load` write and read the whole linearised, fine-tuned model (the model's weights, the
 adapters, and the maps); `unload` removes unmerged adapters and switches the model back, giving

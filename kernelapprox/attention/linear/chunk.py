@@ -70,10 +70,12 @@ def per_feature_attention(
     With $\ell^q_{if} = \log_2\varphi_f(q_i) + c_i$ (``lq``, $c_i$ any per-row constant) and
     $\ell^k_{jf} = \log_2\psi_f(k_j)$ (``lk``), the per-feature running maximum of the keys and
     each query's shift against it,
+
     $$
     T_{if} = \max\big(X^0_f, \max_{j \le i} \ell^k_{jf}\big), \qquad
     s_i = \max_f\,(\ell^q_{if} + T_{if}),
     $$
+
     ($X^0_f = \log_2 z^0_f$, the initial state's per-feature mass, $-\infty$ without one) give
     $[\text{num}, \text{den}]_i = \sum_{j \le i}\sum_f 2^{\ell^q_{if} + \ell^k_{jf} - s_i}[v_j, 1]$
     (plus the initial state's part): the true row times $2^{-s_i - c_i}$, which cancels in the
@@ -89,9 +91,11 @@ def per_feature_attention(
     $[0, 1]$; and at the maximiser $f^*$ of $s_i$ either the state ($T_{if^*} = X^b_{f^*}$:
     query factor 1, and the key that set $X^b_{f^*}$ puts 1 into $\tilde z^b_{f^*}$) or an
     intra-block score ($T_{if^*} = \ell^k_{jf^*}$: one term 1) holds a term 1:
+
     $$
     1 \le \text{den}_i \le F\,(n + 1),
     $$
+
     for a row with a valid key or a non-empty initial state (0 otherwise, see `normalise`).
     The forward and the backward ($1/\text{den}_i$) are then finite for finite inputs, however
     peaked the features -- the causal counterpart of `kernelapprox.attention._common.doubly_shifted`
