@@ -66,3 +66,52 @@ def has_module(name: str) -> bool:
 
 
 # --------------------------------------------------------------------------- attention
+
+
+@functools.cache
+def has_flex_attention() -> bool:
+    """Whether ``torch.nn.attention.flex_attention`` is importable (torch >= 2.5)."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return True
+
+
+def hybrid_path(device: torch.device | str, dtype: torch.dtype, requires_grad: bool) -> str:
+    r"""The path of a hybrid attention call of a positive map: ``"flex"`` or ``"torch"``.
+
+    ``"flex"``: the window and sinks by `torch.nn.attention.flex_attention` (returning its
+    log-sum-exp), the remainder by a delayed per-feature log-domain scan
+    (`kernelapprox.attention.hybrid.flex`), taken on accelerators where flex_attention is
+    importable. ``"torch"``: the library's chunked, parallel and block forms, taken on the CPU
+    (eager flex_attention has a forward but no backward there, and compiled flex on the CPU cannot
+    return the log-sum-exp) and whenever ``KERNELAPPROX_BACKEND=torch``.
+
+    Parameters
+    ----------
+    device : torch.device or str
+    dtype : torch.dtype
+        The computation dtype (floating point; the choice does not depend on it today).
+    requires_grad : bool
+        Whether the call is differentiated (the choice does not depend on it on accelerators,
+        where flex_attention has a backward).
+
+    Returns
+    -------
+    str
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kernelapprox import backends
+    >>> backends.hybrid_path(torch.device("cpu"), torch.float32, False)
+    'torch'
+    """
+    if forced_backend() == "torch":
+        return "torch"
+    if not is_accelerator(device) or not has_flex_attention():
+        return "torch"
+    if not dtype.is_floating_point:
+        return "torch"
+    return "flex"
