@@ -45,9 +45,9 @@ def forced_flex(monkeypatch):
 def test_flex_merge_equals_the_dense_hybrid_in_float64(n, causal, mode, forced_flex):
     fm = ka.PositiveRF(6, 16, seed=0, dtype=F64)
     q, k, v = _qkv(n=n)
-    sink_sets = [0, 1, 3, [4, 9]] + ([] if causal else [[-1, 2]])
+    sink_sets = [0, 3, [4, 9]] + ([] if causal else [[-1, 2]])
     worst = 0.0
-    for w in (1, 2, 5, 16, n - 1):
+    for w in (1, 5, 16, n - 1):
         for sinks in sink_sets:
             ref = naive_hybrid_attention(q, k, v, fm, window=w, sinks=sinks, causal=causal, window_mode=mode)
             out = hybrid_attention(q, k, v, fm, window=w, sinks=sinks, causal=causal, window_mode=mode)

@@ -1139,8 +1139,10 @@ def hybrid_attention(
     `kernelapprox.softmax_attention`.
 
     Non-causal: `parallel_hybrid_attention`; causal: `chunk_hybrid_attention`; decoding one token
-    at a time: `kernelapprox.attention.hybrid.recurrent.RecurrentHybridAttention`.
-    16-bit inputs are computed in float32, the output is cast back.
+    at a time: `kernelapprox.attention.hybrid.recurrent.RecurrentHybridAttention`. On an
+    accelerator with ``flex_attention``, a positive map with ``window >= 1`` and no state takes
+    `kernelapprox.attention.hybrid.flex.flex_hybrid_attention` (the same result; the choice is
+    `kernelapprox.backends.hybrid_path`'s). 16-bit inputs are computed in float32, the output is cast back.
 
     Parameters
     ----------
