@@ -214,3 +214,54 @@ def test_flex_refuses_what_it_cannot_compute():
         fm = signed[0].build(6, 16, seed=0, dtype=F64)
         with pytest.raises(ValueError, match="positive"):
             flex_hybrid_attention(q, k, v, fm, window=2)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("mode", ["token", "block"])
+def test_torch_window_term_forward_and_backward_equal_the_dense_hybrid(causal, mode):
+    # window_term="torch": the same merge with the window in plain torch, differentiable on the CPU
+    fm = ka.PositiveRF(6, 16, seed=0, dtype=F64)
+    q, k, v = _qkv(n=45)
+    pad = torch.zeros(2, 45, dtype=torch.bool)
+    pad[1, 40:] = True
+    for w, sinks in ((1, 0), (4, 2), (7, [3, 20, 33])):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = flex_hybrid_attention(*leaves, fm, window=w, sinks=sinks, causal=causal, window_mode=mode,
+                                    key_padding_mask=pad, window_term="torch")
+        ref_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ref = naive_hybrid_attention(*ref_leaves, fm, window=w, sinks=sinks, causal=causal, window_mode=mode,
+                                     key_padding_mask=pad)
+        real = ~pad[:, :, None].expand_as(out)
+        assert float((out - ref)[real].abs().max()) < 1e-10
+        g = torch.randn_like(out) * real
+        grads = torch.autograd.grad((out * g).sum(), leaves)
+        ref_grads = torch.autograd.grad((ref * g).sum(), ref_leaves)
+        for a, b in zip(grads, ref_grads, strict=True):
+            assert float((a - b).abs().max()) < 1e-9
+
+
+@pytest.mark.parametrize("name", ["positive", "saderf", "sderf", "oprf"])
+def test_torch_window_term_has_no_wrong_causal_rows_at_large_norms(name):
+    if name not in POSITIVE:
+        pytest.skip(f"{name} is not a registered positive map")
+    g = torch.Generator().manual_seed(0)
+    fm = ka.get_estimator(name).build(4, 16, seed=0)
+    dirs = torch.randn(2, 2, 40, 4, generator=g)
+    dirs = dirs / dirs.norm(dim=-1, keepdim=True)
+    v = torch.randn(2, 40, 3, generator=g)
+    bad = {}
+    for norm in (2, 8, 32, 128):
+        q, k = (norm * dirs).unbind(0)
+        if fm.data_dependent:
+            fm.fit(q, k)
+        for mode in ("token", "block"):
+            for dt in (torch.float32, torch.bfloat16):
+                # float64 on the inputs the call receives (bf16 rounding moves logits of ~|q||k| by ~1%)
+                ref = _log_reference(q.to(dt), k.to(dt), v.to(dt), fm, 3, 1, mode, True)
+                out = flex_hybrid_attention(q.to(dt), k.to(dt), v.to(dt), fm, window=3, sinks=1, causal=True,
+                                            window_mode=mode, window_term="torch")
+                err = (out.double() - ref).abs().amax(-1)
+                n_bad = int((~(err <= 0.5)).sum())
+                if n_bad:
+                    bad[(norm, mode, str(dt))] = n_bad
+    assert bad == {}

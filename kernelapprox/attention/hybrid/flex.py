@@ -161,6 +161,65 @@ def _window_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, sink
     return out.squeeze(1), lse.clamp(min=_NEG)
 
 
+def _torch_window_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, sink_idx: tuple[int, ...],
+                       causal: bool, block: bool, pad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window term of `_window_term` in plain torch (with a backward on every device): the
+    queries in blocks of ``w``, each against the keys of its own and neighbouring blocks (one
+    dense ``w x 2w`` product, ``w x 3w`` non-causal) masked to the exact set, plus the sink keys
+    outside those blocks. (out (L, n, dv), lse (L, n))."""
+    L, n, _ = q.shape
+    nb = -(-n // w)
+    tail = nb * w - n
+    nbr = 2 if causal else 3  # neighbouring blocks read: b-1, b (, b+1)
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # (L, n, c) -> (L, nb, w, c)
+        return F.pad(x, (0, 0, 0, tail)).reshape(L, nb, w, x.shape[-1])
+
+    def windows(x: torch.Tensor) -> torch.Tensor:  # (L, n, c) -> (L, nb, nbr * w, c)
+        xb = F.pad(blocks(x), (0, 0, 0, 0, 1, nbr - 2))
+        return torch.cat([xb[:, s:s + nb] for s in range(nbr)], dim=2)
+
+    i = torch.arange(nb * w, device=q.device).reshape(nb, w, 1)
+    j = (torch.arange(nb, device=q.device)[:, None, None] - 1) * w + torch.arange(nbr * w, device=q.device)
+    if block:
+        bd = i // w - j.div(w, rounding_mode="floor")
+        m = (bd <= 1) & (bd >= (0 if causal else -1))
+    else:
+        m = (i - j < w) & (j - i < w)
+    m = m & (j >= 0) & (j < n)
+    if causal:
+        m = m & (j <= i)
+    jc = j.clamp(0, n - 1)
+    if sink_idx:
+        is_sink = torch.zeros(n, dtype=torch.bool, device=q.device)
+        is_sink[list(sink_idx)] = True
+        m = m | (is_sink[jc] & (j >= 0) & (j < n) & ((j <= i) if causal else True))
+    mb = m.expand(L, nb, w, nbr * w)
+    if pad is not None:
+        mb = mb & ~pad[:, jc]
+    scores = (blocks(q) @ windows(k).transpose(-1, -2)).masked_fill(~mb, _NEG)  # (L, nb, w, nbr w)
+    scores = scores.reshape(L, nb * w, nbr * w)
+    if sink_idx:  # the sinks outside the neighbouring blocks
+        idx = torch.tensor(sink_idx, device=q.device)
+        ib = torch.arange(nb * w, device=q.device)[:, None] // w
+        sb = idx[None, :] // w
+        sm = (sb < ib - 1) | (sb > ib + nbr - 2)
+        if causal:
+            sm = sm & (idx[None, :] <= torch.arange(nb * w, device=q.device)[:, None])
+        smb = sm.expand(L, nb * w, len(sink_idx))
+        if pad is not None:
+            smb = smb & ~pad[:, idx][:, None, :]
+        qp = F.pad(q, (0, 0, 0, tail))
+        scores = torch.cat([scores, (qp @ k[:, idx].transpose(-1, -2)).masked_fill(~smb, _NEG)], dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse.unsqueeze(-1))
+    width = nbr * w
+    out = (p[..., :width].reshape(L, nb, w, width) @ windows(v)).reshape(L, nb * w, v.shape[-1])
+    if sink_idx:
+        out = out + p[..., width:] @ v[:, idx]
+    return out[:, :n], lse[:, :n]
+
+
 def flex_hybrid_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -173,6 +232,7 @@ def flex_hybrid_attention(
     key_padding_mask: torch.Tensor | None = None,
     window_mode: str = "token",
     chunk_size: int = 16,
+    window_term: str = "flex",
 ) -> torch.Tensor:
     r"""Hybrid attention of a positive map as ``flex_attention`` on the exact sets plus a delayed
     per-feature log-domain scan on the remainder (module docstring), one normaliser.
@@ -199,6 +259,9 @@ def flex_hybrid_attention(
     window_mode : {"token", "block"}, default "token"
     chunk_size : int, default 16
         Tokens per chunk of the remainder's scan (token window); the block window uses ``w``.
+    window_term : {"flex", "torch"}, default "flex"
+        ``"flex"``: the window and sinks by ``flex_attention``; ``"torch"``: by a masked band of
+        keys in plain torch (a backward on the CPU too; the causal torch path of positive maps).
 
     Returns
     -------
@@ -260,7 +323,12 @@ def flex_hybrid_attention(
         dropf = dropf | padf
     lkf = lkf.masked_fill(dropf.unsqueeze(-1), _NEG).clamp(min=_NEG)
     lqf = lqf.clamp(min=_NEG)
-    out_w, lse = _window_term(qf, kf, vf, w, sink_pos, causal, mode == "block", padf)
+    if window_term == "flex":
+        out_w, lse = _window_term(qf, kf, vf, w, sink_pos, causal, mode == "block", padf)
+    elif window_term == "torch":
+        out_w, lse = _torch_window_term(qf, kf, vf, w, sink_idx, causal, mode == "block", padf)
+    else:
+        raise ValueError(f"window_term must be 'flex' or 'torch', got {window_term!r}")
     blk = w if mode == "block" else 0
     parts = [(out_w.to(cdt), torch.ones_like(lse), lse)]
     parts.append(_delayed_scan(lqf, lkf, vf, w, blk, C))
