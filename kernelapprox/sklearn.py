@@ -103,7 +103,7 @@ def _caller_stacklevel() -> int:
     import os
     import sys
 
-    import sklearn
+    import sklearn  # type: ignore[import-untyped]
 
     skip = (os.path.dirname(os.path.dirname(__file__)) + os.sep + "kernelapprox" + os.sep,
             os.path.dirname(sklearn.__file__) + os.sep)

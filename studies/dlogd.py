@@ -1173,7 +1173,11 @@ def exponent_table(df: pd.DataFrame, rst: pd.DataFrame) -> tuple[pd.DataFrame, p
                              "range": names[tuple(v["range"])], "n": v["n"], "p": v["slope"],
                              "low": v["low"], "high": v["high"]})
         used = g[np.isfinite(g["q90 (δ = 0.1)"])]["d"].to_numpy(float)
-        lin = compare_to_reference(s.slope, s.low, s.high, 1.0, tolerance=TOL_P, relative=False,
+        # the primary variant (median r*, all d) may have fewer than MIN_POINTS d where the
+        # 90% quantile has enough: the verdict then centres on the first variant that resolves
+        est = s.slope if math.isfinite(s.slope) else next(
+            v["slope"] for v in s.variants if math.isfinite(v["slope"]))
+        lin = compare_to_reference(est, s.low, s.high, 1.0, tolerance=TOL_P, relative=False,
                                    what="p (median r*, all d; interval: envelope)")
         rec: dict[str, Any] = {"spec": e, "R": R, "eps": eps, "d_used": _dset(used.tolist()),
                                "p": s.slope, "p_primary_lo": s.primary_low,
@@ -1183,7 +1187,7 @@ def exponent_table(df: pd.DataFrame, rst: pd.DataFrame) -> tuple[pd.DataFrame, p
                                "C_star": c_star(used, s.high - 1.0) if s.high > 1 else math.nan}
         for b in THEORY_BOUNDS:
             le = local_exponent(used, bound_shape(b, used, R, eps))
-            vb = compare_to_reference(s.slope, s.low, s.high, le, tolerance=0.0, relative=False,
+            vb = compare_to_reference(est, s.low, s.high, le, tolerance=0.0, relative=False,
                                       what=f"p against the {b} shape's local exponent")
             rec[f"lexp[{b}]"] = le
             rec[f"excluded[{b}]"] = vb.label == "differs"

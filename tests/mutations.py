@@ -108,14 +108,14 @@ MUTANTS: tuple[Mutant, ...] = (
     #    log_features and kernel all see it; attention does not, the factor cancels there)
     Mutant(
         "scale-positive", _E,
-        "return -_sqnorm_half(xc) - 0.5 * math.log(self.num_features)",
-        "return -_sqnorm_half(xc) - 0.5 * math.log(self.num_features / 1.01)",
+        "return -_sqnorm_half(xc, low) - 0.5 * math.log(self.num_features)",
+        "return -_sqnorm_half(xc, low) - 0.5 * math.log(self.num_features / 1.01)",
         "PositiveRF: 1/sqrt(r) normalisation computed with r/1.01, kernel 1% too large",
     ),
     Mutant(
         "scale-hyperbolic", _E,
-        "return -_sqnorm_half(xc) - 0.5 * math.log(2 * self.num_features)",
-        "return -_sqnorm_half(xc) - 0.5 * math.log(2 * self.num_features / 1.01)",
+        "return -_sqnorm_half(xc, low) - 0.5 * math.log(2 * self.num_features)",
+        "return -_sqnorm_half(xc, low) - 0.5 * math.log(2 * self.num_features / 1.01)",
         "HyperbolicRF: 1/sqrt(2r) normalisation computed with 2r/1.01, kernel 1% too large",
     ),
     Mutant(

@@ -341,14 +341,14 @@ def test_noncausal_returned_state_and_padding(name):
 
 def test_noncausal_recycled_buffers():
     """Without autograd the non-causal form writes phi(Q) into the memory of phi(K) and the
-    product into that of [wV, w] (`FeatureMap._query_features_into`): the values equal those of
+    product into that of [wV, w] (`FeatureMap.query_features_into`): the values equal those of
     the autograd path (which recycles nothing) and of the naive reference, the output owns no
     memory of a recycled buffer, and the inputs are untouched."""
     fm = make_map("positive")
     q, k, v = qkv()
     q0, k0, v0 = q.clone(), k.clone(), v.clone()
     buf = torch.full((B, H, N, fm.feature_dim + 3), float("nan"), dtype=F64)
-    fq = fm._query_features_into(q, buf)
+    fq = fm.query_features_into(q, buf)
     assert fq.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
     torch.testing.assert_close(fq, fm.query_features(q), rtol=0, atol=0)
     with torch.no_grad():
@@ -362,7 +362,7 @@ def test_noncausal_recycled_buffers():
     assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0)
     # a buffer of the wrong dtype or too small is not used
     for bad in (buf.float(), buf[..., :2].contiguous()):
-        f2 = fm._query_features_into(q, bad)
+        f2 = fm.query_features_into(q, bad)
         assert f2.untyped_storage().data_ptr() != bad.untyped_storage().data_ptr()
 
     # a subclass that computes its features otherwise does not inherit the recycling
@@ -371,8 +371,8 @@ def test_noncausal_recycled_buffers():
             return 0.5 * super().query_features(x) + 0.5 * super().query_features(x).flip(-1)
 
     sub = Halved.from_projection(fm.weight)
-    assert not sub._fresh_key_features()
-    torch.testing.assert_close(sub._query_features_into(q, buf), sub.query_features(q), rtol=0, atol=0)
+    assert not sub.key_features_recyclable()
+    torch.testing.assert_close(sub.query_features_into(q, buf), sub.query_features(q), rtol=0, atol=0)
     with torch.no_grad():
         got = ka.linear_attention(q, k, v, sub)
     with torch.enable_grad():  # the autograd path recycles nothing

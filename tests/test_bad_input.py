@@ -472,7 +472,6 @@ if hf is not None:
     row("hf.linearize", "num-features-0", lambda: lin("positive", num_features=0), "num_features")
     row("hf.linearize", "num-features-str",
         lambda: lin("positive", num_features="8"), "num_features")
-    row("hf.linearize", "num-features-missing", lambda: lin("positive"), "num_features")
     row("hf.linearize", "sampler-unknown",
         lambda: lin("positive", num_features=8, sampler="nosampler"), "sampler")
     row("hf.linearize", "seed-neg", lambda: lin("positive", num_features=8, seed=-1), "seed")

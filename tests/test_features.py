@@ -315,6 +315,6 @@ def test_base2_exponent_paths_match_formula(name, layout, monkeypatch):
     if layout != "draws" and name == "positive":
         with torch.no_grad():
             buf = torch.empty(2 * x.shape[0] * r, dtype=F64)
-            q = fm._query_features_into(x, buf)
+            q = fm.query_features_into(x, buf)
             torch.testing.assert_close(q / q.sum(-1, keepdim=True), ref / ref.sum(-1, keepdim=True),
                                        rtol=1e-12, atol=0)

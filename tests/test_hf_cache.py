@@ -10,8 +10,8 @@ What is pinned here, on tiny GPT-2 and LLaMA (grouped-query) models built from c
 * static caches and ``crop`` (assisted decoding) are refused with clear errors; ``restore``
   gives ``generate`` back its own cache;
 * `save_linearized` / `load_linearized` round trip a linearised model (window, sinks, exact
-  heads) and a recovered one (learned maps, LoRA adapters of `kernelapprox.recover.finetune`):
-  outputs identical bit for bit;
+  heads) and a recovered one (learned maps, LoRA adapters of `kernelapprox.recover.finetune`
+  merged into the weights; unmerged adapters are refused): outputs identical bit for bit;
 * transformers' ``Trainer`` runs a few optimisation steps on a linearised model.
 
 Tolerances. Float32 models; the recurrent and chunked forms sum the same terms in another order
@@ -189,6 +189,9 @@ def test_save_and_load_round_trip_a_recovered_model(tmp_path):
         recover.finetune(lin, teacher, cal, targets=["query", "output"], steps=2, lr=1e-2, batch_size=2,
                          progress=False)
     assert any("lora" in n for n, _ in model.named_modules())
+    with pytest.raises(ValueError, match="unmerged LoRA adapters"):
+        hf.save_linearized(lin, tmp_path)
+    recover.merged(lin)  # the adapters go into the weights
     ids, mask = prompt(pad=True)
     with torch.no_grad():
         before = model(input_ids=ids, attention_mask=mask).logits
@@ -196,7 +199,6 @@ def test_save_and_load_round_trip_a_recovered_model(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lin2 = hf.load_linearized(tmp_path)
-    assert any("lora" in n for n, _ in lin2.model.named_modules())
     with torch.no_grad():
         assert torch.equal(lin2.model(input_ids=ids, attention_mask=mask).logits, before)
         assert not torch.allclose(teacher(input_ids=ids, attention_mask=mask).logits, before, atol=1e-3)

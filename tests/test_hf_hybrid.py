@@ -227,7 +227,8 @@ def test_learned_maps_are_fitted_to_the_remainder_when_hybrid(arch):
     """With a window, each layer's Hedgehog map equals `fit_feature_map(..., window=, sinks=)` on
     the calibration capture (same seed: the same steps bit for bit), not the whole-row fit; a
     window covering every calibration key falls back to whole rows."""
-    from kernelapprox.maps.hedgehog import HedgehogFeatures, fit_feature_map
+    from kernelapprox.maps.hedgehog import HedgehogFeatures
+    from kernelapprox.training import fit_feature_map
 
     model = build(arch)
     cal = dict(input_ids=inputs(pad=False, seed=7, n=12)["input_ids"])

@@ -176,6 +176,10 @@ def test_hybrid_path_choice(monkeypatch):
     monkeypatch.setattr(backends, "has_flex_attention", lambda: True)
     monkeypatch.setenv(backends.ENV_VAR, "torch")
     assert backends.hybrid_path("cuda", torch.float32, True) == "torch"
+    monkeypatch.setattr(backends, "is_accelerator", lambda device: False)
+    monkeypatch.setenv(backends.ENV_VAR, "accelerator")  # the CPU forward only (no flex backward there)
+    assert backends.hybrid_path("cpu", torch.float32, False) == "flex"
+    assert backends.hybrid_path("cpu", torch.float32, True) == "torch"
 
 
 def test_dispatch_takes_flex_only_where_it_applies(monkeypatch):

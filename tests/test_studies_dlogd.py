@@ -502,3 +502,4 @@ def test_progress_bar_advances_by_cost(tmp_path, monkeypatch) -> None:
     seen.clear()
     run_study(st, out=tmp_path, progress=True)
     assert seen == []
+

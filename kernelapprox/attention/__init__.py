@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from .. import backends
 from .._validation import check_bool, no_autocast
 from ..maps.base import FeatureMap
 from ._common import check_options, padding_mask, run_input_checks
@@ -27,6 +28,7 @@ from .hybrid import (
     parallel_hybrid_attention,
 )
 from .linear.chunk import chunk_linear_attention
+from .linear.fla import fla_linear_attention, fla_mode
 from .linear.naive import naive_linear_attention, naive_recurrent_linear_attention
 from .linear.parallel import parallel_linear_attention
 from .linear.recurrent import RecurrentLinearAttention
@@ -238,6 +240,9 @@ def linear_attention(
     if check:
         run_input_checks(feature_map, q, k)
     if causal:
+        fast = _device_path(q, k, v, feature_map, pad, initial_state, return_state, eps)
+        if fast is not None:
+            return fast
         return _chunk(
             q, k, v, feature_map, chunk_size=chunk_size, initial_state=initial_state,
             return_state=return_state, eps=eps, key_padding_mask=pad,
@@ -246,6 +251,38 @@ def linear_attention(
         q, k, v, feature_map, initial_state=initial_state, return_state=return_state, eps=eps,
         key_padding_mask=pad,
     )
+
+
+def _device_path(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: FeatureMap, pad: torch.Tensor | None,
+    initial_state: LinearAttentionState | None, return_state: bool, eps: float,
+) -> torch.Tensor | tuple[torch.Tensor, LinearAttentionState] | None:
+    """The causal call through flash-linear-attention where `kernelapprox.backends.attention_plan`
+    chooses it (an accelerator with fla-core), else ``None`` (the torch forms). Inputs (B, H, T, d),
+    handed to fla as (B, T, H, d) views."""
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
+        return None
+    if not isinstance(feature_map, FeatureMap) or fla_mode(feature_map) is None:
+        return None
+    grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or any(p.requires_grad for p in feature_map.parameters()))
+    plan = backends.attention_plan(q.device, q.dtype, n=q.shape[-2], gated=fla_mode(feature_map) == "gla", grad=grad)
+    if plan.path != "fla":
+        return None
+    B, H, T, _ = q.shape
+    kpm = None
+    if pad is not None:
+        if pad.numel() != B * T:
+            return None
+        kpm = pad.reshape(B, T)
+    res = fla_linear_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), feature_map, initial_state=initial_state,
+        return_state=return_state, key_padding_mask=kpm, eps=eps,
+    )
+    if return_state:
+        out, state = res
+        return out.transpose(1, 2), state
+    return res.transpose(1, 2)  # type: ignore[union-attr]
 
 
 def _check_scale(scale: object) -> float:

@@ -197,6 +197,86 @@ def doubly_shifted(
     return torch.exp2(a - s), torch.exp2(lk - tk)
 
 
+_LN2 = 0.6931471805599453
+
+
+def log2_state(
+    state: LinearAttentionState, dv: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""A state as per-feature log2 scales: ``kv`` (..., F, P) with each reached feature's mass
+    $\tilde z_f = 1$, and $X_f = \log_2 z_f$ (..., F), $-\infty$ for a feature no key reached.
+
+    Works for a state with one scale (``log_scale`` (..., 1, 1)) or one per feature
+    (..., F, 1). $X$ is a constant for autograd; ``kv`` keeps its gradient.
+    """
+    kv = state.kv.to(dtype)
+    with torch.no_grad():
+        z0 = state.kv[..., dv].double()  # (..., F)
+        X0 = state.log_scale.detach().double().squeeze(-1) * (1.0 / _LN2) + torch.log2(z0)
+        inv = torch.where(z0 > 0, 1.0 / z0, torch.zeros_like(z0)).to(dtype)
+    return kv * inv.unsqueeze(-1), X0.to(dtype)
+
+
+def feature_state(kv: torch.Tensor, X: torch.Tensor) -> LinearAttentionState:
+    r"""`LinearAttentionState` of a state kept at per-feature log2 scales ``X`` (..., F): the
+    stored ``log_scale`` (..., F, 1) is the natural log (float64), 0 where no key reached."""
+    X = torch.where(X == float("-inf"), torch.zeros_like(X), X).detach()
+    return LinearAttentionState(kv, (X.double() * _LN2).unsqueeze(-1))
+
+
+def per_feature_keys(
+    lk: torch.Tensor, v1: torch.Tensor, pad: torch.Tensor | None,
+    state: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The key state $\sum_j 2^{\ell^k_{jf} - t_f} [v_j, 1]$ (..., F, P) at per-feature scales
+    $t_f = \max_j \ell^k_{jf}$ (and the state's $X_f$), with $t$ (..., F) ($-\infty$ for a
+    feature no key reaches; ``kv`` is 0 there). Arguments as `per_feature_parallel`."""
+    if pad is not None:
+        lk = lk.masked_fill(pad.unsqueeze(-1), float("-inf"))
+    with torch.no_grad():
+        t = lk.amax(dim=-2)  # (..., F)
+        if state is not None:
+            t = torch.maximum(t, state[1])
+        tk = torch.where(t == float("-inf"), torch.zeros_like(t), t)
+    kv = torch.matmul(torch.exp2(lk - tk.unsqueeze(-2)).mT, v1)
+    if state is not None:
+        kv = kv + torch.exp2(state[1] - tk).unsqueeze(-1) * state[0]
+    return kv, t
+
+
+def shared_state(state: LinearAttentionState | None) -> LinearAttentionState | None:
+    r"""``state`` with one log scale (..., 1, 1): a per-feature state (``log_scale`` (..., F, 1),
+    from `kernelapprox.RecurrentLinearAttention` or a per-feature prefill) brought to the
+    largest of its scales (features far below it may underflow: the forms that need them read
+    the per-feature state itself)."""
+    if state is None or state.log_scale.shape[-2] == 1:
+        return state
+    ls = state.log_scale
+    with torch.no_grad():
+        G = ls.amax(dim=-2, keepdim=True)
+    return LinearAttentionState(state.kv * torch.exp(ls - G).to(state.kv.dtype), G)
+
+
+def per_feature_parallel(
+    lq: torch.Tensor, lk: torch.Tensor, v1: torch.Tensor, pad: torch.Tensor | None,
+    state: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Non-causal ``[num | den]`` with every feature at its own scale (`doubly_shifted`, with a
+    state): $\text{den}_i \ge 1$ for a query that reaches any key.
+
+    ``lq`` (..., n, F) and ``lk`` (..., m, F): log2 features; ``v1`` (..., m, P) $[v, 1, 0]$;
+    ``state``: ``(kv (..., F, P), X (..., F))`` from `log2_state` (zero-padded to ``P``).
+    Returns ``out`` (..., n, P), the key state ``kv`` (..., F, P) at the scales ``t`` (..., F)
+    (log2, $-\infty$ for a feature no key reaches).
+    """
+    kv, t = per_feature_keys(lk, v1, pad, state)
+    a = lq + t.unsqueeze(-2)
+    with torch.no_grad():
+        s = a.amax(dim=-1, keepdim=True)
+        s = torch.where(s == float("-inf"), torch.zeros_like(s), s)
+    return torch.matmul(torch.exp2(a - s), kv), kv, t
+
+
 def den_floor(dtype: torch.dtype) -> float:
     r"""The smallest denominator the stabilised chunked paths keep: $t^{1/3}$ for the smallest
     normal number $t$ of ``dtype`` ($2.3 \cdot 10^{-13}$ in float32).

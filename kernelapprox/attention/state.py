@@ -28,8 +28,11 @@ class LinearAttentionState:
     ----------
     kv : Tensor, shape (..., F, dv + 1)
         ``[S | z]`` divided by ``exp(log_scale)``.
-    log_scale : Tensor, shape (..., 1, 1)
-        Shared log scale (float64 for the random maps).
+    log_scale : Tensor, shape (..., 1, 1) or (..., F, 1)
+        Shared log scale (float64 for the random maps), or one per feature: the state of the
+        per-feature gated forms (positive maps with log2 features: `RecurrentLinearAttention`
+        and the state returned by the causal and parallel forms), where each feature keeps its
+        own running maximum so that none underflows beside a larger one.
 
     Examples
     --------

@@ -1,9 +1,9 @@
 """Save and load a linearised (and recovered) model: a directory that rebuilds it, outputs identical.
 
 `save_linearized` writes the model's config (transformers' ``save_pretrained`` of the config),
-the swap's settings (``kernelapprox.json``) and, through `kernelapprox.recover.save`, the model's
-state dict with its feature maps and any LoRA adapters of `kernelapprox.recover.finetune`
-(``kernelapprox.pt``, readable with ``weights_only=True``). `load_linearized` builds the model from
+the swap's settings (``kernelapprox.json``) and the model's state dict with its feature maps
+(``kernelapprox.pt``, readable with ``weights_only=True``); a model recovered by
+`kernelapprox.recover` is saved once its adapters are merged (``recover.merged(lin)``). `load_linearized` builds the model from
 its config, linearises it with the same settings and loads every tensor back (strictly).
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .linearize import Linearized, MapSpec, _attention_modules, _build_map, _module_shape, linearize
+from .linearize import Linearized, MapSpec, attention_modules, build_map, linearize, module_shape
 from .switch import transformers_module
 
 __all__ = ["load_linearized", "save_linearized"]
@@ -32,8 +32,9 @@ def save_linearized(lin: Linearized, directory: str | Path) -> Path:
     Three files: ``config.json`` (the model's config, transformers' ``save_pretrained``),
     ``kernelapprox.json`` (the architecture, the original attention implementation and
     ``lin.settings``: estimator name, ``num_features``, ``layers``, ``window``, ``sinks``, the
-    resolved ``exact_heads``, ...), and ``kernelapprox.pt`` (`kernelapprox.recover.save`: the
-    model's state dict with every layer's feature map and unmerged LoRA adapters). The equivalent
+    resolved ``exact_heads``, ...), and ``kernelapprox.pt`` (the model's state dict with every
+    layer's feature map; LoRA adapters of `kernelapprox.recover.finetune` must be merged first,
+    ``recover.merged(lin)``, or the model saved with `kernelapprox.recover.save`). The equivalent
     of ``save_pretrained`` for a linearised model, whose attention implementation is registered
     at run time.
 
@@ -66,8 +67,6 @@ def save_linearized(lin: Linearized, directory: str | Path) -> Path:
     >>> same, lin2.window
     (True, 4)
     """
-    from .. import recover
-
     if not isinstance(lin, Linearized):
         raise TypeError(f"lin must be the Linearized handle returned by hf.linearize, got {type(lin).__name__}")
     if not lin.active:
@@ -78,9 +77,14 @@ def save_linearized(lin: Linearized, directory: str | Path) -> Path:
         settings = json.loads(json.dumps(lin.settings))
     except TypeError as exc:
         raise TypeError(f"the settings of the swap are not JSON values ({exc}): pass options of plain types") from exc
+    model = lin.model
+    if any("lora_" in name for name, _ in model.named_modules()):
+        raise ValueError(
+            "lin.model has unmerged LoRA adapters: merge them into the weights first "
+            "(kernelapprox.recover.merged(lin)), or save with kernelapprox.recover.save"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model = lin.model
     model.config.save_pretrained(directory)
     meta = {
         "format": FORMAT,
@@ -90,19 +94,19 @@ def save_linearized(lin: Linearized, directory: str | Path) -> Path:
         "settings": settings,
     }
     (directory / SETTINGS_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    recover.save(lin, directory / STATE_FILE)
+    torch.save({"format": FORMAT, "model": model.state_dict()}, directory / STATE_FILE)
     return directory
 
 
 def load_linearized(directory: str | Path, *, feature_map: MapSpec | None = None,
                     device: torch.device | str | None = None) -> Linearized:
-    r"""Rebuild a model written by `save_linearized`: same weights, maps, adapters, outputs.
+    r"""Rebuild a model written by `save_linearized`: same weights, maps, outputs.
 
     The model is built from ``config.json`` (its transformers class named in ``kernelapprox.json``,
     no download), switched to the saved attention implementation, linearised with the saved
     settings (each layer's map rebuilt from the estimator name, then its tensors loaded, so learned
-    maps need no calibration text), then `kernelapprox.recover.load` puts back the state dict and
-    any LoRA adapters (strictly: a missing or unexpected key raises). The model is in eval mode.
+    maps need no calibration text), then the state dict is loaded (all or nothing: a missing or
+    unexpected key raises before any tensor is copied). The model is in eval mode.
 
     Parameters
     ----------
@@ -128,7 +132,6 @@ def load_linearized(directory: str | Path, *, feature_map: MapSpec | None = None
     >>> lin2 = hf.load_linearized("linearised-model")                       # doctest: +SKIP
     >>> lin2.model.generate(input_ids=ids, max_new_tokens=20)              # doctest: +SKIP
     """
-    from .. import recover
     from .._validation import check_device
 
     if not isinstance(directory, str | Path):
@@ -147,6 +150,8 @@ def load_linearized(directory: str | Path, *, feature_map: MapSpec | None = None
         raise ValueError(f"transformers has no model class {meta['architecture']!r} (another version?)")
     config = tf.AutoConfig.from_pretrained(directory)
     state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != FORMAT or not isinstance(state.get("model"), dict):
+        raise ValueError(f"directory must be written by kernelapprox.hf.save_linearized, got {str(directory)!r}")
     dtype = next((t.dtype for t in state["model"].values() if t.is_floating_point()), None)
     model = cls(config)
     if dtype is not None:
@@ -164,13 +169,13 @@ def load_linearized(directory: str | Path, *, feature_map: MapSpec | None = None
                 "the model was linearised with maps not built from an estimator name: pass feature_map= the same "
                 "specification (its tensors are loaded from the file)"
             )
-        modules = _attention_modules(model)
+        modules = attention_modules(model)
         spec = {}
         for layer in meta["feature_maps"]:
-            shape = _module_shape(modules[layer], model.config) if layer in modules else None
+            shape = module_shape(modules[layer], model.config) if layer in modules else None
             if shape is None:
                 raise ValueError(f"layer {layer}'s attention module has no readable (heads, d_head)")
-            spec[layer] = _build_map(name, layer, shape[0], shape[1], st["num_features"], st["sampler"],
+            spec[layer] = build_map(name, layer, shape[0], shape[1], st["num_features"], st["sampler"],
                                      st["seed"], st["options"])
             if device is not None:
                 spec[layer] = spec[layer].to(device)
@@ -180,10 +185,13 @@ def load_linearized(directory: str | Path, *, feature_map: MapSpec | None = None
     lin = linearize(model, spec, layers=st["layers"], window=st["window"], sinks=sinks, exact_heads=exact,
                     chunk_size=st["chunk_size"], check=st["check"], seed=st["seed"], **kw)
     lin.settings = dict(meta["settings"])
-    try:
-        recover.load(lin, directory / STATE_FILE)
-    except BaseException:
+    have = set(model.state_dict())
+    if have != set(state["model"]):
         lin.restore()
-        raise
+        raise ValueError(
+            f"the saved state dict does not match the rebuilt model: missing {sorted(have - set(state['model']))[:5]}, "
+            f"unexpected {sorted(set(state['model']) - have)[:5]}"
+        )
+    model.load_state_dict(state["model"])
     return lin
 

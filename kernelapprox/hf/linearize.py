@@ -26,42 +26,17 @@ __all__ = ["Linearized", "MapSpec", "SinkSpec", "linearize"]
 MapSpec = str | FeatureMap | Callable[[int, int, int], FeatureMap] | Mapping[int, FeatureMap]
 
 
-def _build_map(
+def build_map(
     spec: MapSpec, layer: int, heads: int, dim: int, num_features: int | None, sampler: str | None,
     seed: int | None, options: Mapping[str, Any],
 ) -> FeatureMap:
-    from ..registry import get_estimator
+    """The map of ``layer`` (`kernelapprox.maps.spec.resolve_feature_map`, the library's one
+    reading of a ``feature_map=`` argument and its defaults; a factory is called as
+    ``(layer, heads, d_head)``)."""
+    from ..maps.spec import resolve_feature_map
 
-    if isinstance(spec, FeatureMap):
-        return spec
-    if isinstance(spec, Mapping):
-        if layer not in spec:
-            raise KeyError(f"feature_map has no map for layer {layer} (keys {sorted(spec)})")
-        fm = spec[layer]
-        if not isinstance(fm, FeatureMap):
-            raise TypeError(f"feature_map[{layer}] must be a FeatureMap, got {type(fm).__name__}")
-        return fm
-    if isinstance(spec, str):
-        est = get_estimator(spec)
-        kw: dict[str, Any] = dict(options)
-        if est.is_random:
-            kw.setdefault("batch_shape", (heads,))
-            if sampler is not None:
-                kw.setdefault("sampler", sampler)
-            kw.setdefault("seed", None if seed is None else seed * 1_000_003 + layer)
-        elif est.learned:
-            kw.setdefault("batch_shape", (heads,))
-            kw.setdefault("seed", None if seed is None else seed * 1_000_003 + layer)
-        return est.build(dim, num_features, **kw)
-    if callable(spec):
-        fm = spec(layer, heads, dim)
-        if not isinstance(fm, FeatureMap):
-            raise TypeError(f"feature_map({layer}, {heads}, {dim}) must return a FeatureMap, got {type(fm).__name__}")
-        return fm
-    raise TypeError(
-        "feature_map must be an estimator name, a FeatureMap, a callable (layer, heads, d_head) -> FeatureMap "
-        f"or a mapping layer -> FeatureMap, got {type(spec).__name__}"
-    )
+    return resolve_feature_map(spec, dim=dim, heads=heads, layer=layer, num_features=num_features,
+                               sampler=sampler, seed=seed, options=options, factory_args=(layer, heads, dim))
 
 
 def _check_map_spec(spec: object, layers: set[int] | None, model: Any) -> None:
@@ -101,7 +76,7 @@ def _check_named_map(
     if not (isinstance(dim, int) and isinstance(heads, int) and dim > 0 and heads > 0):
         return  # an unusual config: the maps are checked when first built
     with torch.random.fork_rng(devices=[]):  # a seedless trial draw must not move the global RNG
-        _build_map(name, 0, heads, dim, num_features, sampler, seed, options)
+        build_map(name, 0, heads, dim, num_features, sampler, seed, options)
 
 
 
@@ -118,7 +93,7 @@ def _check_sinks(sinks: object) -> int | tuple[int, ...]:
 
 
 
-def _attention_modules(model: Any) -> dict[int, torch.nn.Module]:
+def attention_modules(model: Any) -> dict[int, torch.nn.Module]:
     """Self-attention modules by ``layer_idx`` (the first one of each index), where the model has them."""
     found: dict[int, torch.nn.Module] = {}
     for mod in model.modules():
@@ -129,7 +104,7 @@ def _attention_modules(model: Any) -> dict[int, torch.nn.Module]:
     return found
 
 
-def _module_shape(mod: torch.nn.Module, cfg: Any) -> tuple[int, int] | None:
+def module_shape(mod: torch.nn.Module, cfg: Any) -> tuple[int, int] | None:
     """(heads, d_head) of an attention module, from its attributes or the config."""
 
     def first_int(obj: Any, names: tuple[str, ...]) -> int | None:
@@ -493,9 +468,12 @@ def linearize(
     layers : int or sequence of int, optional
         Attention calls to linearise (``None``: all); the others keep softmax attention.
     num_features : int, optional
-        ``r`` for maps built from a name (required for random, Nyström and learned maps).
+        ``r`` for maps built from a name (default: $\lfloor d\ln d\rfloor$ projections for a
+        random map, the estimator's own otherwise; `kernelapprox.maps.spec.resolve_feature_map`,
+        the defaults `kernelapprox.nn` and `kernelapprox.sklearn` use too).
     sampler : str, optional
-        Projection sampler for random maps built from a name (default: the estimator's).
+        Projection sampler for random maps built from a name (default: ``"orthogonal"``, as in
+        `kernelapprox.nn`).
     seed : int or None, default 0
         Seed of the maps built from a name (layer ``l`` uses ``seed * 1000003 + l``); ``None``
         follows torch's global RNG.
@@ -573,7 +551,7 @@ def linearize(
     torch.Size([1, 17])
     """
     from ..attention.hybrid import check_window
-    from ..maps.hedgehog import fit_feature_map
+    from ..training import fit_feature_map
 
     impl = check_model(model)
     keep_layers = layer_set(layers)
@@ -609,7 +587,7 @@ def linearize(
         _check_named_map(feature_map, model, num_features, sampler, seed, options)
     elif options:
         raise TypeError(f"options {sorted(options)} only apply to maps built from a name, got feature_map={feature_map!r}")
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     for mod in modules.values():
         if _MAP_ATTR in mod._modules:
             raise ValueError(
@@ -619,7 +597,7 @@ def linearize(
     n_calls = num_attention_calls(model)
     heads_of: dict[int, int] = {}
     for layer, mod in modules.items():
-        shape = _module_shape(mod, model.config)
+        shape = module_shape(mod, model.config)
         if shape is not None:
             heads_of[layer] = shape[0]
     if isinstance(exact_spec, dict):
@@ -643,7 +621,7 @@ def linearize(
 
     def map_for(layer: int, heads: int, dim: int, module: torch.nn.Module | None = None) -> FeatureMap:
         if layer not in maps:
-            maps[layer] = _build_map(feature_map, layer, heads, dim, num_features, sampler, seed, options)
+            maps[layer] = build_map(feature_map, layer, heads, dim, num_features, sampler, seed, options)
         attach(layer, module)
         return maps[layer]
 
@@ -652,7 +630,7 @@ def linearize(
     for layer in sorted(modules):
         if keep_layers is not None and layer not in keep_layers:
             continue
-        shape = _module_shape(modules[layer], model.config)
+        shape = module_shape(modules[layer], model.config)
         if shape is not None:
             map_for(layer, *shape, modules[layer])
 

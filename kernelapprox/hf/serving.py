@@ -11,7 +11,8 @@ $$
 
 with $J_i$ the keys query $i$ may read (causal or bidirectional, padded keys excluded) and $S_i$
 the exact set of hybrid attention (window and sinks; empty without them): the forms of
-`kernelapprox.linear_attention` and `kernelapprox.hybrid_attention`. Causal layers keep a state per
+`kernelapprox.linear_attention` and `kernelapprox.hybrid_attention`, called through the one
+attention over padded batches, `kernelapprox.attention.padded.padded_attention`. Causal layers keep a state per
 layer (`Stream`): the linear-attention state and, with a window, the ring buffer of the window's
 keys and values, one per group of sequences (`Group`: the whole batch, or each sequence where
 sequences are fitted or windowed on their own valid tokens), so that decoding advances by the new
@@ -183,25 +184,23 @@ class AttentionServer:
     def linear(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, causal: bool,
                pad: torch.Tensor | None = None) -> torch.Tensor:
         """`kernelapprox.linear_attention` of ``q`` on ``k``, ``v`` (``pad``: True at padded keys)."""
-        from ..attention import linear_attention
+        from ..attention.padded import padded_attention
 
-        out = linear_attention(q, k, v, fm, causal=causal, chunk_size=self.chunk_size, check=False,
-                               key_padding_mask=pad)
+        out = padded_attention(q, k, v, fm, causal=causal, chunk_size=self.chunk_size, key_padding_mask=pad)
         return cast(torch.Tensor, out)  # no state was requested
 
     def _hybrid_full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, sk: Any) -> torch.Tensor:
-        from ..attention.hybrid import hybrid_attention
+        from ..attention.padded import padded_attention
 
-        return cast(torch.Tensor, hybrid_attention(q, k, v, fm, window=self.w, sinks=sk, chunk_size=self.chunk_size))
+        return cast(torch.Tensor, padded_attention(q, k, v, fm, window=self.w, sinks=sk, chunk_size=self.chunk_size))
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None, fm: FeatureMap,
              state: Any) -> tuple[torch.Tensor, Any]:
         """Causal attention of n queries on the n new keys after ``state``: output and new state
         (one token after a state: the recurrent form, the chunked one otherwise)."""
-        from ..attention import linear_attention
-        from ..attention.hybrid import hybrid_attention
         from ..attention.hybrid.recurrent import RecurrentHybridAttention
         from ..attention.linear.recurrent import RecurrentLinearAttention
+        from ..attention.padded import padded_attention
 
         if q.shape[-2] == 1 and state is not None:
             rnn: Any
@@ -212,23 +211,20 @@ class AttentionServer:
                 rnn = RecurrentLinearAttention(fm, state=state)
                 o = rnn.step(q[..., 0, :], k[..., 0, :], v[..., 0, :], key_padding_mask=pad)
             return o.unsqueeze(-2), rnn.state
-        if self.hybrid:
-            return cast(tuple[torch.Tensor, Any], hybrid_attention(
-                q, k, v, fm, window=self.w, sinks=causal_sinks(self.sinks), causal=True, chunk_size=self.chunk_size,
-                initial_state=state, return_state=True))
-        return cast(tuple[torch.Tensor, Any], linear_attention(
-            q, k, v, fm, causal=True, chunk_size=self.chunk_size, check=False, initial_state=state,
-            return_state=True, key_padding_mask=pad))
+        return cast(tuple[torch.Tensor, Any], padded_attention(
+            q, k, v, fm, window=self.w if self.hybrid else None, sinks=causal_sinks(self.sinks) if self.hybrid else 0,
+            causal=True, chunk_size=self.chunk_size, initial_state=state, return_state=True,
+            key_padding_mask=None if self.hybrid else pad))
 
     def prefix_state(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None,
                      fm: FeatureMap) -> Any:
         """The state after the keys ``k`` (it does not depend on the queries)."""
-        from ..attention import linear_attention
+        from ..attention.padded import padded_attention
 
         if self.hybrid:
             return self.step(k, k, v, None, fm, None)[1]
-        return cast(tuple[torch.Tensor, Any], linear_attention(
-            q[..., :1, :], k, v, fm, return_state=True, check=False, key_padding_mask=pad))[1]
+        return cast(tuple[torch.Tensor, Any], padded_attention(
+            q[..., :1, :], k, v, fm, return_state=True, key_padding_mask=pad))[1]
 
     # ------------------------------------------------------------------ causal layers
     def causal(self, layer: int, key: torch.Tensor, value: torch.Tensor, queries: torch.Tensor, root: float,

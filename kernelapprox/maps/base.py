@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import torch
 from torch import nn
 
+from .. import backends
 from .._validation import (
     as_batch_shape,
     broadcast_batch,
@@ -250,6 +251,38 @@ class FeatureMap(nn.Module):
         x = cast(torch.Tensor, x)  # validated above, or by the calling entry point
         return x.to(self.compute_dtype(x.dtype)), x.dtype
 
+    def _fused(self, x: object, shared: bool = False, key: bool = False, plain: bool = False) -> Any:
+        """The fused kernels' result for ``x`` (`kernelapprox.backends.use_fused_maps`: CUDA with
+        Triton), or ``None``: the torch path. ``plain``: ``forward``/``key_features``, else
+        ``log_features``/``key_log_features``."""
+        if not backends.use_fused_maps(x):
+            return None
+        if not validation_skipped():
+            x = check_floating("x", x)
+            check_last_dim("x", x, self.dim)
+            broadcast_batch("x", x.shape[:-2], self.batch_shape)
+        x = cast(torch.Tensor, x)
+        if plain:
+            return backends.fused_features(self, x, key)
+        return backends.fused_log_features(self, x, shared, key)
+
+    def _prepare_gemm(self, name: str, x: object) -> tuple[torch.Tensor, torch.dtype, torch.dtype]:
+        """`_prepare`, plus the dtype of the GEMM operands (`kernelapprox.backends.gemm_dtype`):
+        ``xc.dtype`` under the CPU policy, the 16-bit input dtype under the accelerator policy."""
+        xc, out_dtype = self._prepare(name, x)
+        return xc, out_dtype, backends.gemm_dtype(out_dtype, xc.device, xc.dtype)
+
+    @staticmethod
+    def _policy_out(
+        f: torch.Tensor, log_scale: torch.Tensor, out_dtype: torch.dtype, gemm: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(f, log_scale)`` of `log_features` under the dtype policy: unchanged under the CPU
+        policy; the bounded ``f`` in the input's 16-bit dtype and ``log_scale`` float32 under the
+        accelerator policy (``gemm`` 16-bit)."""
+        if gemm == f.dtype:
+            return f, log_scale
+        return f.to(out_dtype), log_scale.to(torch.float32)
+
     def _kernel_dtypes(
         self, q: object, k: object, compute_dtype: torch.dtype | None
     ) -> tuple[torch.dtype, torch.dtype]:
@@ -332,18 +365,56 @@ class FeatureMap(nn.Module):
         """
         return None
 
-    def _fresh_key_features(self) -> bool:
+    def key_features_recyclable(self) -> bool:
         """Whether `key_log_features` returns a fresh tensor that nothing else references, so
-        that a caller done with it may recycle its memory (see `_query_features_into`)."""
+        that a caller done with it may recycle its memory for `query_features_into`.
+
+        Non-causal linear attention asks this once per call: after forming
+        $\varphi(K)^\top V$ it writes the query features into the key features' buffer.
+        ``False`` by default; a map that overrides how its features are computed must not
+        inherit the promise (`PositiveRF` checks that its methods are its own).
+
+        Returns
+        -------
+        bool
+
+        Examples
+        --------
+        >>> import kernelapprox as ka
+        >>> ka.PositiveRF(4, 8, seed=0).key_features_recyclable(), ka.EluFeatures(4).key_features_recyclable()
+        (True, False)
+        """
         return False
 
-    def _query_features_into(self, x: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
-        """`query_features`, written into the memory of ``buf`` where the map can.
+    def query_features_into(self, x: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+        r"""`query_features`, written into the memory of ``buf`` where the map can.
 
         ``buf`` is a dead contiguous tensor (the key features of the same call, which the
         non-causal attention no longer needs once $\varphi(K)^\top V$ is formed). Writing into
         it spares a fresh allocation of the same size, whose first touch costs page faults on
-        CPU (see docs/performance.md). Maps that cannot ignore ``buf`` (the default)."""
+        CPU (see docs/performance.md). Maps that cannot ignore ``buf`` (the default), as do calls
+        that record autograd, run under ``torch.compile`` or the accelerator dtype policy.
+
+        Parameters
+        ----------
+        x : Tensor, shape (..., n, d)
+        buf : Tensor or None
+            Contiguous, of the compute dtype and device, with at least as many elements as the
+            features; its contents are overwritten.
+
+        Returns
+        -------
+        Tensor, shape (..., n, feature_dim): the query features (a view of ``buf`` when written there).
+
+        Examples
+        --------
+        >>> import torch, kernelapprox as ka
+        >>> fm = ka.PositiveRF(4, 8, seed=0)
+        >>> x = torch.randn(5, 4)
+        >>> buf = torch.empty(5, 8)
+        >>> torch.allclose(fm.query_features_into(x, buf), fm.query_features(x))
+        True
+        """
         return self.query_features(x)
 
     @no_autocast

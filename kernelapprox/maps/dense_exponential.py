@@ -58,7 +58,7 @@ import math
 
 import torch
 
-from .._logdomain import LOG2E, _exp_shifted, _grad, _log2e_operands, _mean_stats, _sqnorm_half
+from .._logdomain import LOG2E, _exp_shifted, _gemm, _grad, _log2e_operands, _mean_stats, _sqnorm_half
 from .._validation import check_floating, check_last_dim
 from ..registry import register_estimator
 from .base import RandomFeatureMap
@@ -93,7 +93,7 @@ def optimal_A(t: torch.Tensor | float, dim: int) -> torch.Tensor:
     -0.320194
     """
     t = torch.as_tensor(t, dtype=torch.float64)
-    if bool((t < 0).any()) or not bool(torch.isfinite(t).all()):
+    if t.device.type != "meta" and (bool((t < 0).any()) or not bool(torch.isfinite(t).all())):
         raise ValueError("t must be finite and >= 0")
     d = float(dim)
     # (d - 2t - sqrt((2t+d)^2 + 8dt)) / (16 d), written without cancellation:
@@ -103,14 +103,19 @@ def optimal_A(t: torch.Tensor | float, dim: int) -> torch.Tensor:
 
 
 def _check_qk(fm: RandomFeatureMap, q: object, k: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated, detached q and k in at least float32 (no copy for float32/float64 inputs)."""
+    """Validated, detached q and k in at least float32 (no copy for float32/float64 inputs).
+
+    ``meta`` tensors are accepted: a fit on them sets the fitted statistics' shapes (a model built
+    on the ``meta`` device), without values."""
     q = check_floating("q", q)
     k = check_floating("k", k)
     check_last_dim("q", q, fm.dim)
     check_last_dim("k", k, fm.dim)
+    dev = next(iter(fm.projection.buffers())).device
     for name, t in (("q", q), ("k", k)):
-        if t.device.type == "meta":
-            raise ValueError(f"fit needs {name} with data, got a tensor on the meta device (shape {tuple(t.shape)})")
+        if (t.device.type == "meta") != (dev.type == "meta"):
+            raise ValueError(f"fit needs {name} on the map's device ({dev}), got {name} on {t.device} "
+                             "(a map built on the meta device fits meta tensors; move the map or the data)")
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         raise ValueError(f"fit needs at least one query and one key, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     try:
@@ -126,8 +131,9 @@ def _check_qk(fm: RandomFeatureMap, q: object, k: object) -> tuple[torch.Tensor,
 def _finite(name: str, **stats: tuple[torch.Tensor, ...]) -> None:
     # Statistics are sums over the data: any NaN or Inf in q or k shows here, at O(d) cost
     # instead of a pass over the inputs. ``stats`` maps each argument to the statistics of it.
-    # Under torch.compile the check is skipped: it needs a host read (a graph break per call).
-    if torch.compiler.is_compiling():
+    # Under torch.compile the check is skipped: it needs a host read (a graph break per call);
+    # on ``meta`` tensors (shapes without values) there is nothing to read.
+    if torch.compiler.is_compiling() or any(t.device.type == "meta" for ts in stats.values() for t in ts):
         return
     for arg, ts in stats.items():
         if not all(bool(torch.isfinite(t).all()) for t in ts):
@@ -175,6 +181,9 @@ class _DenseExponentialRF(RandomFeatureMap):
         for name, t in init.items():
             self.register_buffer(name, t.to(device=dev, dtype=torch.float64))
         self.register_buffer("fitted_", torch.tensor(False, device=dev))
+        #: the host's copy of ``fitted_`` (set by `fit` and by loading), so that reading
+        #: `fitted` never synchronises a device
+        self._fitted_host = False
         self._fitted_names = tuple(init)
 
     @property
@@ -195,7 +204,7 @@ class _DenseExponentialRF(RandomFeatureMap):
         >>> fresh.fitted, fresh.Q_.shape, bool(torch.equal(fresh(x), fm(x)))
         (True, torch.Size([2, 8, 8]), True)
         """
-        return bool(self.fitted_)
+        return self._fitted_host
 
     def _ref(self) -> torch.Tensor:
         return next(iter(self.projection.buffers()))
@@ -226,15 +235,24 @@ class _DenseExponentialRF(RandomFeatureMap):
                 self._buffers[name] = torch.empty(t.shape, dtype=torch.float64, device=self._ref().device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        flag = state_dict.get(prefix + "fitted_")
+        if isinstance(flag, torch.Tensor) and flag.device.type != "meta":
+            self._fitted_host = bool(flag)  # loading may sync; `fitted` then reads the host copy
 
-    def _weights(self, xc: torch.Tensor, key: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # pragma: no cover
+    def _weights(
+        self, xc: torch.Tensor, key: bool, low: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # pragma: no cover
         raise NotImplementedError
 
     @staticmethod
-    def _affine(xc: torch.Tensor, W: torch.Tensor, a: torch.Tensor, row: torch.Tensor | None = None) -> torch.Tensor:
+    def _affine(
+        xc: torch.Tensor, W: torch.Tensor, a: torch.Tensor, row: torch.Tensor | None = None,
+        gemm: torch.dtype | None = None,
+    ) -> torch.Tensor:
         """x W^T + a (+ row): (..., n, d) x (*lead, r, d) -> (*broadcast, n, r); in place on the
-        GEMM output without autograd (one pass per term, as FAVOR+'s row bias)."""
-        u = torch.matmul(xc, W.mT)
+        GEMM output without autograd (one pass per term, as FAVOR+'s row bias). ``gemm``: the
+        dtype of the GEMM operands (`kernelapprox.backends.gemm_dtype`)."""
+        u = torch.matmul(xc, W.mT) if gemm is None or gemm == xc.dtype else _gemm(W, xc, gemm)
         inplace = not _grad(u)
         terms = [a.unsqueeze(-2)] + ([] if row is None else [row.to(u.dtype).unsqueeze(-1)])
         for t in terms:
@@ -243,17 +261,32 @@ class _DenseExponentialRF(RandomFeatureMap):
 
     @classmethod
     def _affine2(
-        cls, xc: torch.Tensor, W: torch.Tensor, a: torch.Tensor, row: torch.Tensor | None = None
+        cls, xc: torch.Tensor, W: torch.Tensor, a: torch.Tensor, row: torch.Tensor | None = None,
+        gemm: torch.dtype | None = None,
     ) -> torch.Tensor:
         """`_affine` times ``LOG2E`` (base-2 exponents for ``exp2``): the factor scales the smaller
         of ``W`` and ``xc`` (as `kernelapprox._logdomain._project2`), and the vectors ``a``, ``row``."""
+        if gemm is not None and gemm != xc.dtype:
+            # 16-bit operands: the factor on the float32 output (a scaled W would round again)
+            u = cls._affine(xc, W, a, row, gemm)
+            return u * LOG2E if _grad(u) else u.mul_(LOG2E)
         W, xc = _log2e_operands(W, xc)
-        return cls._affine(xc, W, a * LOG2E, None if row is None else row * LOG2E)
+        return cls._affine(xc, W, a * LOG2E, None if row is None else row * LOG2E, gemm)
+
+    def _weights_g(self, xc: torch.Tensor, key: bool, gemm: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_weights`, with the row term ``c`` float32 and computed without a GEMM under the
+        accelerator policy (``gemm`` 16-bit)."""
+        low = gemm != xc.dtype
+        W, a, c = self._weights(xc, key, low)
+        return W, a, (c.to(torch.float32) if low else c)
 
     def _log_features(self, x: torch.Tensor, shared: bool, key: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        xc, _ = self._prepare("x", x)
-        W, a, c = self._weights(xc, key)
-        u = self._affine2(xc, W, a)  # base-2 exponents (_logdomain.LOG2E: exp2 is faster)
+        fast = self._fused(x, shared, key)
+        if fast is not None:
+            return fast
+        xc, out_dtype, g = self._prepare_gemm("x", x)
+        W, a, c = self._weights_g(xc, key, g)
+        u = self._affine2(xc, W, a, gemm=g)  # base-2 exponents (_logdomain.LOG2E: exp2 is faster)
         with torch.no_grad():
             m = u.amax(dim=-1)
         if c.shape != m.shape:
@@ -263,12 +296,16 @@ class _DenseExponentialRF(RandomFeatureMap):
                 u = u.expand(*c.shape, u.shape[-1])
                 if not _grad(u):
                     u = u.contiguous()
-        return _exp_shifted(u, m, c, shared, base2=True)
+        f, ls = _exp_shifted(u, m, c, shared, base2=True)
+        return self._policy_out(f, ls, out_dtype, g)
 
     def _plain(self, x: torch.Tensor, key: bool) -> torch.Tensor:
-        xc, out_dtype = self._prepare("x", x)
-        W, a, c = self._weights(xc, key)
-        u = self._affine2(xc, W, a, c)
+        fast = self._fused(x, key=key, plain=True)
+        if fast is not None:
+            return fast
+        xc, out_dtype, g = self._prepare_gemm("x", x)
+        W, a, c = self._weights_g(xc, key, g)
+        u = self._affine2(xc, W, a, c, gemm=g)
         return (torch.exp2(u) if _grad(u) else u.exp2_()).to(out_dtype)
 
     def log_features(self, x, shared=False):
@@ -280,16 +317,16 @@ class _DenseExponentialRF(RandomFeatureMap):
     def query_log2_features(self, x):
         if type(self).log_features is not _DenseExponentialRF.log_features:
             return None
-        xc, _ = self._prepare("x", x)
-        W, a, _ = self._weights(xc, False)
-        return self._affine2(xc, W, a)  # the row term c cancels with the shift
+        xc, _, g = self._prepare_gemm("x", x)
+        W, a, _ = self._weights_g(xc, False, g)
+        return self._affine2(xc, W, a, gemm=g)  # the row term c cancels with the shift
 
     def key_log2_features(self, x):
         if type(self).key_log_features is not _DenseExponentialRF.key_log_features:
             return None
-        xc, _ = self._prepare("x", x)
-        W, a, c = self._weights(xc, True)
-        return self._affine2(xc, W, a, c)
+        xc, _, g = self._prepare_gemm("x", x)
+        W, a, c = self._weights_g(xc, True, g)
+        return self._affine2(xc, W, a, c, gemm=g)
 
     def forward(self, x):
         return self._plain(x, key=False)
@@ -377,7 +414,7 @@ class OptimalPositiveRF(_DenseExponentialRF):
     @property
     def fitted(self) -> bool:
         """Whether `A_` was chosen from data (always true for a fixed ``A``)."""
-        return self.A is not None or bool(self.fitted_)
+        return self.A is not None or self._fitted_host
 
     def fit(self, q: torch.Tensor, k: torch.Tensor) -> OptimalPositiveRF:
         r"""Set $A = A^*(\bar t)$ per batch element from queries and keys (no-op for a fixed ``A``).
@@ -397,9 +434,10 @@ class OptimalPositiveRF(_DenseExponentialRF):
         if self.A is None:
             self.A_ = optimal_A(tb, self.dim)
             self.fitted_.fill_(True)
+            self._fitted_host = True
         return self
 
-    def _weights(self, xc, key):
+    def _weights(self, xc, key, low=False):
         _check_fitted_batch(self, xc, self.A_.shape)
         A = _fitted(self.A_, xc)  # (*fb) float64
         W = self.weight.to(xc.dtype)  # (*bs, r, d)
@@ -408,7 +446,7 @@ class OptimalPositiveRF(_DenseExponentialRF):
         Weff = W * torch.sqrt(one4).to(xc.dtype)[..., None, None]
         a = A.to(xc.dtype)[..., None] * wn2  # A |w_i|^2
         logc = 0.25 * self.dim * torch.log(one4) - 0.5 * math.log(self.num_features)
-        return Weff, a, -_sqnorm_half(xc) + logc[..., None]
+        return Weff, a, -_sqnorm_half(xc, low) + logc[..., None]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", A={self.A}" if self.A is not None else ", A=fitted")
@@ -506,9 +544,10 @@ class SADERF(_DenseExponentialRF):
         # >= 0 exactly (a mean of |Psi q_i + Psi^-1 k_j|^2); rounding can leave -1e-17 at k = -q
         self.A_ = optimal_A(tb.clamp_min(0.0), self.dim)
         self.fitted_.fill_(True)
+        self._fitted_host = True
         return self
 
-    def _weights(self, xc, key):
+    def _weights(self, xc, key, low=False):
         _check_fitted_batch(self, xc, self.A_.shape)
         A = _fitted(self.A_, xc)  # (*fb)
         psi = _fitted(self.psi_, xc)  # (*fb, d)
@@ -519,7 +558,11 @@ class SADERF(_DenseExponentialRF):
         Weff = W * (scale * torch.sqrt(one4)[..., None]).to(xc.dtype).unsqueeze(-2)  # (*lead, r, d)
         a = A.to(xc.dtype)[..., None] * wn2
         # |Psi x|^2 / 2, accumulated in the compute dtype, returned in float64 (as _sqnorm_half)
-        half = 0.5 * torch.matmul(xc * xc, (scale * scale).to(xc.dtype).unsqueeze(-1)).squeeze(-1).double()
+        s2 = (scale * scale).to(xc.dtype)
+        if low:  # float32, without a GEMM (accelerator policy)
+            half = 0.5 * (xc * xc * s2.unsqueeze(-2)).sum(-1)
+        else:
+            half = 0.5 * torch.matmul(xc * xc, s2.unsqueeze(-1)).squeeze(-1).double()
         logc = 0.25 * self.dim * torch.log(one4) - 0.5 * math.log(self.num_features)
         return Weff, a, -half + logc[..., None]
 
@@ -598,9 +641,10 @@ class SDERF(_DenseExponentialRF):
         self.Q_ = Q.contiguous()  # eigh returns a column-major Q; a loaded buffer is row-major
         self.A_ = optimal_A(sigma.clamp_min(0.0), 1)
         self.fitted_.fill_(True)
+        self._fitted_host = True
         return self
 
-    def _weights(self, xc, key):
+    def _weights(self, xc, key, low=False):
         _check_fitted_batch(self, xc, self.A_.shape[:-1])
         A = _fitted(self.A_, xc)  # (*fb, d)
         Q = _fitted(self.Q_, xc)  # (*fb, d, d)
@@ -611,7 +655,7 @@ class SDERF(_DenseExponentialRF):
         Weff = ((W * torch.sqrt(one4).unsqueeze(-2)) @ Q.mT).to(xc.dtype)  # (*lead, r, d)
         a = ((W * W) @ A.unsqueeze(-1)).squeeze(-1).to(xc.dtype)  # (*lead, r)
         logc = 0.25 * torch.log(one4).sum(-1) - 0.5 * math.log(self.num_features)
-        return Weff, a, -_sqnorm_half(xc) + logc[..., None]
+        return Weff, a, -_sqnorm_half(xc, low) + logc[..., None]
 
 
 register_estimator(

@@ -408,6 +408,11 @@ class NystromFeatures(FeatureMap):
                 )
             self.num_features = int(L.shape[-2])
             self.batch_shape = tuple(L.shape[:-2])
+            if L.device.type != "meta" and not bool(torch.isfinite(L).all()):  # construction may sync
+                raise ValueError(
+                    f"landmarks must be finite, got {int((~torch.isfinite(L)).sum())} NaN or Inf entries "
+                    f"(shape {tuple(L.shape)})"
+                )
             self.landmarks = L
             fitted = True
             L = L.detach().clone().to(device=device, dtype=dtype or L.dtype)
@@ -428,13 +433,16 @@ class NystromFeatures(FeatureMap):
         self.register_buffer("landmarks_", L)
         # a buffer, so that a loaded state dict carries it along with the landmarks
         self.register_buffer("fitted_", torch.tensor(fitted, device=L.device))
+        #: the host's copy of ``fitted_`` (set by the constructor, `fit` and loading), so that a
+        #: feature call never reads the device flag
+        self._fitted_host = fitted
         #: the batch_shape the map was built with: every fit broadcasts the keys against it
         self._built_batch_shape = tuple(self.batch_shape)
 
     @property
     def fitted(self) -> bool:
         """Whether the landmarks come from `fit` or were given (false: the data-free fallback)."""
-        return bool(self.fitted_)
+        return self._fitted_host
 
     # ------------------------------------------------------------------ landmarks
     def fit(self, q: torch.Tensor, k: torch.Tensor) -> NystromFeatures:
@@ -450,14 +458,22 @@ class NystromFeatures(FeatureMap):
         for name, x in (("q", q), ("k", k)):
             check_floating(name, x)
             check_last_dim(name, x, self.dim)
-            if not bool(torch.isfinite(x).all()):
+            if (x.device.type == "meta") != (self.landmarks_.device.type == "meta"):
+                raise ValueError(f"fit needs {name} on the map's device ({self.landmarks_.device}), got {name} on "
+                                 f"{x.device} (a map built on the meta device fits meta tensors)")
+            if x.device.type != "meta" and not bool(torch.isfinite(x).all()):
                 raise ValueError(f"NystromFeatures.fit needs finite {name}, got {name} with a NaN or Inf entry")
         if isinstance(self.landmarks, torch.Tensor):
             return self  # given landmarks are kept
         lead = broadcast_batch("k", k.shape[:-2], self._built_batch_shape)
         m, n = self.num_features, int(k.shape[-2])
         kk = k.detach().to(torch.float64)
-        if self.landmarks == "segment-means":
+        if kk.device.type == "meta":  # shapes without values (a model built on the meta device)
+            if n < m:
+                raise ValueError(f"{self.landmarks} landmarks need at least num_features={m} keys, got k with {n} "
+                                 f"(shape {tuple(k.shape)})")
+            L = torch.empty(*kk.shape[:-2], m, self.dim, dtype=torch.float64, device="meta")
+        elif self.landmarks == "segment-means":
             if n < m:
                 raise ValueError(
                     f"segment-means landmarks need at least num_features={m} keys, got k with {n} "
@@ -476,6 +492,7 @@ class NystromFeatures(FeatureMap):
         self.landmarks_ = L.to(device=ref.device, dtype=ref.dtype).contiguous()
         self.batch_shape = tuple(lead)
         self.fitted_.fill_(True)
+        self._fitted_host = True
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -500,6 +517,10 @@ class NystromFeatures(FeatureMap):
             self.batch_shape = lead
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        flag = state_dict.get(prefix + "fitted_")
+        if isinstance(flag, torch.Tensor) and flag.device.type != "meta":
+            self._fitted_host = bool(flag)  # loading may sync; feature calls then read the host copy
+            self._checked = False
 
     def _whitener(self) -> tuple[torch.Tensor, torch.Tensor]:
         r"""``(W, h)``: $G^{-1/2}$ (..., m, m) and $\|l_i\|^2/2$ (..., m), float64, cached
@@ -544,7 +565,7 @@ class NystromFeatures(FeatureMap):
         # where reading the flag and warning would break the graph
         if not torch.compiler.is_compiling() and not self._checked:
             self._checked = True
-            if not self.fitted:
+            if not self._fitted_host:
                 warnings.warn(_FALLBACK_WARNING, UserWarning, stacklevel=4)
         W, h = self._whitener()
         dt = xc.dtype

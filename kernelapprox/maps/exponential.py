@@ -15,8 +15,8 @@ import torch
 from .._logdomain import (
     LOG2E,
     _affine_rows,
-    _dense_apply,
     _exp_shifted,
+    _gemm,
     _grad,
     _op_into,
     _project2,
@@ -55,61 +55,70 @@ class PositiveRF(RandomFeatureMap):
     positive = True
 
 
-    def _bias(self, xc: torch.Tensor) -> torch.Tensor:
-        return -_sqnorm_half(xc) - 0.5 * math.log(self.num_features)
+    def _bias(self, xc: torch.Tensor, low: bool = False) -> torch.Tensor:
+        return -_sqnorm_half(xc, low) - 0.5 * math.log(self.num_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xc, out_dtype = self._prepare("x", x)
+        fast = self._fused(x, plain=True)
+        if fast is not None:
+            return fast
+        xc, out_dtype, g = self._prepare_gemm("x", x)
         # 2^(log2(e) (xW^T + c)): one addmm with log2(e) as alpha and the row bias, times
         # log2(e), as its C (_affine_rows scales the (n,) vector, so the addmm runs with beta 1),
         # then exp2 in place (one pass over the output; see docs/performance.md).
-        c = self._bias(xc)
-        u = _affine_rows(self.projection, xc, c, beta=LOG2E, alpha=LOG2E)
-        if u is None:  # batched or transform projections
-            u = _project2(self.projection, xc)
+        c = self._bias(xc, g != xc.dtype)
+        u = _affine_rows(self.projection, xc, c, beta=LOG2E, alpha=LOG2E, gemm=g)
+        if u is None:  # batched or transform projections, or 16-bit GEMM operands
+            u = _project2(self.projection, xc, g)
             c2 = (c * LOG2E).to(u.dtype).unsqueeze(-1)
             u = u + c2 if _grad(u, c2) else u.add_(c2)
         return (torch.exp2(u) if _grad(u) else u.exp2_()).to(out_dtype)
 
     def log_features(self, x, shared=False):
-        xc, _ = self._prepare("x", x)
-        u = _project2(self.projection, xc)
+        fast = self._fused(x, shared)
+        if fast is not None:
+            return fast
+        xc, out_dtype, g = self._prepare_gemm("x", x)
+        u = _project2(self.projection, xc, g)
         with torch.no_grad():
             m = u.amax(dim=-1)
-        return _exp_shifted(u, m, self._bias(xc), shared, base2=True)
+        f, ls = _exp_shifted(u, m, self._bias(xc, g != xc.dtype), shared, base2=True)
+        return self._policy_out(f, ls, out_dtype, g)
 
     def query_features(self, x):
-        xc, _ = self._prepare("x", x)
-        u = _project2(self.projection, xc)
+        xc, out_dtype, g = self._prepare_gemm("x", x)
+        u = _project2(self.projection, xc, g)
         with torch.no_grad():
             m = u.amax(dim=-1, keepdim=True)
-        return torch.exp2(u - m) if _grad(u) else u.sub_(m).exp2_()
+        f = torch.exp2(u - m) if _grad(u) else u.sub_(m).exp2_()
+        return f if g == f.dtype else f.to(out_dtype)
 
     def query_log2_features(self, x):
         cls = type(self)
         if cls.query_features is not PositiveRF.query_features or cls.log_features is not PositiveRF.log_features:
             return None
-        return _project2(self.projection, self._prepare("x", x)[0])
+        xc, _, g = self._prepare_gemm("x", x)
+        return _project2(self.projection, xc, g)
 
     def key_log2_features(self, x):
         cls = type(self)
         if cls.log_features is not PositiveRF.log_features or cls.key_log_features is not PositiveRF.key_log_features:
             return None
-        xc, _ = self._prepare("x", x)
-        u = _project2(self.projection, xc)
-        return u + (self._bias(xc) * LOG2E).to(u.dtype).unsqueeze(-1)
+        xc, _, g = self._prepare_gemm("x", x)
+        u = _project2(self.projection, xc, g)
+        return u + (self._bias(xc, g != xc.dtype) * LOG2E).to(u.dtype).unsqueeze(-1)
 
-    def _fresh_key_features(self) -> bool:
+    def key_features_recyclable(self) -> bool:
         # log_features returns the projection's fresh output; a subclass that overrides how
-        # features are computed does not inherit the promise (nor _query_features_into)
+        # features are computed does not inherit the promise (nor query_features_into)
         cls = type(self)
         return all(getattr(cls, m) is getattr(PositiveRF, m)
-                   for m in ("log_features", "key_log_features", "query_features", "_query_features_into"))
+                   for m in ("log_features", "key_log_features", "query_features", "query_features_into"))
 
-    def _query_features_into(self, x, buf):
-        if not PositiveRF._fresh_key_features(self):
+    def query_features_into(self, x, buf):
+        xc, _, g = self._prepare_gemm("x", x)
+        if not PositiveRF.key_features_recyclable(self) or g != xc.dtype:
             return self.query_features(x)
-        xc, _ = self._prepare("x", x)
         lead = torch.broadcast_shapes(xc.shape[:-2], self.batch_shape)
         shape = (*lead, xc.shape[-2], self.num_features)
         numel = math.prod(shape)
@@ -149,8 +158,8 @@ class HyperbolicRF(RandomFeatureMap):
     positive = True
 
 
-    def _bias(self, xc: torch.Tensor) -> torch.Tensor:
-        return -_sqnorm_half(xc) - 0.5 * math.log(2 * self.num_features)
+    def _bias(self, xc: torch.Tensor, low: bool = False) -> torch.Tensor:
+        return -_sqnorm_half(xc, low) - 0.5 * math.log(2 * self.num_features)
 
     @staticmethod
     def _pm(u: torch.Tensor) -> torch.Tensor:
@@ -164,19 +173,23 @@ class HyperbolicRF(RandomFeatureMap):
         return out
 
     def forward(self, x):
-        xc, out_dtype = self._prepare("x", x)
+        fast = self._fused(x, plain=True)
+        if fast is not None:
+            return fast
+        xc, out_dtype, g = self._prepare_gemm("x", x)
+        low = g != xc.dtype
         W = self.projection.gemm_weight(xc.dtype)
         if torch.compiler.is_compiling():
             # one GEMM with [W; -W], then the bias and the exp as one fused epilogue over 2r
             # columns: 2.2x the r-wide GEMM compiled, where the addmm/cat forms below compiled to
             # 3.4-3.9x (inductor does not fuse the concatenation into the exp)
-            c = (self._bias(xc) * LOG2E).unsqueeze(-1)
+            c = (self._bias(xc, low) * LOG2E).unsqueeze(-1)
             if W is not None:
-                u = _dense_apply(torch.cat((W, -W), dim=-2) * LOG2E, xc)
+                u = _gemm(torch.cat((W, -W), dim=-2) * LOG2E, xc, g)
             else:
-                u = self._pm(_project2(self.projection, xc))
+                u = self._pm(_project2(self.projection, xc, g))
             return torch.exp2(u + c.to(u.dtype)).to(out_dtype)
-        if W is not None and W.dim() == 2:
+        if W is not None and W.dim() == 2 and not low:
             # Base 2 (LOG2E): [L(u + c), L(c - u)], c = -(|x|^2 + log 2r)/2 = -C/2: L(u + c) from
             # one addmm (bias folded in with beta = -L/2, alpha = L) and L(c - u) = -L C - L(u + c),
             # then one exp2 over the whole (..., n, 2r) buffer: no copies, no cat.
@@ -196,32 +209,37 @@ class HyperbolicRF(RandomFeatureMap):
                     raise RuntimeError("HyperbolicRF: the dense projection path lost its GEMM weight")
                 torch.sub(negC, a, out=o[:, r:])
             return (torch.exp2(o) if _grad(o) else o.exp2_()).view(*xc.shape[:-1], 2 * r).to(out_dtype)
-        c = self._bias(xc)
-        u = self._pm(_project2(self.projection, xc))
+        c = self._bias(xc, low)
+        u = self._pm(_project2(self.projection, xc, g))
         c = (c * LOG2E).to(u.dtype).unsqueeze(-1)
         if _grad(u, c):
             return torch.exp2(u + c).to(out_dtype)
         return u.add_(c).exp2_().to(out_dtype)
 
     def log_features(self, x, shared=False):
-        xc, _ = self._prepare("x", x)
-        u = _project2(self.projection, xc)
+        fast = self._fused(x, shared)
+        if fast is not None:
+            return fast
+        xc, out_dtype, g = self._prepare_gemm("x", x)
+        u = _project2(self.projection, xc, g)
         with torch.no_grad():
             lo, hi = torch.aminmax(u, dim=-1)
             m = torch.maximum(hi, -lo)
-        return _exp_shifted(self._pm(u), m, self._bias(xc), shared, base2=True)
+        f, ls = _exp_shifted(self._pm(u), m, self._bias(xc, g != xc.dtype), shared, base2=True)
+        return self._policy_out(f, ls, out_dtype, g)
 
     def query_log2_features(self, x):
         if type(self).log_features is not HyperbolicRF.log_features:
             return None
-        return self._pm(_project2(self.projection, self._prepare("x", x)[0]))
+        xc, _, g = self._prepare_gemm("x", x)
+        return self._pm(_project2(self.projection, xc, g))
 
     def key_log2_features(self, x):
         if type(self).key_log_features is not HyperbolicRF.key_log_features:
             return None
-        xc, _ = self._prepare("x", x)
-        u = self._pm(_project2(self.projection, xc))
-        return u + (self._bias(xc) * LOG2E).to(u.dtype).unsqueeze(-1)
+        xc, _, g = self._prepare_gemm("x", x)
+        u = self._pm(_project2(self.projection, xc, g))
+        return u + (self._bias(xc, g != xc.dtype) * LOG2E).to(u.dtype).unsqueeze(-1)
 
 
 register_estimator(

@@ -22,7 +22,6 @@ References
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any, ClassVar
 
@@ -307,6 +306,22 @@ class HedgehogFeatures(FeatureMap):
         M = ls.amax(-1, keepdim=True)
         return e.mul_(torch.exp(ls - M).to(e.dtype).unsqueeze(-1)), M
 
+    def _log2_phi(self, x: torch.Tensor) -> torch.Tensor:
+        r"""$\log_2\varphi(x)$ (without the gain), (..., n, 2f): log-softmax in base 2."""
+        z = self._project(self._prepare("x", x)[0])
+        if self.variant == "fla":
+            u = torch.cat((2 * z, -2 * z), dim=-1)
+            return (u - torch.logsumexp(u, dim=-1, keepdim=True)) * LOG2E
+        return torch.cat((torch.log_softmax(z, dim=-1), torch.log_softmax(-z, dim=-1)), dim=-1) * LOG2E
+
+    def query_log2_features(self, x):
+        return self._log2_phi(x)
+
+    def key_log2_features(self, x):
+        lf = self._log2_phi(x)
+        g = self._gain(lf)
+        return lf if g is None else lf + (g * LOG2E).unsqueeze(-1)
+
     def query_features(self, x):
         xc = self._prepare("x", x)[0]
         e = self._fla_unnormalised(xc)  # the per-query normalisation (and the gain) cancels in attention
@@ -343,12 +358,3 @@ register_estimator(
     HedgehogFeatures, name="hedgehog-lolcats", label="hedgehog (lolcats)", params={"variant": "lolcats"},
     feature_dim="2r",
 )
-
-
-def __getattr__(name: str) -> Any:
-    """``fit_feature_map``, ``fit_gain`` and ``distillation_loss`` are `kernelapprox.training`'s
-    (a module above attention): resolved there on first use, for imports that still name this one."""
-    if name in ("fit_feature_map", "fit_gain", "distillation_loss"):
-        training = importlib.import_module("kernelapprox.training")
-        return getattr(training, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

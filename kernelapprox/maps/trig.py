@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .._logdomain import _grad, _op_into, _sqnorm_half
+from .._logdomain import _gemm, _grad, _op_into, _sqnorm_half
 from .._validation import check_floating
 from ..registry import register_estimator
 from .base import RandomFeatureMap
@@ -96,9 +96,17 @@ class TrigRF(RandomFeatureMap):
         self.register_buffer("offsets", offsets.detach().clone().to(device=ref.device, dtype=ref.dtype))
 
 
-    def _trig(self, xc: torch.Tensor) -> torch.Tensor:
-        """Bounded trigonometric part ``f`` (..., n, F) of the prepared input ``xc``."""
+    def _trig(self, xc: torch.Tensor, gemm: torch.dtype | None = None) -> torch.Tensor:
+        """Bounded trigonometric part ``f`` (..., n, F) of the prepared input ``xc`` (``gemm``: the
+        dtype of the GEMM operands, `kernelapprox.backends.gemm_dtype`)."""
         r = self.num_features
+        W = self.projection.gemm_weight(xc.dtype)
+        if gemm is not None and gemm != xc.dtype and W is not None:
+            # 16-bit GEMM operands (accelerator policy); the angles and their sines in xc's dtype
+            u = _gemm(W, xc, gemm)
+            if self.variant == "sincos":
+                return torch.cat((torch.sin(u), torch.cos(u)), dim=-1)
+            return torch.cos(u + self.offsets.to(u.dtype).unsqueeze(-2))
         if self.variant == "sincos":
             if _grad(xc, *self.projection.buffers()):
                 u = self.projection(xc)
@@ -114,35 +122,44 @@ class TrigRF(RandomFeatureMap):
         u = self.projection.affine(xc, col_bias=self.offsets)
         return torch.cos(u) if _grad(u) else u.cos_()
 
-    def _scaled(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scaled(self, xc: torch.Tensor, gemm: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``f`` (..., n, F) and the per-row log scale (..., n) of the prepared input ``xc``."""
-        f = self._trig(xc)
+        f = self._trig(xc, gemm)
         r = self.num_features
         log_c = -0.5 * math.log(r) if self.variant == "sincos" else 0.5 * math.log(2.0 / r)
-        ls = _sqnorm_half(xc) + log_c
+        ls = _sqnorm_half(xc, gemm is not None and gemm != xc.dtype) + log_c
         lead = f.shape[:-1]
         if ls.shape != lead:
             ls = ls.expand(lead)
         return f, ls
 
     def query_features(self, x):
-        return self._trig(self._prepare("x", x)[0])
+        xc, out_dtype, g = self._prepare_gemm("x", x)
+        f = self._trig(xc, g)
+        return f if g == f.dtype else f.to(out_dtype)
 
     def forward(self, x):
-        xc, out_dtype = self._prepare("x", x)
-        f, ls = self._scaled(xc)
+        fast = self._fused(x, plain=True)
+        if fast is not None:
+            return fast
+        xc, out_dtype, g = self._prepare_gemm("x", x)
+        f, ls = self._scaled(xc, g)
         scale = torch.exp(ls).to(f.dtype).unsqueeze(-1)
         return (f * scale if _grad(f, scale) else f.mul_(scale)).to(out_dtype)
 
     def log_features(self, x, shared=False):
-        f, ls = self._scaled(self._prepare("x", x)[0])
+        fast = self._fused(x, shared)
+        if fast is not None:
+            return fast
+        xc, out_dtype, g = self._prepare_gemm("x", x)
+        f, ls = self._scaled(xc, g)
         if shared:
             with torch.no_grad():
                 m = ls.amax(-1, keepdim=True)
             w = torch.exp(ls - m).to(f.dtype).unsqueeze(-1)
             f = f * w if _grad(f, w) else f.mul_(w)
             ls = m
-        return f, ls
+        return self._policy_out(f, ls, out_dtype, g)
 
     def extra_repr(self) -> str:
         return f"variant={self.variant!r}, " + super().extra_repr()

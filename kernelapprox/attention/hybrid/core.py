@@ -475,7 +475,7 @@ def parallel_hybrid_attention(
         inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v1, fq, fk, wk)))
         # without autograd, features this call owns are scaled in place (a fresh (n, F) buffer costs
         # page faults on CPU, see `kernelapprox.attention.linear.parallel`)
-        fresh = inplace and feature_map._fresh_key_features() and fk.is_contiguous() and fq.is_contiguous()
+        fresh = inplace and feature_map.key_features_recyclable() and fk.is_contiguous() and fq.is_contiguous()
         if fresh and fk.shape == (*lead, n, Fd) and fq.shape == (*lead, n, Fd):
             fkw_all = fk.mul_(wk.unsqueeze(-1))  # (..., n, F), rows of sinks zero
         else:

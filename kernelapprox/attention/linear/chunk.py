@@ -14,17 +14,21 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ..._logdomain import LOG2E
+from ... import backends
 from ..._validation import inputs_validated, no_autocast
 from ...maps.base import FeatureMap
 from .._common import (
     apply_padding,
     check_options,
     den_floor,
+    feature_state,
     has_log2_features,
+    log2_state,
     normalise,
     padding_mask,
+    per_feature_keys,
     prepare,
+    shared_state,
     with_ones,
 )
 from ..state import LinearAttentionState
@@ -149,13 +153,9 @@ def per_feature_attention(
         state = lk.new_zeros(L, Fd, P)
         X0 = lk.new_full((L, 1, Fd), ninf)
     else:
-        kv0 = initial_state.kv.to(lk.dtype).expand(*lead, Fd, P).reshape(L, Fd, P)
-        with torch.no_grad():
-            z0 = kv0[..., dv]  # (L, F)
-            g0 = initial_state.log_scale.detach().expand(*lead, 1, 1).reshape(L, 1)
-            X0 = (g0 * LOG2E + torch.log2(z0.double())).to(lk.dtype).unsqueeze(-2)  # -inf where z0 = 0
-            inv = torch.where(z0 > 0, 1.0 / z0, torch.zeros_like(z0))
-        state = kv0 * inv.unsqueeze(-1)  # each reached feature's mass 1, at the scale X0
+        kv0, X0 = log2_state(initial_state, dv, lk.dtype)  # each reached feature's mass 1
+        state = F.pad(kv0, (0, P - kv0.shape[-1])).expand(*lead, Fd, P).reshape(L, Fd, P)
+        X0 = X0.expand(*lead, Fd).reshape(L, 1, Fd)
     with torch.no_grad():
         T = torch.maximum(torch.cummax(lk.reshape(L, nb * B, Fd), dim=1).values, X0).view(L, nb, B, Fd)
         X_out = T[:, :, -1]  # (L, nb, F): after each block
@@ -291,6 +291,35 @@ def chunk_linear_attention(
     eps = check_options(return_state, eps)
     pad = padding_mask(key_padding_mask, k.shape)
     q, k, v, out_dtype, cdt = prepare(q, k, v, feature_map, True, initial_state)
+    given_state = initial_state  # per-feature scales kept for the rescue and the returned state
+    initial_state = shared_state(initial_state)
+    log2 = feature_map.positive and has_log2_features(feature_map)
+    device_path = False
+    if _path == "auto":
+        grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or any(p.requires_grad for p in feature_map.parameters()))
+        plan = backends.attention_plan(q.device, q.dtype, n=q.shape[-2], gated=log2, grad=grad)
+        device_path = plan.path != "cpu"
+    if device_path and log2:
+        # Accelerators (and the forced accelerator path): every feature at its own causal scale
+        # (the per-feature gated recurrence, by blocks), no host read, no rescue needed.
+        with inputs_validated():
+            lq = feature_map.query_log2_features(q)
+            lk = feature_map.key_log2_features(k)
+        if lq is not None and lk is not None:
+            dv = v.shape[-1]
+            v1 = with_ones(v, _GEMM_COLUMNS)
+            if pad is not None:
+                v1 = v1.masked_fill(pad.unsqueeze(-1), 0.0)
+            lead = torch.broadcast_shapes(lq.shape[:-2], lk.shape[:-2], v1.shape[:-2])
+            raw = per_feature_attention(lq, lk, v1, pad, given_state, lead, dv)
+            out = normalise(raw[..., :dv], raw[..., dv:dv + 1], True, eps).to(out_dtype)
+            if return_state:
+                st = None if given_state is None else log2_state(given_state, dv, v1.dtype)
+                kv, t = per_feature_keys(lk, with_ones(v), pad, st)
+                return out, feature_state(kv, t)
+            return out
     k, v = apply_padding(pad, k, v)
     with inputs_validated():
         fq = feature_map.query_features(q)  # the per-query scale cancels
@@ -315,7 +344,8 @@ def chunk_linear_attention(
     mask = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()
     path = _path
     if path == "auto":
-        path = "shared" if not compiling and feature_map.positive and fq.device.type == "cpu" else "runmax"
+        path = ("shared" if not compiling and not device_path and feature_map.positive and fq.device.type == "cpu"
+                else "runmax")
     # The shared-scale path takes every token (the usual case) or, per sequence, the tokens before
     # the first one it cannot take (`clean_mask`): those rows are the whole sequence with the keys
     # and values from that token on given weight 0 (same shapes, hence the same GEMMs and bitwise
@@ -332,13 +362,23 @@ def chunk_linear_attention(
                 s.expand(*lead, s.shape[-1]).masked_fill(~keep, float("-inf")), mask, initial_state, cdt, lead,
             )[0]
         raw, state = chunk_runmax.running_max_attention(
-            fq, fk, v1, s, mask, initial_state, cdt, lead, recompute=_recompute)
+            fq, fk, v1, s, mask, initial_state, cdt, lead, recompute=_recompute, host_reads=not device_path)
         if head is not None and keep is not None:
             raw = torch.where(keep.unsqueeze(-1), head, raw)
-    if feature_map.positive and not compiling and has_log2_features(feature_map):
-        raw = _rescue_underflow(raw, q, k, v, feature_map, pad, initial_state, lead)
+    if log2 and not compiling and not device_path:
+        raw = _rescue_underflow(raw, q, k, v, feature_map, pad, given_state, lead)
     out = normalise(raw[..., :dv], raw[..., dv:dv + 1], feature_map.positive, eps).to(out_dtype)
     if return_state:
+        lk = feature_map.key_log2_features(k) if log2 else None
+        if lk is not None:
+            # the state at per-feature scales (one GEMM): a later segment or a decoder then
+            # reads every feature, also those far below the largest key's
+            v1s = with_ones(v)
+            st = None
+            if given_state is not None:
+                st = log2_state(given_state, dv, v1s.dtype)
+            kv, t = per_feature_keys(lk, v1s, pad, st)
+            return out, feature_state(kv, t)
         return out, LinearAttentionState(state.kv[..., :dv + 1].contiguous(), state.log_scale)
     return out
 

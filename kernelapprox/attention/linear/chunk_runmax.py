@@ -100,6 +100,7 @@ def _run(
 def running_max_attention(
     fq: torch.Tensor, fk: torch.Tensor, v1: torch.Tensor, s: torch.Tensor, mask: torch.Tensor,
     initial_state: LinearAttentionState | None, cdt: torch.dtype, lead: torch.Size, *, recompute: bool,
+    host_reads: bool = True,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     r"""The causal product at each query's running maximum (module docstring).
 
@@ -122,6 +123,9 @@ def running_max_attention(
         The broadcast batch shape of the inputs.
     recompute : bool
         In training (eager), runs of `_RECOMPUTE_CHUNKS` chunks under activation checkpointing.
+    host_reads : bool, default True
+        On the CPU, skip the masking of non-finite values when their sum is finite (one host
+        read); ``False`` (the accelerator path) always masks, without reading any value.
 
     Returns
     -------
@@ -157,8 +161,9 @@ def running_max_attention(
     # carried state, which keeps the raw values).
     # The value masking costs ~10% of the call: on CPU (where reading a scalar is free) it is
     # skipped when the values are all finite (a finite sum implies finite entries; an overflowing
-    # sum only takes the exact path). On other devices it always runs, so there is no host sync.
-    v_finite = v1.device.type == "cpu" and not compiling and bool(torch.isfinite(v1.sum()))
+    # sum only takes the exact path). On other devices (and with ``host_reads=False``: the
+    # accelerator path forced on the CPU) it always runs, so there is no host sync.
+    v_finite = host_reads and v1.device.type == "cpu" and not compiling and bool(torch.isfinite(v1.sum()))
     if v_finite:
         v1_finite, v_poison = v1, None
     else:

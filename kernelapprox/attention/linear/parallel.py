@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import torch
 
+from ... import backends
 from ..._validation import inputs_validated, no_autocast
 from ...maps.base import FeatureMap
 from .._common import (
     apply_padding,
     check_options,
-    doubly_shifted,
+    den_floor,
+    feature_state,
+    has_log2_features,
     key_side,
+    log2_state,
     normalise,
     padding_mask,
+    per_feature_parallel,
     prepare,
+    shared_state,
     with_ones,
 )
 from ..state import LinearAttentionState
@@ -76,44 +82,67 @@ def parallel_linear_attention(
     with inputs_validated():
         dv = v.shape[-1]
         recycle = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
-        # Positive exponential maps with a gradient to take: features shifted per feature (keys) and
-        # per query against them (`doubly_shifted`), so that every denominator is >= 1 and the
-        # backward's 1/den stays of the size of the values, however peaked the features. Without
-        # autograd the cheaper shared key scale and per-row query shift are kept (`normalise`
-        # guards an underflowing denominator there).
+        # Positive maps with log2 features: every feature at its own scale over the keys and each
+        # query shifted against them (`per_feature_parallel`), so that every denominator is >= 1
+        # and neither the forward nor the backward's 1/den can underflow, however peaked the
+        # features (with and without autograd: the two give the same rows). Other maps (bounded
+        # or signed features): one shared key scale and a per-row query shift.
+        log2 = feature_map.positive and has_log2_features(feature_map)
         grad = torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
-            or any(p.requires_grad for p in feature_map.parameters())
-        )
-        lk = None
-        if grad and feature_map.positive and initial_state is None and not return_state:
-            lk = feature_map.key_log2_features(k)
+            or any(p.requires_grad for p in feature_map.parameters()))
+        # On the CPU without autograd the cheaper shared key scale runs first (in place), and the
+        # per-feature form only where a denominator fell below `den_floor` (one host read of a
+        # CPU value); elsewhere (autograd, states, accelerators, torch.compile) it runs directly.
+        cpu_first = (log2 and recycle and not return_state and q.device.type == "cpu"
+                     and backends.attention_plan(q.device, q.dtype, n=q.shape[-2], gated=True, grad=grad,
+                                                 warn=False).path == "cpu")
+        lk = feature_map.key_log2_features(k) if log2 and not cpu_first else None
         lq = None if lk is None else feature_map.query_log2_features(q)
         if lk is not None and lq is not None:
-            fq, fk = doubly_shifted(lq, lk, pad)
-            kv = torch.matmul(fk.mT, with_ones(v, _GEMM_COLUMNS))  # (..., F, P)
-            v1 = kv  # not recycled (autograd)
+            vo = with_ones(v, _GEMM_COLUMNS)
+            st = None
+            if initial_state is not None:
+                kvs, X0 = log2_state(initial_state, dv, vo.dtype)
+                st = (torch.nn.functional.pad(kvs, (0, vo.shape[-1] - kvs.shape[-1])), X0)
+            o, kv, t = per_feature_parallel(lq, lk, vo, pad, st)
+            out = normalise(o[..., :dv], o[..., dv:dv + 1], True, eps).to(out_dtype)
+            if return_state:
+                return out, feature_state(kv[..., :dv + 1].contiguous(), t)
+            return out
+        fk, v1, kv0, g = key_side(feature_map, k, v, shared_state(initial_state), _GEMM_COLUMNS, pad)
+        # [S | z] = phi(K)^T [V, 1] in one GEMM: numerator and denominator then share their
+        # rounding (a constant v is returned exactly; separate reductions disagree by ~n*eps).
+        # The GEMMs run at a width padded to a multiple of 8 (zero columns after the ones).
+        kv = torch.matmul(fk.mT, v1)  # (..., F, P)
+        if kv0 is not None:
+            kv = kv + kv0
+        # The per-query scale cancels. Without autograd, phi(Q) may reuse the memory of
+        # phi(K) and the product that of [wV, w] (both dead by now): fresh buffers of that
+        # size cost page faults on CPU (~0.25 ms per MB).
+        if recycle and feature_map.key_features_recyclable():
+            fq = feature_map.query_features_into(q, fk)
         else:
-            fk, v1, kv0, g = key_side(feature_map, k, v, initial_state, _GEMM_COLUMNS, pad)
-            # [S | z] = phi(K)^T [V, 1] in one GEMM: numerator and denominator then share their
-            # rounding (a constant v is returned exactly; separate reductions disagree by ~n*eps).
-            # The GEMMs run at a width padded to a multiple of 8 (zero columns after the ones).
-            kv = torch.matmul(fk.mT, v1)  # (..., F, P)
-            if kv0 is not None:
-                kv = kv + kv0
-            # The per-query scale cancels. Without autograd, phi(Q) may reuse the memory of
-            # phi(K) and the product that of [wV, w] (both dead by now): fresh buffers of that
-            # size cost page faults on CPU (~0.25 ms per MB).
-            if recycle and feature_map._fresh_key_features():
-                fq = feature_map._query_features_into(q, fk)
-            else:
-                fq = feature_map.query_features(q)
+            fq = feature_map.query_features(q)
         del fk
     o_shape = (*torch.broadcast_shapes(fq.shape[:-2], kv.shape[:-2]), fq.shape[-2], kv.shape[-1])
     if recycle and v1.shape == o_shape and v1.dtype == fq.dtype == kv.dtype:
         o = torch.matmul(fq, kv, out=v1)
     else:
         o = torch.matmul(fq, kv)  # (..., n, P)
+    if cpu_first:
+        den = o[..., dv]
+        small = den < den_floor(den.dtype)
+        if pad is not None:
+            small = small & (~pad).any(dim=-1, keepdim=True)
+        if bool(small.any()):  # rare: peaked features; the whole call per feature
+            lq, lk = feature_map.query_log2_features(q), feature_map.key_log2_features(k)
+            if lq is not None and lk is not None:
+                st = None
+                if initial_state is not None:
+                    kvs, X0 = log2_state(initial_state, dv, o.dtype)
+                    st = (torch.nn.functional.pad(kvs, (0, o.shape[-1] - kvs.shape[-1])), X0)
+                o = per_feature_parallel(lq, lk, with_ones(v, _GEMM_COLUMNS), pad, st)[0]
     out = normalise(o[..., :dv], o[..., dv:dv + 1], feature_map.positive, eps).to(out_dtype)
     if return_state:
         kv = kv[..., :dv + 1].contiguous()

@@ -11,6 +11,9 @@ from .._common import (
     check_eps,
     check_feature_map,
     check_state,
+    feature_state,
+    has_log2_features,
+    log2_state,
     normalise,
     padding_mask,
     split,
@@ -127,6 +130,12 @@ class RecurrentLinearAttention:
         cdt = compute_dtype(out_dtype, fm.param_dtype)
         q, k, v = q_t.to(cdt).unsqueeze(-2), k_t.to(cdt).unsqueeze(-2), v_t.to(cdt).unsqueeze(-2)
         k, v = apply_padding(pad, k, v)
+        if fm.positive and has_log2_features(fm):
+            with inputs_validated():
+                lk = fm.key_log2_features(k)
+                lq = fm.query_log2_features(q)
+            if lk is not None and lq is not None:
+                return self._gated_step(lq, lk, v, pad).squeeze(-2).to(out_dtype)
         with inputs_validated():
             fk, gk = fm.key_log_features(k, shared=True)  # (..., 1, F), (..., 1)
             fq = fm.query_features(q)
@@ -149,3 +158,46 @@ class RecurrentLinearAttention:
         self.steps += 1
         out = normalise(*split(torch.matmul(fq, kv)), fm.positive, self.eps)
         return out.squeeze(-2).to(out_dtype)
+
+    def _gated_step(
+        self, lq: torch.Tensor, lk: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None
+    ) -> torch.Tensor:
+        r"""One step of the per-feature gated recurrence (positive maps with log2 features).
+
+        With $X_f$ the running maximum of feature $f$'s key log2-features (the state's
+        per-feature scale) and $a_f$ this key's: $X'_f = \max(X_f, a_f)$, the state decays by
+        $2^{X_f - X'_f} \le 1$ and the key enters as $2^{a_f - X'_f}$; the query reads it with
+        $2^{b_f + X'_f - M}$, $M = \max_f(b_f + X'_f)$. Every factor is in $[0, 1]$ and one
+        term of the denominator is 1: no row underflows, however peaked the features (see
+        `kernelapprox.attention.linear.naive_gated.naive_gated_linear_attention`). The state is
+        stored with a per-feature ``log_scale`` (..., F, 1).
+        """
+        ninf = float("-inf")
+        dv = v.shape[-1]
+        if pad is not None:
+            lk = lk.masked_fill(pad.unsqueeze(-1), ninf)
+        v1 = with_ones(v)
+        if pad is not None:
+            v1 = v1.masked_fill(pad.unsqueeze(-1), 0.0)
+        a = lk.squeeze(-2)  # (..., F)
+        if self.state is None:
+            X = torch.full_like(a, ninf)
+            kv_old = None
+        else:
+            kv_old, X = log2_state(self.state, dv, v1.dtype)
+        with torch.no_grad():
+            Xn = torch.maximum(X, a)
+            ref = torch.where(Xn == ninf, torch.zeros_like(Xn), Xn)
+        kv = torch.matmul(torch.exp2(lk - ref.unsqueeze(-2)).mT, v1)  # (..., F, dv + 1)
+        if kv_old is not None:
+            with torch.no_grad():
+                gate = torch.where(X == ninf, torch.zeros_like(X), torch.exp2(X - ref))
+            kv = kv + gate.unsqueeze(-1) * kv_old
+        b = lq + Xn.unsqueeze(-2)
+        with torch.no_grad():
+            s = b.amax(dim=-1, keepdim=True)
+            s = torch.where(s == ninf, torch.zeros_like(s), s)
+        self.state = feature_state(kv, Xn)
+        self.steps += 1
+        out = torch.matmul(torch.exp2(b - s), kv)
+        return normalise(*split(out), True, self.eps)
