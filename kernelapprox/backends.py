@@ -448,7 +448,17 @@ def attention_plan(
 
 @functools.cache
 def has_flex_attention() -> bool:
-    """Whether ``torch.nn.attention.flex_attention`` is importable (torch >= 2.5)."""
+    """Whether ``torch.nn.attention.flex_attention`` is importable (torch >= 2.5).
+
+    Returns
+    -------
+    bool
+
+    Examples
+    --------
+    >>> isinstance(has_flex_attention(), bool)
+    True
+    """
     try:
         from torch.nn.attention import flex_attention  # noqa: F401
     except ImportError:  # pragma: no cover - older torch
