@@ -444,3 +444,66 @@ def attention_plan(
     if warn:
         _warn_once(reason)
     return AttentionPlan("torch", reason)
+
+
+@functools.cache
+def has_flex_attention() -> bool:
+    """Whether ``torch.nn.attention.flex_attention`` is importable (torch >= 2.5).
+
+    Returns
+    -------
+    bool
+
+    Examples
+    --------
+    >>> isinstance(has_flex_attention(), bool)
+    True
+    """
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return True
+
+
+def hybrid_path(device: torch.device | str, dtype: torch.dtype, requires_grad: bool) -> str:
+    r"""The path of a hybrid attention call of a positive map: ``"flex"`` or ``"torch"``.
+
+    ``"flex"``: the window and sinks by `torch.nn.attention.flex_attention` (returning its
+    log-sum-exp), the remainder by a delayed per-feature log-domain scan
+    (`kernelapprox.attention.hybrid.flex`), taken on accelerators where flex_attention is
+    importable. ``"torch"``: the library's chunked, parallel and block forms, taken on the CPU
+    (eager flex_attention has a forward but no backward there, and compiled flex on the CPU cannot
+    return the log-sum-exp) and whenever ``KERNELAPPROX_BACKEND=torch``.
+    ``KERNELAPPROX_BACKEND=accelerator`` takes ``"flex"`` on the CPU too for calls without a
+    gradient (eager flex_attention's forward), to test the path without a GPU.
+    Parameters
+    ----------
+    device : torch.device or str
+    dtype : torch.dtype
+        The computation dtype (floating point; the choice does not depend on it today).
+    requires_grad : bool
+        Whether the call is differentiated (the choice does not depend on it on accelerators,
+        where flex_attention has a backward).
+
+    Returns
+    -------
+    str
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kernelapprox import backends
+    >>> backends.hybrid_path(torch.device("cpu"), torch.float32, False)
+    'torch'
+    """
+    env = forced_backend()
+    if env == "torch" or not has_flex_attention():
+        return "torch"
+    if env == "accelerator" and not requires_grad:  # the accelerator's path, on the CPU too (forward)
+        return "flex" if dtype.is_floating_point else "torch"
+    if not is_accelerator(device):
+        return "torch"
+    if not dtype.is_floating_point:
+        return "torch"
+    return "flex"

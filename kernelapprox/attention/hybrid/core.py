@@ -55,6 +55,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
+from ... import backends
 from ..._validation import _as_int, check_finite_float, check_tensor_fields, inputs_validated, no_autocast
 from ...maps.base import FeatureMap
 from .._common import apply_padding, normalise, padding_mask, prepare, with_ones
@@ -1093,6 +1094,19 @@ def chunk_hybrid_attention(
 
 
 @no_autocast
+def _flex_eligible(q, k, v, feature_map, window, initial_state, return_state) -> bool:
+    """Whether a call takes `kernelapprox.backends.hybrid_path`'s ``"flex"`` path: a positive map,
+    ``window >= 1``, no state, and the dispatch choosing it (inputs are checked by the form)."""
+    w = _as_int(window)
+    if not (isinstance(feature_map, FeatureMap) and feature_map.positive and w is not None and w >= 1
+            and initial_state is None and return_state is False
+            and all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v))):
+        return False
+    grad = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v))
+                                        or any(p.requires_grad for p in feature_map.parameters()))
+    return backends.hybrid_path(q.device, q.dtype, grad) == "flex"
+
+
 def hybrid_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1125,8 +1139,10 @@ def hybrid_attention(
     `kernelapprox.softmax_attention`.
 
     Non-causal: `parallel_hybrid_attention`; causal: `chunk_hybrid_attention`; decoding one token
-    at a time: `kernelapprox.attention.hybrid.recurrent.RecurrentHybridAttention`.
-    16-bit inputs are computed in float32, the output is cast back.
+    at a time: `kernelapprox.attention.hybrid.recurrent.RecurrentHybridAttention`. On an
+    accelerator with ``flex_attention``, a positive map with ``window >= 1`` and no state takes
+    `kernelapprox.attention.hybrid.flex.flex_hybrid_attention` (the same result; the choice is
+    `kernelapprox.backends.hybrid_path`'s). 16-bit inputs are computed in float32, the output is cast back.
 
     Parameters
     ----------
@@ -1188,6 +1204,12 @@ def hybrid_attention(
     """
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
+    if _flex_eligible(q, k, v, feature_map, window, initial_state, return_state):
+        from .flex import flex_hybrid_attention
+
+        check_hybrid_eps(eps)
+        return flex_hybrid_attention(q, k, v, feature_map, window=window, sinks=sinks, causal=causal,
+                                     key_padding_mask=key_padding_mask, window_mode=window_mode)
     if check_window_mode(window_mode) == "block" and check_window(window) > 0:
         check_hybrid_eps(eps)
         if initial_state is not None or return_state:

@@ -1,0 +1,347 @@
+r"""Hybrid attention as a window softmax plus a delayed scan, merged in the log domain.
+
+The exact part (window and sinks) is `torch.nn.attention.flex_attention` with a block mask of
+the exact sets, returning its log-sum-exp $\ell_i = \log\sum_{j\in S_i} e^{q_i^\top k_j}$. The
+remainder of a positive map is a causal linear attention read with a delay: causally, query $i$
+reads the keys $j \le p(i)$ outside the sinks, $p(i) = i - w$ (token window) or
+$p(i) = (\lfloor i/w\rfloor - 1)w - 1$ (block window), the last key that is not in its exact
+set; non-causally, the same prefix plus the mirrored suffix (the global state minus the window).
+
+The remainder is computed on natural-log features ($a_{jf} = \log\psi_f(k_j)$, $b_{if} =
+\log\varphi_f(q_i)$, `log_features_pair`) with per-feature log-domain states, so no row
+underflows whatever the norms: within a chunk of $C$ tokens the scores are exact log-sum-exps
+$\lambda_{ij} = \log\sum_f e^{b_{if} + a_{jf}}$; across chunks the state before chunk $c$ is kept
+as $\log\sum_{s<c}\sum_{j\in s} e^{a_{jf}} v_j^{\pm}$ (values split into positive and negative
+parts, padded with a 1 for the normaliser) by one `torch.logcumsumexp` over the chunks. In exact
+arithmetic this is the running per-feature maximum as a decay gate, $\tilde S_t =
+e^{m_{t-1} - m_t}\tilde S_{t-1} + e^{a_t - m_t}[v_t, 1]^\top$; here it is evaluated with a fixed
+number of tensor operations (no Python loop over chunks). Each query keeps its own shift
+$\sigma_i$ (the largest of its log-scores); the two parts merge as
+
+$$
+o_i = \frac{e^{\ell_i - \mu_i} o^{\mathrm{win}}_i + e^{\sigma_i - \mu_i} N_i}
+           {e^{\ell_i - \mu_i} + e^{\sigma_i - \mu_i} D_i},\qquad \mu_i = \max(\ell_i, \sigma_i).
+$$
+
+The shifts carry no gradient (they cancel). On CPU, eager ``flex_attention`` has a forward and
+no backward: the path is taken on accelerators (`kernelapprox.backends.hybrid_path`) or when
+forced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ...maps.base import FeatureMap
+from .core import _prepare, _softmax_limit, check_hybrid_eps, check_window_mode, resolve_sinks
+from .logfeatures import log_features_pair
+
+__all__ = ["flex_hybrid_attention"]
+
+_NEG = -1e30  # a finite "minus infinity": exp() of it is 0 and its gradients are finite
+
+
+def _safe_log(x: torch.Tensor) -> torch.Tensor:
+    pos = x > 0
+    return torch.where(pos, torch.where(pos, x, torch.ones_like(x)).log(), torch.full_like(x, _NEG))
+
+
+def _delayed_scan(lq: torch.Tensor, lk: torch.Tensor, v: torch.Tensor, delay: int, block: int, chunk: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Causal remainder read with a delay, per-feature log domain.
+
+    ``lq`` (L, n, F), ``lk`` (L, n, F) with ``_NEG`` for keys out of the remainder, ``v`` (L, n, dv).
+    ``block == 0``: query ``i`` reads keys ``j <= i - delay``. ``block > 0``: query ``i`` reads the
+    keys of the blocks ``<= i // block - 2`` (``chunk`` is then ``block``).
+
+    Returns ``(num, den, sigma)``: the remainder's numerator (L, n, dv) and normaliser (L, n),
+    both times ``exp(-sigma)``, and the shift ``sigma`` (L, n), detached.
+    """
+    L, n, Fd = lq.shape
+    dv = v.shape[-1]
+    if block:
+        C = block
+    else:  # shift the keys by the delay: query i then reads the shifted keys j <= i
+        C = chunk
+        lk = F.pad(lk, (0, 0, delay, 0), value=_NEG)[:, :n]
+        v = F.pad(v, (0, 0, delay, 0))[:, :n]
+    nc = -(-n // C)
+    tail = nc * C - n
+    if tail:
+        lq = F.pad(lq, (0, 0, 0, tail), value=_NEG)
+        lk = F.pad(lk, (0, 0, 0, tail), value=_NEG)
+        v = F.pad(v, (0, 0, 0, tail))
+    lq = lq.reshape(L, nc, C, Fd)
+    lk = lk.reshape(L, nc, C, Fd)
+    v = v.reshape(L, nc, C, dv)
+    # chunk sums per feature, relative to the chunk's per-feature maximum
+    with torch.no_grad():
+        M = lk.detach().amax(dim=2, keepdim=True)  # (L, nc, 1, F)
+    ek = torch.exp(lk - M)  # (L, nc, C, F), in [0, 1]
+    vals = torch.cat([v.clamp(min=0), (-v).clamp(min=0), torch.ones_like(v[..., :1])], dim=-1)  # (L, nc, C, 2dv+1)
+    T = ek.transpose(-1, -2) @ vals  # (L, nc, F, 2dv+1)
+    logT = _safe_log(T) + M.transpose(-1, -2)  # log of the absolute chunk sums
+    logS = torch.logcumsumexp(logT, dim=1)  # inclusive over chunks
+    gap = 2 if block else 1  # the state read by chunk c: chunks <= c - gap
+    logS = F.pad(logS, (0, 0, 0, 0, gap, 0), value=_NEG)[:, :nc]  # (L, nc, F, 2dv+1)
+    logS = logS.clamp(min=_NEG)
+    with torch.no_grad():
+        R = logS[..., -1:].detach()  # per-feature reference: the log normaliser of the state
+    St = torch.exp(logS - R)  # (L, nc, F, 2dv+1), the "1" column is 1 (or 0 for an empty state)
+    qa = lq + R.transpose(-1, -2)  # (L, nc, C, F) log query weights against the state
+    with torch.no_grad():
+        sig = qa.detach().amax(dim=-1)  # (L, nc, C)
+    intra = None
+    if not block:  # exact scores within the chunk: lambda_ij = logsumexp_f(b_if + a_jf), j <= i
+        lam = torch.logsumexp(lq.unsqueeze(3) + lk.unsqueeze(2), dim=-1)  # (L, nc, C, C)
+        causal = torch.ones(C, C, dtype=torch.bool, device=lq.device).tril()
+        lam = lam.masked_fill(~causal, _NEG)
+        with torch.no_grad():
+            sig = torch.maximum(sig, lam.detach().amax(dim=-1))
+        intra = torch.exp(lam - sig.unsqueeze(-1)) @ vals  # (L, nc, C, 2dv+1)
+    out = torch.exp(qa - sig.unsqueeze(-1)) @ St  # (L, nc, C, 2dv+1)
+    if intra is not None:
+        out = out + intra
+    out = out.reshape(L, nc * C, 2 * dv + 1)[:, :n]
+    num = out[..., :dv] - out[..., dv:2 * dv]
+    return num, out[..., -1], sig.reshape(L, nc * C)[:, :n]
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Merge ``(num, den, shift)`` triples (true values ``exp(shift) * (num, den)``) into ``num / den``."""
+    with torch.no_grad():
+        mu = parts[0][2]
+        for _, _, s in parts[1:]:
+            mu = torch.maximum(mu, s)
+    num = den = None
+    for nm, dn, s in parts:
+        wgt = torch.exp(s - mu)
+        nm, dn = wgt.unsqueeze(-1) * nm, wgt * dn
+        num = nm if num is None else num + nm
+        den = dn if den is None else den + dn
+    assert num is not None and den is not None
+    return num / den.unsqueeze(-1)
+
+
+def _window_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, sink_pos: torch.Tensor | None,
+                 causal: bool, block: bool, pad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """flex_attention over the exact sets: (out (L, n, dv), lse (L, n))."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    L, n, _ = q.shape
+
+    def mask_mod(b, h, i, j):
+        if block:
+            bd = i // w - j // w
+            m = (bd >= 0) & (bd <= 1) & (i >= j) if causal else (bd <= 1) & (bd >= -1)
+        else:
+            m = ((i - j >= 0) & (i - j < w)) if causal else ((i - j < w) & (j - i < w))
+        if sink_pos is not None:
+            m = m | (sink_pos[j] & (i >= j)) if causal else m | sink_pos[j]
+        if pad is not None:
+            m = m & ~pad[b, j]
+        return m
+
+    bm = create_block_mask(mask_mod, L if pad is not None else None, None, n, n, device=q.device)
+    try:  # torch >= 2.9 asks for the log-sum-exp through return_aux
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # pragma: no cover - older torch
+        out, lse = flex_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), block_mask=bm, scale=1.0,
+                                  return_lse=True)
+    else:
+        out, aux = flex_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), block_mask=bm, scale=1.0,
+                                  return_aux=AuxRequest(lse=True))
+        assert aux.lse is not None
+        lse = aux.lse
+    lse = lse.squeeze(1).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    return out.squeeze(1), lse.clamp(min=_NEG)
+
+
+def _torch_window_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, sink_idx: tuple[int, ...],
+                       causal: bool, block: bool, pad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window term of `_window_term` in plain torch (with a backward on every device): the
+    queries in blocks of ``w``, each against the keys of its own and neighbouring blocks (one
+    dense ``w x 2w`` product, ``w x 3w`` non-causal) masked to the exact set, plus the sink keys
+    outside those blocks. (out (L, n, dv), lse (L, n))."""
+    L, n, _ = q.shape
+    nb = -(-n // w)
+    tail = nb * w - n
+    nbr = 2 if causal else 3  # neighbouring blocks read: b-1, b (, b+1)
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # (L, n, c) -> (L, nb, w, c)
+        return F.pad(x, (0, 0, 0, tail)).reshape(L, nb, w, x.shape[-1])
+
+    def windows(x: torch.Tensor) -> torch.Tensor:  # (L, n, c) -> (L, nb, nbr * w, c)
+        xb = F.pad(blocks(x), (0, 0, 0, 0, 1, nbr - 2))
+        return torch.cat([xb[:, s:s + nb] for s in range(nbr)], dim=2)
+
+    i = torch.arange(nb * w, device=q.device).reshape(nb, w, 1)
+    j = (torch.arange(nb, device=q.device)[:, None, None] - 1) * w + torch.arange(nbr * w, device=q.device)
+    if block:
+        bd = i // w - j.div(w, rounding_mode="floor")
+        m = (bd <= 1) & (bd >= (0 if causal else -1))
+    else:
+        m = (i - j < w) & (j - i < w)
+    m = m & (j >= 0) & (j < n)
+    if causal:
+        m = m & (j <= i)
+    jc = j.clamp(0, n - 1)
+    if sink_idx:
+        is_sink = torch.zeros(n, dtype=torch.bool, device=q.device)
+        is_sink[list(sink_idx)] = True
+        m = m | (is_sink[jc] & (j >= 0) & (j < n) & ((j <= i) if causal else True))
+    mb = m.expand(L, nb, w, nbr * w)
+    if pad is not None:
+        mb = mb & ~pad[:, jc]
+    scores = (blocks(q) @ windows(k).transpose(-1, -2)).masked_fill(~mb, _NEG)  # (L, nb, w, nbr w)
+    scores = scores.reshape(L, nb * w, nbr * w)
+    if sink_idx:  # the sinks outside the neighbouring blocks
+        idx = torch.tensor(sink_idx, device=q.device)
+        ib = torch.arange(nb * w, device=q.device)[:, None] // w
+        sb = idx[None, :] // w
+        sm = (sb < ib - 1) | (sb > ib + nbr - 2)
+        if causal:
+            sm = sm & (idx[None, :] <= torch.arange(nb * w, device=q.device)[:, None])
+        smb = sm.expand(L, nb * w, len(sink_idx))
+        if pad is not None:
+            smb = smb & ~pad[:, idx][:, None, :]
+        qp = F.pad(q, (0, 0, 0, tail))
+        scores = torch.cat([scores, (qp @ k[:, idx].transpose(-1, -2)).masked_fill(~smb, _NEG)], dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse.unsqueeze(-1))
+    width = nbr * w
+    out = (p[..., :width].reshape(L, nb, w, width) @ windows(v)).reshape(L, nb * w, v.shape[-1])
+    if sink_idx:
+        out = out + p[..., width:] @ v[:, idx]
+    return out[:, :n], lse[:, :n]
+
+
+def flex_hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    window: int,
+    sinks: int | Sequence[int] = 0,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    window_mode: str = "token",
+    chunk_size: int = 16,
+    window_term: str = "flex",
+) -> torch.Tensor:
+    r"""Hybrid attention of a positive map as ``flex_attention`` on the exact sets plus a delayed
+    per-feature log-domain scan on the remainder (module docstring), one normaliser.
+
+    $$
+    \hat o_i = \frac{\sum_{j\in S_i} e^{q_i^\top k_j} v_j + \varphi(q_i)^\top\sum_{j\in R_i}\psi(k_j)v_j^\top}
+    {\sum_{j\in S_i} e^{q_i^\top k_j} + \varphi(q_i)^\top\sum_{j\in R_i}\psi(k_j)}
+    $$
+
+    with the exact sets $S_i$ of `kernelapprox.attention.hybrid.exact_set_mask`; the same
+    result as `kernelapprox.attention.hybrid.hybrid_attention`.
+
+    Parameters
+    ----------
+    q, k : Tensor, shape (..., n, d)
+    v : Tensor, shape (..., n, dv)
+    feature_map : FeatureMap
+        A positive map (``feature_map.positive``).
+    window : int
+        ``w >= 1``.
+    sinks : int or sequence of int, default 0
+    causal : bool, default False
+    key_padding_mask : Tensor, shape (batch, n), optional
+    window_mode : {"token", "block"}, default "token"
+    chunk_size : int, default 16
+        Tokens per chunk of the remainder's scan (token window); the block window uses ``w``.
+    window_term : {"flex", "torch"}, default "flex"
+        ``"flex"``: the window and sinks by ``flex_attention``; ``"torch"``: by a masked band of
+        keys in plain torch (a backward on the CPU too; the causal torch path of positive maps).
+
+    Returns
+    -------
+    Tensor, shape (..., n, dv), dtype ``promote(q, k, v)``.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> q, k, v = (torch.randn(3, 2, 40, 8, dtype=torch.float64) / 2).unbind(0)
+    >>> fm = ka.PositiveRF(dim=8, num_features=16, seed=0, dtype=torch.float64)
+    >>> out = flex_hybrid_attention(q, k, v, fm, window=5, sinks=1, causal=True)
+    >>> ref = ka.attention.hybrid.naive_hybrid_attention(q, k, v, fm, window=5, sinks=1, causal=True)
+    >>> bool((out - ref).abs().max() < 1e-10)
+    True
+    """
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    mode = check_window_mode(window_mode)
+    check_hybrid_eps(1e-6)
+    q, k, v, out_dtype, cdt, w, C, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal,
+                                                   key_padding_mask)
+    if not feature_map.positive:
+        raise ValueError(f"flex_hybrid_attention needs a positive feature map, got {type(feature_map).__name__}")
+    if w < 1:
+        raise ValueError(f"flex_hybrid_attention needs window >= 1, got {w}")
+    n = q.shape[-2]
+    if w >= n:
+        return _softmax_limit(q, k, v, feature_map, causal, kpad, out_dtype)
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
+    if math.prod(lead) == 0:
+        return q.new_zeros(*lead, n, v.shape[-1]).to(out_dtype)
+    lq, lk = log_features_pair(feature_map, q, k)
+    lq, lk = lq.to(cdt), lk.to(cdt)
+    d, dv, Fd = q.shape[-1], v.shape[-1], lq.shape[-1]
+    Lb = math.prod(lead)
+
+    def flat(x: torch.Tensor, c: int) -> torch.Tensor:
+        return x.expand(*lead, n, c).reshape(Lb, n, c)
+
+    qf, kf, vf = flat(q, d), flat(k, d), flat(v, dv)
+    lqf, lkf = flat(lq, Fd), flat(lk, Fd)
+    # keys out of the remainder: sinks and padding
+    if causal:
+        from .sinks import CausalSinks
+
+        sink_idx: tuple[int, ...] = CausalSinks(sinks).within(0, n)
+    else:
+        sink_idx = resolve_sinks(sinks, n, causal=False)
+    sink_pos = None
+    drop = torch.zeros(n, dtype=torch.bool, device=q.device)
+    if sink_idx:
+        sink_pos = torch.zeros(n, dtype=torch.bool, device=q.device)
+        sink_pos[list(sink_idx)] = True
+        drop = drop | sink_pos
+    padf = None
+    dropf = drop.expand(Lb, n)
+    if kpad is not None:
+        padf = kpad.expand(*lead, n).reshape(Lb, n)
+        dropf = dropf | padf
+    lkf = lkf.masked_fill(dropf.unsqueeze(-1), _NEG).clamp(min=_NEG)
+    lqf = lqf.clamp(min=_NEG)
+    if window_term == "flex":
+        out_w, lse = _window_term(qf, kf, vf, w, sink_pos, causal, mode == "block", padf)
+    elif window_term == "torch":
+        out_w, lse = _torch_window_term(qf, kf, vf, w, sink_idx, causal, mode == "block", padf)
+    else:
+        raise ValueError(f"window_term must be 'flex' or 'torch', got {window_term!r}")
+    blk = w if mode == "block" else 0
+    parts = [(out_w.to(cdt), torch.ones_like(lse), lse)]
+    parts.append(_delayed_scan(lqf, lkf, vf, w, blk, C))
+    if not causal:  # the mirrored suffix: keys j >= i + w (token), blocks >= b(i) + 2 (block)
+        if blk:  # reverse within whole blocks: pad the end to a multiple of w, flip, read, flip back
+            tail = -(-n // w) * w - n
+            rq = F.pad(lqf, (0, 0, 0, tail), value=_NEG).flip(1)
+            rk = F.pad(lkf, (0, 0, 0, tail), value=_NEG).flip(1)
+            rv = F.pad(vf, (0, 0, 0, tail)).flip(1)
+            nm, dn, s = _delayed_scan(rq, rk, rv, w, blk, C)
+            parts.append((nm.flip(1)[:, :n], dn.flip(1)[:, :n], s.flip(1)[:, :n]))
+        else:
+            nm, dn, s = _delayed_scan(lqf.flip(1), lkf.flip(1), vf.flip(1), w, 0, C)
+            parts.append((nm.flip(1), dn.flip(1), s.flip(1)))
+    out = _merge(parts)
+    return out.reshape(*lead, n, dv).to(out_dtype)
