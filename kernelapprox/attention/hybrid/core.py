@@ -333,7 +333,7 @@ def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- forms
-def _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal, key_padding_mask=None):
+def prepare_hybrid(q, k, v, feature_map, window, sinks, chunk_size, causal, key_padding_mask=None):
     w = check_window(window)
     C = _check_chunk(chunk_size)
     q, k, v, out_dtype, cdt = prepare(q, k, v, feature_map, causal, None)
@@ -349,7 +349,7 @@ def _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal, key_paddin
     return q, k, v, out_dtype, cdt, w, C, pad
 
 
-def _softmax_limit(q, k, v, feature_map, causal, kpad, out_dtype):
+def softmax_path(q, k, v, feature_map, causal, kpad, out_dtype):
     """``window >= n``: every key a query attends to is exact (`softmax_limit`)."""
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
     return softmax_limit(q, k, v, lead, causal, kpad, out_dtype)
@@ -416,13 +416,13 @@ def parallel_hybrid_attention(
     >>> parallel_hybrid_attention(q / 2, k / 2, v, fm, window=5, sinks=[0, -1]).shape
     torch.Size([2, 50, 8])
     """
-    q, k, v, out_dtype, cdt, w, C, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, False,
+    q, k, v, out_dtype, cdt, w, C, kpad = prepare_hybrid(q, k, v, feature_map, window, sinks, chunk_size, False,
                                                    key_padding_mask)
     eps = check_hybrid_eps(eps)
     n = q.shape[-2]
     sink_idx = resolve_sinks(sinks, n, causal=False)
     if w >= n:  # the window covers every key: softmax attention, no remainder
-        return _softmax_limit(q, k, v, feature_map, False, kpad, out_dtype)
+        return softmax_path(q, k, v, feature_map, False, kpad, out_dtype)
     if feature_map.positive:
         # per-feature log-domain shifts (`shift_per_feature`): the remainder's normaliser cannot
         # underflow, whatever the norms
@@ -1069,7 +1069,7 @@ def chunk_hybrid_attention(
     >>> bool(out[0, :30].isfinite().all()), bool(out[0, 30:, 0].isnan().all())
     (True, True)
     """
-    q, k, v, out_dtype, cdt, w, C, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, True,
+    q, k, v, out_dtype, cdt, w, C, kpad = prepare_hybrid(q, k, v, feature_map, window, sinks, chunk_size, True,
                                                    key_padding_mask)
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be a bool, got {return_state!r}")
@@ -1088,7 +1088,7 @@ def chunk_hybrid_attention(
         t0 = initial_state.position
     sink_idx = spec.within(t0, t0 + q.shape[-2])
     if initial_state is None and not return_state and w >= q.shape[-2]:  # softmax attention
-        return _softmax_limit(q, k, v, feature_map, True, kpad, out_dtype)
+        return softmax_path(q, k, v, feature_map, True, kpad, out_dtype)
     return _causal_core(q, k, v, feature_map, w, C, sink_idx, eps, out_dtype, cdt, initial_state, return_state,
                         kpad)
 
@@ -1217,11 +1217,11 @@ def hybrid_attention(
                 "window_mode='block' has no state to carry (the recurrent form slides its window): use "
                 f"window_mode='token', got initial_state={type(initial_state).__name__}, return_state={return_state!r}"
             )
-        q, k, v, out_dtype, cdt, w, _, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal,
+        q, k, v, out_dtype, cdt, w, _, kpad = prepare_hybrid(q, k, v, feature_map, window, sinks, chunk_size, causal,
                                                       key_padding_mask)
         n = q.shape[-2]
         if w >= n:  # one block (two when causal): every key a query attends to is exact
-            return _softmax_limit(q, k, v, feature_map, causal, kpad, out_dtype)
+            return softmax_path(q, k, v, feature_map, causal, kpad, out_dtype)
         sink_idx = CausalSinks(sinks).within(0, n) if causal else resolve_sinks(sinks, n, causal=False)
         lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
         if math.prod(lead) == 0:  # an empty batch: the empty output

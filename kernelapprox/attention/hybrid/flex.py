@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ...maps.base import FeatureMap
-from .core import _prepare, _softmax_limit, check_hybrid_eps, check_window_mode, resolve_sinks
+from .core import check_hybrid_eps, check_window_mode, prepare_hybrid, resolve_sinks, softmax_path
 from .logfeatures import log_features_pair
 
 __all__ = ["flex_hybrid_attention"]
@@ -281,7 +281,7 @@ def flex_hybrid_attention(
         raise TypeError(f"causal must be a bool, got {causal!r}")
     mode = check_window_mode(window_mode)
     check_hybrid_eps(1e-6)
-    q, k, v, out_dtype, cdt, w, C, kpad = _prepare(q, k, v, feature_map, window, sinks, chunk_size, causal,
+    q, k, v, out_dtype, cdt, w, C, kpad = prepare_hybrid(q, k, v, feature_map, window, sinks, chunk_size, causal,
                                                    key_padding_mask)
     if not feature_map.positive:
         raise ValueError(f"flex_hybrid_attention needs a positive feature map, got {type(feature_map).__name__}")
@@ -289,7 +289,7 @@ def flex_hybrid_attention(
         raise ValueError(f"flex_hybrid_attention needs window >= 1, got {w}")
     n = q.shape[-2]
     if w >= n:
-        return _softmax_limit(q, k, v, feature_map, causal, kpad, out_dtype)
+        return softmax_path(q, k, v, feature_map, causal, kpad, out_dtype)
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
     if math.prod(lead) == 0:
         return q.new_zeros(*lead, n, v.shape[-1]).to(out_dtype)
