@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 #: What the build reads: the package, its metadata and the files pyproject.toml names.
-BUILD_INPUTS = ("pyproject.toml", "LICENSE", "README.md", "docs/pypi.md", "kernelapprox")
+BUILD_INPUTS = ("pyproject.toml", "LICENSE", "README.md", "docs/pypi.md", "kernelapprox", "_build")
 
 
 def _tree(root: Path) -> set[str]:
@@ -43,6 +43,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         elif (REPO / name).exists():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, src / name)
+    # a stale build/lib of an earlier build, holding a module deleted since
+    (src / "build" / "lib" / "kernelapprox").mkdir(parents=True)
+    (src / "build" / "lib" / "kernelapprox" / "deleted_since.py").write_text("x = 1\n")
     out = tmp_path_factory.mktemp("wheel")
     before = _tree(REPO)
     subprocess.run(
@@ -65,8 +68,10 @@ def test_the_build_leaves_the_working_tree_as_it_was(wheel: Path) -> None:
 
 
 def test_a_deleted_module_does_not_ship(wheel: Path) -> None:
-    """Only the modules of the tree are in the wheel: nothing from an earlier build."""
+    """Only the modules of the tree are in the wheel: nothing from an earlier build (the build
+    tree held a stale ``build/lib/kernelapprox/deleted_since.py``; the backend clears it)."""
     names = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    assert "kernelapprox/deleted_since.py" not in names
     tree = {p.relative_to(REPO).as_posix() for p in (REPO / "kernelapprox").rglob("*.py")
             if "__pycache__" not in p.parts}
     assert names == tree, sorted(names ^ tree)
