@@ -292,7 +292,7 @@ def test_softmax_outside_its_regime_warns_with_advice():
     from kernelapprox import KernelApproxWarning
 
     X = np.random.default_rng(0).normal(size=(200, 16))
-    with pytest.warns(KernelApproxWarning, match=r"relative kernel MSE of .* gamma\*\|x\|\^2 = 1\d\.\d") as rec:
+    with pytest.warns(KernelApproxWarning, match=r"relative kernel MSE of .*gamma\*\|x\|\^2 = 1\d\.\d") as rec:
         rf = RandomFeatures(kernel="softmax", n_components=256, gamma=1.0, random_state=0).fit(X)
     assert rec[0].filename == __file__  # the user's line, not scikit-learn's wrapper
     Z = rf.transform(X)
