@@ -90,6 +90,10 @@ def test_output_forms_and_validation():
     text = repr(dx)
     assert "Diagnosis(" in text and dx.recommendation in text
     assert "<table>" in dx._repr_html_()
+    # the mean column is labelled as the subsample estimate it is (32 queries x 32 keys here)
+    assert (dx.regime["pairs_q"], dx.regime["pairs_k"]) == (32, 32)
+    assert "rel. MSE (mean, 32x32-pair sample)" in text and "rel. MSE (median, 32x32 pairs)" in text
+    assert "rel. MSE (mean)" not in text
     df = dx.to_frame()
     assert {"estimator", "rel_mse_median", "r_needed", "normaliser_rel_var"} <= set(df.columns)
     assert not any(r["estimator"].startswith("hedgehog") for r in dx.rows)  # no closed form
