@@ -14,8 +14,11 @@ and $O(P)$ closed-form evaluations):
   mean $\bar t$ (the FAVOR++ statistic), and the entropy of exact attention rows
   ($\log m$ = uniform);
 * per estimator, at ``num_features`` projections: the predicted relative kernel MSE
-  $E[(\hat K-K)^2]/K^2$ (mean and median over the sampled pairs; the mean is carried by the
-  worst pairs), the ``r`` at which the median would reach ``target`` (the MSE of the iid term
+  $E[(\hat K-K)^2]/K^2$ (mean and median over the sampled pairs, $\sqrt P \times \sqrt P$ of
+  them: 64 x 64 by default; the table labels both with the sample size. The mean is carried by
+  the worst pairs, so on heavy-tailed data the sample mean can be far from the all-pairs mean
+  (an order of magnitude); the median is the robust statistic and the one ``target`` is
+  compared with), the ``r`` at which the median would reach ``target`` (the MSE of the iid term
   scales as $1/r$: $r_{\rm need} = r\cdot \mathrm{median}/\mathrm{target}$), and, where
   the estimator has the delta-method attention theory, the largest relative variance of the
   attention normaliser over the sampled rows (iid rows, at the same r), flagged when it exceeds
@@ -110,7 +113,8 @@ class Diagnosis:
     ----------
     regime : dict
         ``n, m, d``, quantiles of ``|q|``, ``|k|`` and ``t = |q_i + k_j|^2``, ``t_bar``, the mean
-        and minimum entropy of exact attention rows and ``log_m``.
+        and minimum entropy of exact attention rows, ``log_m``, and ``pairs_q`` x ``pairs_k``,
+        the sampled queries and keys whose pairs the closed forms are evaluated on.
     rows : list of dict
         One per estimator: ``estimator``, ``label``, ``sampler``, ``num_features``,
         ``feature_dim``, ``rel_mse_mean``, ``rel_mse_median``, ``r_needed``,
@@ -164,7 +168,9 @@ class Diagnosis:
         return pd.DataFrame(self.rows)
 
     def _table(self) -> list[list[str]]:
-        head = ["estimator", "sampler", "r", "rel. MSE (median)", "rel. MSE (mean)", "r for target", "normaliser var"]
+        pairs = f"{self.regime.get('pairs_q', '?')}x{self.regime.get('pairs_k', '?')}"
+        head = ["estimator", "sampler", "r", f"rel. MSE (median, {pairs} pairs)", f"rel. MSE (mean, {pairs}-pair sample)",
+                "r for target", "normaliser var"]
         if self.hybrid is not None:
             head += ["r for target (hybrid)", "normaliser var (hybrid)"]
         out = [head]
@@ -359,6 +365,7 @@ def diagnose(
         "k_norm_median": float(kn.median()), "k_norm_q90": float(kn.quantile(0.9)),
         "t_bar": t_bar, "t_median": float(t.median()), "t_q90": float(t.quantile(0.9)),
         "entropy_mean": float(ent.mean()), "entropy_min": float(ent.min()), "log_m": math.log(m),
+        "pairs_q": len(qi), "pairs_k": len(kj),
     }
     per_head: list[dict[str, Any]] = []
     S_mask = R_mask = None

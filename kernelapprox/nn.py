@@ -96,7 +96,10 @@ def resolve_attn_mask(
     $j$" and $p_j = \exists i\, A_{ij}$ (key $j$ is not padding), the mask must be
     $A_{ij} = p_j$ (key padding) or $A_{ij} = p_j \wedge (j \le i)$ (causal, ``n == m``,
     with key padding); anything else (sliding windows, block-diagonal packing, ...) raises a
-    ``ValueError``. One host synchronisation per call with a mask.
+    ``ValueError``. One host synchronisation per call with a mask; under ``torch.compile`` the
+    layers read the pattern on the device instead (no graph break, no host synchronisation: both
+    the causal and the non-causal form are computed and one is kept, unless ``is_causal=True``
+    says which; a mask of another pattern then fails a device-side assertion).
 
     Returns
     -------
@@ -149,6 +152,53 @@ def resolve_attn_mask(
         )
     pad = None if bool(valid.all()) else ~valid
     return causal, pad
+
+
+def _attn_mask_traced(
+    attn_mask: torch.Tensor, batch: int, heads: int, n: int, m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`resolve_attn_mask` under ``torch.compile``: the same reading with no host synchronisation.
+
+    The shape checks are the same (shapes are static); the pattern is read into tensors,
+    ``causal`` a 0-dim bool tensor and the key padding a (1 or batch, m) bool tensor, and a mask
+    that is neither pattern (or a float mask with other values than 0 and -inf) fails a
+    device-side ``torch._assert_async``.
+    """
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    shape = tuple(attn_mask.shape)
+    if attn_mask.dtype.is_floating_point:
+        ok = ((attn_mask == 0) | (attn_mask == float("-inf"))).all()
+        blocked = attn_mask == float("-inf")
+    elif attn_mask.dtype == torch.bool:
+        ok = torch.ones((), dtype=torch.bool, device=attn_mask.device)
+        blocked = attn_mask
+    else:
+        raise TypeError(f"attn_mask must be a bool or float tensor (True/-inf = not allowed), got dtype {attn_mask.dtype}")
+    want = f"({n}, {m}), ({batch}, {n}, {m}) or ({batch * heads}, {n}, {m}) = (n, m), (batch, n, m) or (batch * heads, n, m)"
+    if blocked.dim() not in (2, 3) or shape[-2:] != (n, m):
+        raise ValueError(f"attn_mask has shape {shape}; expected {want}")
+    if blocked.dim() == 2:
+        blocked = blocked.unsqueeze(0)
+    elif shape[0] == batch * heads and heads > 1:
+        per_head = blocked.reshape(batch, heads, n, m)
+        ok = ok & (per_head == per_head[:, :1]).all()
+        blocked = per_head[:, 0]
+    elif shape[0] not in (1, batch):
+        raise ValueError(f"attn_mask has shape {shape}; expected {want}")
+    allowed = ~blocked
+    valid = allowed.any(dim=-2)
+    padding = valid.unsqueeze(-2).expand_as(allowed)
+    is_pad = (allowed == padding).all()
+    causal = ~is_pad
+    if n == m:
+        tril = torch.ones(n, m, dtype=torch.bool, device=allowed.device).tril()
+        causal = causal & (allowed == (padding & tril)).all()
+    torch._assert_async(
+        ok & (is_pad | causal),
+        "attn_mask is neither causal nor a key-padding pattern (or a float mask with values other than 0 and -inf)",
+    )
+    return causal, ~valid
 
 
 def _merge_padding(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -859,19 +909,41 @@ class LinearAttention(nn.Module):
                 f"key and value must share (batch, m) with batch = {b} of the queries; got key {tuple(key.shape)} "
                 f"and value {tuple(value.shape)} (batch_first={self.batch_first})"
             )
-        causal, pad = resolve_attn_mask(attn_mask, b, self.heads, n, m)
+        causal_t: torch.Tensor | None = None  # the mask's pattern, read on the device under torch.compile
+        pad: torch.Tensor | None
+        if attn_mask is not None and torch.compiler.is_compiling():
+            causal_t, pad = _attn_mask_traced(attn_mask, b, self.heads, n, m)
+            causal = False
+        else:
+            causal, pad = resolve_attn_mask(attn_mask, b, self.heads, n, m)
         if key_padding_mask is not None:
             kpm = padding_mask(key_padding_mask, torch.Size((b, m, 1)))
             pad = _merge_padding(pad, kpm)
         causal = self.causal or causal or bool(is_causal)
+        if causal:
+            causal_t = None
+        elif causal_t is not None and (return_state or initial_state is not None):
+            raise ValueError(
+                "attn_mask with return_state or initial_state under torch.compile: the mask's pattern (causal or "
+                "key padding) is read on the device there; pass is_causal=True (or build the layer with "
+                "causal=True) for a causal mask, or key_padding_mask for a padding one"
+            )
         q = self.split_heads(self.to_q(query))
         k = self.split_heads(self.to_k(key))
         v = self.split_heads(self.to_v(value))
         if pad is not None:
             pad = pad.reshape(pad.shape[0], 1, m)  # (batch, 1, m): all heads
         self.attention._tick()
-        res = self.attention._attend(q, k, v, initial_state, return_state, pad, causal)
-        heads_out, state = res if return_state else (res, None)
+        if causal_t is not None:  # both forms, chosen on the device: no graph break, no host sync
+            heads_out = torch.where(
+                causal_t,
+                self.attention._attend(q, k, v, None, False, pad, True),
+                self.attention._attend(q, k, v, None, False, pad, False),
+            )
+            state = None
+        else:
+            res = self.attention._attend(q, k, v, initial_state, return_state, pad, causal)
+            heads_out, state = res if return_state else (res, None)
         out = self.to_out(self.merge_heads(heads_out))
         if not self.batch_first:
             out = out.transpose(0, 1)

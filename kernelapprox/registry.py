@@ -257,6 +257,16 @@ class Estimator:
         Deterministic maps accept (and ignore) the random maps' arguments, so generic code can
         build any estimator the same way.
 
+        The sampler is the class's default, ``"gaussian"`` (iid rows), unless ``sampler=`` is
+        given: iid rows are the reference of the closed forms (every random estimator has its
+        moments for them, only some for orthogonal rows), and the studies that call ``build``
+        without a sampler measure iid rows. What builds a map *for a model* by name
+        (`kernelapprox.maps.spec.resolve_feature_map`, hence the `kernelapprox.nn` layers,
+        ``kernelapprox.hf.linearize`` and ``kernelapprox.sklearn.RandomFeatures``) passes
+        ``sampler=DEFAULT_SAMPLER = "orthogonal"`` (lower variance, Choromanski et al. 2021), and
+        `kernelapprox.diagnose` uses orthogonal rows where the theory covers them (its
+        ``sampler`` column says which).
+
         Examples
         --------
         >>> import kernelapprox as ka

@@ -422,7 +422,10 @@ def _run_heads(cell: dict, ctx: Context) -> list[dict]:
     for (metric, w), vals in per.items():
         for pos, val in enumerate(vals):
             for h in range(H):
-                rows.append(row(metric, val[:, h], layer=layers[pos], head=h, w=w, feature_dim=feature_dim))
+                # a draw whose error overflowed to inf (seen for SDERF at r = 32 in quick mode)
+                # is recorded as mean inf with an undefined interval (NaN), without numpy's inf - inf warning
+                with np.errstate(invalid="ignore"):
+                    rows.append(row(metric, val[:, h], layer=layers[pos], head=h, w=w, feature_dim=feature_dim))
         allv = torch.stack(vals).permute(0, 2, 1).reshape(-1)  # (layer, head, draw) flattened
         heads = np.repeat(np.arange(L * H), draws)
         x = allv.numpy()

@@ -105,6 +105,29 @@ SYNTH_SIGMAS = (0.25, 0.5, 1.0)
 FIXED = ("elu", "relu", "taylor")  # feature dimension fixed by d
 
 
+
+def _boxes(ax, data, x: str, y: str, hue: str | None = None, color: str = "C0") -> None:
+    """Box plots of ``y`` per level of ``x`` (dodged per level of ``hue``) with Matplotlib's own
+    ``boxplot`` (seaborn 0.13's passes ``vert=``, which Matplotlib 3.13 removes)."""
+    levels = sorted(data[x].unique())
+    hues = [None] if hue is None else list(dict.fromkeys(data[hue]))
+    width = 0.8 / len(hues)
+    handles = []
+    for j, h in enumerate(hues):
+        sub = data if h is None else data[data[hue] == h]
+        vals = [sub.loc[sub[x] == lv, y].dropna().to_numpy() for lv in levels]
+        pos = [i - 0.4 + width * (j + 0.5) for i in range(len(levels))]
+        bp = ax.boxplot(vals, positions=pos, widths=0.9 * width, patch_artist=True, manage_ticks=False)
+        c = color if h is None else f"C{j}"
+        for box in bp["boxes"]:
+            box.set_facecolor(c)
+        handles.append(bp["boxes"][0])
+    ax.set_xticks(range(len(levels)), [str(lv) for lv in levels])
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    if hue is not None:
+        ax.legend(handles, [str(h) for h in hues], title=hue, fontsize=7)
+
 def _base(name: str) -> ka.Estimator:
     """The registered estimator behind a study name (``nystrom-kmeans++`` -> ``nystrom``)."""
     return ka.get_estimator({v[0]: v[1] for v in _variants()}[name])
@@ -784,14 +807,14 @@ def plot(df: pd.DataFrame, folder: Path) -> list[Path]:
     if len(norms):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         nq = norms[norms["metric"].isin(("q_norm_median", "k_norm_median"))]
-        sns.boxplot(data=nq, x="layer", y="mean", hue="metric", ax=axes[0])
+        _boxes(axes[0], nq, "layer", "mean", hue="metric")
         dd = float(norms["d"].dropna().iloc[0])
         for s in SYNTH_SIGMAS:
             axes[0].axhline(s * dd**0.25, ls=":", color="gray")
             axes[0].text(-0.4, s * dd**0.25, f"synthetic σ={s}", fontsize=7, va="bottom", color="gray")
         axes[0].set_ylabel("per-head median of ‖q̃‖, ‖k̃‖")
         tb = norms[norms["metric"] == "t_bar"]
-        sns.boxplot(data=tb, x="layer", y="mean", ax=axes[1], color="C2")
+        _boxes(axes[1], tb, "layer", "mean", color="C2")
         for s in SYNTH_SIGMAS:
             axes[1].axhline(2 * s**2 * dd**0.5, ls=":", color="gray")
         axes[1].set_yscale("log")

@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - transformers is an optional dependency
 
 NAN = float("nan")
 BAD = (ValueError, TypeError)
+QK_DIM = r"q and k.*same last dimension.*got 3 and 4"  # q of width 3 against keys of width 4
 # rows the library does not refuse yet are strict xfails naming the file
 
 
@@ -92,7 +93,7 @@ row("ka.estimator_of", "not-map", lambda: ka.estimator_of(3), "int")
 row("ka.estimators", "random-yes", lambda: ka.estimators(random="yes"), "random")
 row("ka.estimators", "closed-form-bad", lambda: ka.estimators(closed_form=3), "closed_form")
 
-row("ka.FeatureMap", "abstract", lambda: ka.FeatureMap(4, 8), "")
+row("ka.FeatureMap", "abstract", lambda: ka.FeatureMap(4, 8), "positional argument")
 
 # random maps: one constructor, many maps (bad sizes, seeds, devices, dtypes, samplers)
 RANDOM_CTORS = {
@@ -257,7 +258,14 @@ row("ka.RecurrentLinearAttention", "fm-not-map", lambda: ka.RecurrentLinearAtten
 row("ka.RecurrentLinearAttention", "eps-nan", lambda: ka.RecurrentLinearAttention(fm4(), eps=NAN), "eps")
 row("ka.RecurrentLinearAttention", "eps-neg", lambda: ka.RecurrentLinearAttention(fm4(), eps=-1.0), "eps")
 row("ka.RecurrentLinearAttention", "step-wrong-dim",
-    lambda: ka.RecurrentLinearAttention(fm4())(q4(3), q4(3), q4(2)), "")
+    lambda: ka.RecurrentLinearAttention(fm4()).step(q4(3), q4(3), q4(2)), r"q_t and k_t.*dim=4.*\(3,\)")
+row("ka.RecurrentLinearAttention", "state-other-batch",  # a state of batch 2 stepped with batch 3
+    lambda: ka.RecurrentLinearAttention(fm4(), state=ka.LinearAttentionState(torch.zeros(2, 8, 5), torch.zeros(2, 1, 1)))
+    .step(q4(3, 4), q4(3, 4), q4(3, 4)), r"state has batch shape \(2,\).*inputs' batch shape \(3,\)")
+row("ka.linear_attention", "initial-state-other-batch",
+    lambda: ka.linear_attention(q4(3, 5, 4), q4(3, 5, 4), q4(3, 5, 4), fm4(), causal=True,
+                                initial_state=ka.LinearAttentionState(torch.zeros(2, 8, 5), torch.zeros(2, 1, 1))),
+    r"initial_state has batch shape \(2,\).*inputs' batch shape \(3,\)")
 row("ka.LinearAttentionState", "kv-not-tensor", lambda: ka.LinearAttentionState(3, torch.zeros(())), "kv")
 row("ka.LinearAttentionState", "log-scale-not-tensor",
     lambda: ka.LinearAttentionState(torch.zeros(8, 2), 3), "log_scale")
@@ -279,27 +287,27 @@ for _fname in ("bias", "variance", "mse", "relative_mse", "deterministic_error")
     _fm = ka.EluFeatures if _fname == "deterministic_error" else fm4
     row(f"theory.{_fname}", "fm-not-map", lambda f=_f: f(3, Q5, K5), "fm")
     row(f"theory.{_fname}", "q-wrong-dim", lambda f=_f, m=_fm: f(m(4) if m is ka.EluFeatures else m(), q4(5, 3), K5),
-        "")
+        QK_DIM)
 row("theory.estimator_moments", "kind-unknown", lambda: th.estimator_moments("nomap", Q5, K5, 8), "nomap")
 row("theory.estimator_moments", "num-features-0", lambda: th.estimator_moments("positive", Q5, K5, 0),
     "num_features")
-row("theory.feature_map_kind", "not-map", lambda: th.feature_map_kind(3), "")
+row("theory.feature_map_kind", "not-map", lambda: th.feature_map_kind(3), "fm.*FeatureMap.*int")
 row("theory.orf_pair_count", "num-features-0", lambda: th.orf_pair_count(0, 4), "num_features")
 row("theory.orf_pair_count", "dim-bool", lambda: th.orf_pair_count(8, True), "dim")
 for _fname in ("trig_sincos_mse", "trig_offset_mse", "positive_mse", "oprf_mse", "hyperbolic_mse"):
     _f = getattr(th, _fname)
     row(f"theory.{_fname}", "num-features-0", lambda f=_f: f(Q5, K5, 0), "num_features")
     row(f"theory.{_fname}", "orthogonal-unknown", lambda f=_f: f(Q5, K5, 8, orthogonal="nope"), "orthogonal")
-    row(f"theory.{_fname}", "q-wrong-dim", lambda f=_f: f(q4(5, 3), K5, 8), "")
+    row(f"theory.{_fname}", "q-wrong-dim", lambda f=_f: f(q4(5, 3), K5, 8), QK_DIM)
 row("theory.oprf_optimal_A", "d-0", lambda: th.oprf_optimal_A(1.0, 0), "d")
 row("theory.oprf_optimal_A", "t-nan", lambda: th.oprf_optimal_A(NAN, 4), "t")
 for _fname in ("trig_bias", "positive_bias", "hyperbolic_bias"):
     _f = getattr(th, _fname)
     row(f"theory.{_fname}", "orthogonal-unknown", lambda f=_f: f(Q5, K5, orthogonal="nope"), "orthogonal")
-    row(f"theory.{_fname}", "q-wrong-dim", lambda f=_f: f(q4(5, 3), K5), "")
+    row(f"theory.{_fname}", "q-wrong-dim", lambda f=_f: f(q4(5, 3), K5), QK_DIM)
 for _fname in ("smreg_kernel", "fixed_norm_trig_kernel"):
     _f = getattr(th, _fname)
-    row(f"theory.{_fname}", "q-wrong-dim", lambda f=_f: f(q4(5, 3), K5), "")
+    row(f"theory.{_fname}", "q-wrong-dim", lambda f=_f: f(q4(5, 3), K5), QK_DIM)
 row("theory.performer_theorem2_bound", "num-features-0", lambda: th.performer_theorem2_bound(Q5, K5, 0),
     "num_features")
 row("theory.failure_probability", "eps-neg", lambda: th.failure_probability(fm4(), -1.0, Q5, K5), "eps")
@@ -373,7 +381,7 @@ row("mc.quantile_ci", "x-2d", lambda: mc.quantile_ci(q4(10, 2), 0.5), "x")
 row("mc.ratio_of_means_ci", "shape-mismatch", lambda: mc.ratio_of_means_ci(q4(10, 3), q4(10, 4)), "shape")
 row("mc.ratio_of_means_ci", "confidence-2", lambda: mc.ratio_of_means_ci(q4(10), q4(10), confidence=2.0),
     "confidence")
-row("mc.StreamingMoments", "update-str", lambda: mc.StreamingMoments().update("abc"), "")
+row("mc.StreamingMoments", "update-str", lambda: mc.StreamingMoments().update("abc"), "x must be.*str")
 row("mc.StreamingMoments", "update-shape-change",
     lambda: (s := mc.StreamingMoments(), s.update(q4(3, 2)), s.update(q4(3, 4))), "shape")
 row("mc.batched_draws", "draws-0", lambda: list(mc.batched_draws(fm4(), 0, chunk_size=2)), "draws")
@@ -429,16 +437,20 @@ row("nn.LinearAttention", "seed-neg", lambda: kann.LinearAttention(32, heads=4, 
 row("nn.LinearAttention", "device-nodevice", lambda: kann.LinearAttention(32, heads=4, device="nodevice"),
     "device")
 row("nn.LinearAttention", "dtype-str", lambda: kann.LinearAttention(32, heads=4, dtype="float64"), "dtype")
-row("nn.LinearAttention", "forward-wrong-dim", lambda: kann.LinearAttention(32, heads=4)(q4(2, 5, 31)), "")
-row("nn.LinearAttention", "forward-1d", lambda: kann.LinearAttention(32, heads=4)(q4(32)), "")
+row("nn.LinearAttention", "forward-wrong-dim", lambda: kann.LinearAttention(32, heads=4)(q4(2, 5, 31)),
+    r"x must have shape.*dim=32.*\(2, 5, 31\)")
+row("nn.LinearAttention", "forward-1d", lambda: kann.LinearAttention(32, heads=4)(q4(32)),
+    r"x must have shape.*got shape \(32,\)")
 row("nn.LinearAttentionHeads", "dim-head-0", lambda: kann.LinearAttentionHeads(0), "dim_head")
 row("nn.LinearAttentionHeads", "causal-yes", lambda: kann.LinearAttentionHeads(8, causal="yes"), "causal")
 row("nn.LinearAttentionHeads", "seed-neg", lambda: kann.LinearAttentionHeads(8, seed=-1), "seed")
 row("nn.LinearAttentionHeads", "device-nodevice", lambda: kann.LinearAttentionHeads(8, device="nodevice"),
     "device")
 row("nn.LinearAttentionHeads", "forward-wrong-dim",
-    lambda: kann.LinearAttentionHeads(8)(q4(2, 1, 5, 7), q4(2, 1, 5, 7), q4(2, 1, 5, 7)), "")
-row("nn.MultiheadLinearAttention", "heads-not-dividing", lambda: kann.MultiheadLinearAttention(32, 5), "")
+    lambda: kann.LinearAttentionHeads(8)(q4(2, 1, 5, 7), q4(2, 1, 5, 7), q4(2, 1, 5, 7)),
+    "last dimension 7.*dim=8")
+row("nn.MultiheadLinearAttention", "heads-not-dividing", lambda: kann.MultiheadLinearAttention(32, 5),
+    "dim=32.*heads=5")
 row("nn.MultiheadLinearAttention", "num-heads-0", lambda: kann.MultiheadLinearAttention(32, 0), "num_heads")
 row("nn.MultiheadLinearAttention", "dropout-2", lambda: kann.MultiheadLinearAttention(32, 4, dropout=2.0),
     "dropout")
@@ -490,7 +502,7 @@ if hf is not None:
     row("hf.linearize", "fit-batch-size-0",
         lambda: lin("positive", num_features=8, fit_batch_size=0), "fit_batch_size")
     row("hf.Capture", "layers-not-list", lambda: hf.Capture(layers=3), "layers")
-    row("hf.Capture", "empty-stack", lambda: hf.Capture().q, "")
+    row("hf.Capture", "empty-stack", lambda: hf.Capture().q, "capture is empty")
     row("hf.LayerCapture", "q-not-tensor",
         lambda: hf.LayerCapture(0, 3, K5, V5, 1.0, torch.ones(5, 5, dtype=torch.bool), False), "q")
     row("hf.Linearized", "feature-maps-not-dict", lambda: hf.Linearized(gpt2(), 3, None, None), "feature_maps")
@@ -526,9 +538,12 @@ row("sk.RandomFeatures", "random-state-neg", lambda: kask.RandomFeatures(random_
 row("sk.RandomFeatures", "random-state-str", lambda: kask.RandomFeatures(random_state="0").fit(q4(5, 4)),
     "random_state")
 row("sk.RandomFeatures", "transform-wrong-width",
-    lambda: kask.RandomFeatures(random_state=0).fit(q4(5, 4).numpy()).transform(q4(5, 3).numpy()), "")
-row("sk.RandomFeatures", "fit-1d", lambda: kask.RandomFeatures(random_state=0).fit(q4(5).numpy()), "")
-row("sk.supported_estimators", "takes-no-arguments", lambda: kask.supported_estimators(3), "")
+    lambda: kask.RandomFeatures(random_state=0).fit(q4(5, 4).numpy()).transform(q4(5, 3).numpy()),
+    "3 features.*expecting 4")
+row("sk.RandomFeatures", "fit-1d", lambda: kask.RandomFeatures(random_state=0).fit(q4(5).numpy()),
+    "Expected 2D array, got 1D")
+row("sk.supported_estimators", "takes-no-arguments", lambda: kask.supported_estimators(3),
+    "takes 0 positional arguments")
 
 
 # --------------------------------------------------------------------------------------- tests

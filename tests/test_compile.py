@@ -15,6 +15,7 @@ in-place and ``out=`` writes are rewritten). A few cases use Inductor, the defau
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -212,7 +213,9 @@ def test_compiled_causal_transformer_trains_like_eager(name):
     model = TinyCausalLM(name, chunk)
     twin = TinyCausalLM(name, chunk)
     twin.load_state_dict(model.state_dict())
-    loss_e, grads_e = _train_step(model, model, ids)
+    unfitted = name == "oprf"  # the layers' OPRF is not fitted (fit=False): it says so in eager mode
+    with pytest.warns(UserWarning, match="used before fit") if unfitted else contextlib.nullcontext():
+        loss_e, grads_e = _train_step(model, model, ids)
     counters.clear()
     compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
     loss_c, grads_c = _train_step(twin, compiled, ids)

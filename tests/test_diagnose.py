@@ -90,6 +90,10 @@ def test_output_forms_and_validation():
     text = repr(dx)
     assert "Diagnosis(" in text and dx.recommendation in text
     assert "<table>" in dx._repr_html_()
+    # the mean column is labelled as the subsample estimate it is (32 queries x 32 keys here)
+    assert (dx.regime["pairs_q"], dx.regime["pairs_k"]) == (32, 32)
+    assert "rel. MSE (mean, 32x32-pair sample)" in text and "rel. MSE (median, 32x32 pairs)" in text
+    assert "rel. MSE (mean)" not in text
     df = dx.to_frame()
     assert {"estimator", "rel_mse_median", "r_needed", "normaliser_rel_var"} <= set(df.columns)
     assert not any(r["estimator"].startswith("hedgehog") for r in dx.rows)  # no closed form
@@ -251,3 +255,18 @@ def test_predicted_attention_error_matches_monte_carlo_where_the_delta_method_ho
         out = ka.linear_attention(q, k, v, fm, check=False)
         meas = float(((out - ref) ** 2).sum((-1, -2)).mean().sqrt() / ref.norm())
         assert abs(meas / row["attn_rel_err_pred"] - 1) < 0.15, (name, meas, row["attn_rel_err_pred"])
+
+
+def test_default_samplers_are_the_documented_ones():
+    """``Estimator.build`` draws iid rows (the closed forms' reference); what builds a map for a model
+    by name draws orthogonal rows; `diagnose` names the sampler it assumed in each row."""
+    from kernelapprox.maps.spec import DEFAULT_SAMPLER, resolve_feature_map
+
+    assert ka.get_estimator("positive").build(8, 16, seed=0).sampler.name == "gaussian"
+    assert ka.PositiveRF(8, 16, seed=0).sampler.name == "gaussian"
+    assert DEFAULT_SAMPLER == "orthogonal"
+    assert resolve_feature_map("positive", dim=8, num_features=16, seed=0).sampler.name == "orthogonal"
+    q, k = data(0.5, n=32, d=8)
+    dx = ka.diagnose(q, k, num_features=16)
+    by_name = {r["estimator"]: r["sampler"] for r in dx.rows}
+    assert by_name["positive"] == "orthogonal" and "sampler" in repr(dx)

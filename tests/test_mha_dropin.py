@@ -10,7 +10,8 @@ What is pinned here:
   (float64, to 1e-10; without the mask they move by O(0.1));
 * ``attn_mask``: a causal mask (bool or float, as ``generate_square_subsequent_mask`` makes) is
   causal attention, a mask that is a key-padding pattern is key padding, any other pattern a
-  ValueError naming ``attn_mask``;
+  ValueError naming ``attn_mask``; under ``torch.compile(fullgraph=True)`` the same masks compile
+  with no graph break (the pattern is read on the device) and give eager's outputs;
 * ``context=`` (cross-attention) and ``kdim``/``vdim`` against the projections done by hand;
 * ``batch_first=False`` transposes a sequence-first input; dropout is off in eval (deterministic)
   and unbiased per key in training.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import CompileCounter
 
 from kernelapprox.nn import LinearAttention, MultiheadLinearAttention
 
@@ -211,3 +213,22 @@ def test_heads_module_takes_grouped_kv_heads():
     assert torch.allclose(attn(q, k, v), ref, atol=1e-6)
     with pytest.raises(ValueError, match="heads"):
         attn(q, k[:, :1].expand(2, 3, 5, 8), v[:, :1].expand(2, 3, 5, 8))
+
+
+def test_attn_mask_compiles_without_graph_break():
+    """A float causal mask (``generate_square_subsequent_mask``) and a float key-padding mask through
+    ``torch.compile(fullgraph=True)`` (which raises on any graph break): eager's outputs, one frame."""
+    torch._dynamo.reset()
+    mha = MultiheadLinearAttention(DIM, HEADS, batch_first=True, num_features=32, seed=0, dtype=F64)
+    x = _x(n=7)
+    causal = nn.Transformer.generate_square_subsequent_mask(7, dtype=F64)
+    pad = torch.zeros(2, 7, 7, dtype=F64)
+    pad[1, :, 5:] = float("-inf")
+    cnt = CompileCounter()
+    compiled = torch.compile(mha, fullgraph=True, backend=cnt)
+    for mask in (causal, pad):
+        assert torch.allclose(compiled(x, x, x, attn_mask=mask)[0], mha(x, x, x, attn_mask=mask)[0], atol=1e-12)
+    assert torch.allclose(compiled(x, x, x, attn_mask=causal, is_causal=True)[0],
+                          mha(x, x, x, attn_mask=causal)[0], atol=1e-12)
+    assert not torch.allclose(mha(x, x, x, attn_mask=causal)[0], mha(x, x, x, attn_mask=pad)[0])
+    assert cnt.frame_count >= 1 and cnt.op_count > 0

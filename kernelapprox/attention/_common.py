@@ -78,19 +78,33 @@ def prepare(
     if initial_state is not None:
         if not isinstance(initial_state, LinearAttentionState):
             raise TypeError(f"initial_state must be a LinearAttentionState, got {type(initial_state).__name__}")
-        check_state(initial_state, feature_map.feature_dim, v.shape[-1], "initial_state")
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        check_state(initial_state, feature_map.feature_dim, v.shape[-1], "initial_state", tuple(batch))
     out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     cdt = compute_dtype(out_dtype, feature_map.param_dtype)
     return q.to(cdt), k.to(cdt), v.to(cdt), out_dtype, cdt
 
 
-def check_state(state: LinearAttentionState, feature_dim: int, dv: int, name: str) -> None:
-    """Raise ``ValueError`` unless ``state.kv`` has shape (..., feature_dim, dv + 1)."""
+def check_state(
+    state: LinearAttentionState, feature_dim: int, dv: int, name: str, batch: tuple[int, ...] | None = None
+) -> None:
+    """Raise ``ValueError`` unless ``state.kv`` has shape (..., feature_dim, dv + 1) and its batch
+    dimensions broadcast with the inputs' ``batch`` (shapes only: no host synchronisation)."""
     if tuple(state.kv.shape[-2:]) != (feature_dim, dv + 1):
         raise ValueError(
             f"{name} has kv of shape {tuple(state.kv.shape)}, expected (..., {feature_dim}, {dv + 1}) "
             f"= (..., feature_dim, dv + 1) for this feature map and v"
         )
+    if batch is not None:
+        state_batch = tuple(state.kv.shape[:-2])
+        try:
+            torch.broadcast_shapes(state_batch, batch)
+        except RuntimeError:
+            raise ValueError(
+                f"{name} has batch shape {state_batch} (kv of shape {tuple(state.kv.shape)}), which does not "
+                f"broadcast with the inputs' batch shape {tuple(batch)}: a decoding state belongs to the batch "
+                "it was computed on"
+            ) from None
 
 
 def key_side(

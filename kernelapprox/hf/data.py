@@ -168,7 +168,9 @@ def token_chunks(tokenizer: Any, text: str, *, length: int = 512, max_chunks: in
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     if not callable(tokenizer):
         raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    # the whole text is tokenised once and cut into chunks of ``length`` below: transformers' warning
+    # that it exceeds the model's maximum length (meant for inputs fed as they are) does not apply
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     body = length - 2 if cls is not None and sep is not None else length
     chunks = []

@@ -55,6 +55,7 @@ References
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -341,7 +342,20 @@ def _fitted(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _check_fitted_batch(fm: RandomFeatureMap, xc: torch.Tensor, fitted_batch: torch.Size) -> None:
-    """``ValueError`` unless the input's leading dimensions broadcast with those `fit` saw."""
+    """``ValueError`` unless the input's leading dimensions broadcast with those `fit` saw; a
+    ``UserWarning`` (once per map, as `NystromFeatures`) when the map is used before `fit`."""
+    # once per map (reading the flag may synchronise a device); not inside torch.compile
+    if not torch.compiler.is_compiling() and not getattr(fm, "_fit_checked", False):
+        fm.__dict__["_fit_checked"] = True  # a plain attribute (not state): once per map object
+        if not fm.fitted:
+            name = type(fm).__name__
+            warnings.warn(
+                f"{name} used before fit(q, k): its parameters are the data-free defaults (A = 0, no "
+                f"rotation or scaling: FAVOR+, PositiveRF's estimator). Call fm.fit(q, k) (or "
+                f"linear_attention(..., fit=True)) to choose them from the data"
+                + (", or pass A=<float>" if name == "OptimalPositiveRF" else "") + ".",
+                UserWarning, stacklevel=8,
+            )
     try:
         torch.broadcast_shapes(xc.shape[:-2], fitted_batch)
     except RuntimeError:

@@ -125,7 +125,8 @@ class RecurrentLinearAttention:
                     f"token: a shape broadcasting with k_t.shape[:-1] = {tuple(k_t.shape[:-1])}"
                 ) from None
         if self.state is not None:
-            check_state(self.state, fm.feature_dim, v_t.shape[-1], "state")
+            check_state(self.state, fm.feature_dim, v_t.shape[-1], "state",
+                        tuple(torch.broadcast_shapes(q_t.shape[:-1], k_t.shape[:-1], v_t.shape[:-1])))
         out_dtype = torch.promote_types(torch.promote_types(q_t.dtype, k_t.dtype), v_t.dtype)
         cdt = compute_dtype(out_dtype, fm.param_dtype)
         q, k, v = q_t.to(cdt).unsqueeze(-2), k_t.to(cdt).unsqueeze(-2), v_t.to(cdt).unsqueeze(-2)
