@@ -150,7 +150,11 @@ def recall_linear(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     _, state = ka.linear_attention(keys, keys, values, fm, causal=True, return_state=True,
                                    check=False)
     fq, _ = fm.log_features(queries)  # per-row scale cancels in the ratio
-    nd = fq @ state.kv  # (..., m, dv + 1): [S^T phi(q) | z^T phi(q)] up to a common factor
+    # the state's scale is shared (..., 1, 1) or per feature (..., F, 1): bring every feature to
+    # the largest one's scale (a common factor, which cancels in the ratio)
+    ls = state.log_scale
+    kv = state.kv * torch.exp(ls - ls.amax(dim=-2, keepdim=True)).to(state.kv.dtype)
+    nd = fq @ kv  # (..., m, dv + 1): [S^T phi(q) | z^T phi(q)] up to a common factor
     return nd[..., :-1] / nd[..., -1:].clamp_min(torch.finfo(nd.dtype).tiny)
 
 
