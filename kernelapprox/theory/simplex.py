@@ -313,8 +313,8 @@ def simplex_components_cv(estimator: str, geo: _Geometry) -> np.ndarray:
     * ``"hyperbolic"``: $\mathrm{cv} = e^{-2t}\big[\tfrac12(E e^{(w_i+w_j)^\top z} +
       E e^{(w_i-w_j)^\top z}) - e^t\big]$;
     * ``"trig-sincos"``, ``"trig-offset"`` (the phases average out of the pair moment):
-      $\mathrm{cv} = \tfrac12\big(E\cos(w_i+w_j)^\top\Delta + E\cos(w_i-w_j)^\top\Delta\big)
-      - e^{-s}$ (scale $C^2 = e^{\|x\|^2+\|y\|^2}$),
+      $\mathrm{cv} = \tfrac12\big(E\cos(w_i+w_j)^\top\Delta + E\cos(w_i-w_j)^\top\Delta\big) - e^{-s}$
+      (scale $C^2 = e^{\|x\|^2+\|y\|^2}$),
 
     each pair moment from `simplex_pair_excess` [DERIVED, MC ✓].
 
