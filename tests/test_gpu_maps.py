@@ -70,6 +70,8 @@ def launches(monkeypatch):
 def test_fused_forward_vs_torch_path(name, dtype, launches):
     """Row-relative error of phi = f e^{log_scale} between the two paths: <= 1e-5 in float32,
     <= 8e-3 in bfloat16 (each path rounds its features to bfloat16 once: 2 x 2^-8)."""
+    if name.startswith("trig") and dtype != torch.float32:
+        pytest.skip("trigonometric maps keep float32 GEMMs: no 16-bit fused form")
     fm, x = _map(name), _x(dtype)
     f, ls = fm.log_features(x)
     assert launches["n"] == 1 and f.dtype == dtype and ls.dtype == torch.float32
@@ -110,6 +112,8 @@ def test_fused_attention_vs_float64(name, dtype, launches):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", MAPS)
 def test_fused_backward_vs_torch_path(name, dtype, launches):
+    if name.startswith("trig") and dtype != torch.float32:
+        pytest.skip("trigonometric maps keep float32 GEMMs: no 16-bit fused form")
     fm, x0 = _map(name), _x(dtype)
     g = torch.Generator().manual_seed(5)
     wf = torch.randn(B, H, N, fm.feature_dim, generator=g).to("cuda", dtype)

@@ -88,6 +88,8 @@ def exponent_form(fm: Any, x: torch.Tensor, key: bool = False) -> ExponentForm |
     if cls is HyperbolicRF:
         return ExponentForm(W, None, None, -1.0, -0.5 * math.log(2 * r), LOG2E, "pm")
     if cls is TrigRF:
+        if x.dtype != torch.float32:  # 16-bit angles ruin the sines: the torch path's float32 GEMM
+            return None
         if fm.variant == "sincos":
             return ExponentForm(W, None, None, 1.0, -0.5 * math.log(r), 1.0, "sincos")
         return ExponentForm(W, fm.offsets.to(cdt), None, 1.0, 0.5 * math.log(2.0 / r), 1.0, "cos")

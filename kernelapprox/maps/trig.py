@@ -96,6 +96,15 @@ class TrigRF(RandomFeatureMap):
         self.register_buffer("offsets", offsets.detach().clone().to(device=ref.device, dtype=ref.dtype))
 
 
+    def _prepare_gemm(self, name: str, x: object) -> tuple[torch.Tensor, torch.dtype, torch.dtype]:
+        """`_prepare` with GEMM operands in the compute dtype under every policy: the angles
+        $Wx$ carry the operands' rounding into every sine, and 16-bit operands (a relative 4e-3 in
+        bf16) leave the attention of these signed features off by 1.0-1.8 where float32
+        operands on the same bf16 inputs give 7.5e-2 (sin/cos) and 4.7e-3 (offset); the
+        accelerator rule's 16-bit GEMM is for the exponential maps."""
+        xc, out_dtype = self._prepare(name, x)
+        return xc, out_dtype, xc.dtype
+
     def _trig(self, xc: torch.Tensor, gemm: torch.dtype | None = None) -> torch.Tensor:
         """Bounded trigonometric part ``f`` (..., n, F) of the prepared input ``xc`` (``gemm``: the
         dtype of the GEMM operands, `kernelapprox.backends.gemm_dtype`)."""
