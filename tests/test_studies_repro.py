@@ -323,7 +323,7 @@ def test_replot_records_the_commit_of_the_code_that_redrew(tmp_path, monkeypatch
     that redrew the summary, printed in the summary's provenance."""
     import json
 
-    from studies._engine import provenance, run_study
+    from studies._engine import last_run, provenance, run_study
 
     run_study(yu.STUDY, out=tmp_path, quick=True, progress=False)
     folder = tmp_path / yu.STUDY.name
@@ -333,4 +333,5 @@ def test_replot_records_the_commit_of_the_code_that_redrew(tmp_path, monkeypatch
     prov = json.loads((folder / "provenance.json").read_text())
     assert prov["git_commit"] == computed
     assert prov["replot_git_commit"] == "abc123-redrawing-code"
+    assert last_run(tmp_path, yu.STUDY) == {**prov, "report": "replotted"}  # --replot publishes its redraw
     assert "by the code at git commit abc123-redrawing-code" in (folder / "summary.md").read_text()

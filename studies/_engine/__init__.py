@@ -9,7 +9,9 @@ caches the rows per cell under ``<out>/<name>/.cache/`` (so an interrupted run r
 ``--replot`` needs no recomputation) and ``study.summarize(df, ctx)`` (markdown with a key table
 and a finding generated from the numbers). The runner wraps the summary with a "What was run"
 section and a "Provenance" section, moves the report's files into ``<out>/<name>/`` together,
-and rewrites the index ``<out>/README.md``.
+and rewrites the index ``<out>/README.md``; a run that reproduces the report already there byte
+for byte (provenance aside) leaves the folder and the index untouched. Every completed run's own
+provenance is in ``<out>/<name>/.cache/last-run.json`` (:func:`last_run`).
 
 Modules:
 
@@ -17,7 +19,7 @@ Modules:
   studies, the estimator axis of a grid;
 - :mod:`~studies._engine.cache`: cell keys, checked cache records;
 - :mod:`~studies._engine.executors`: where cells are computed (this process, ``--jobs``, Dask);
-- :mod:`~studies._engine.runner`: :func:`run_study`;
+- :mod:`~studies._engine.runner`: :func:`run_study`, :func:`last_run`;
 - :mod:`~studies._engine.provenance`: code hash, git commit, the command that reproduces a run;
 - :mod:`~studies._engine.report`: tables, summary, index, publishing a report folder;
 - :mod:`~studies._engine.figures`: the figure style, byte-stable files;
@@ -33,7 +35,7 @@ from studies._engine.helpers import ball_points, loglog_slope, one_thread, spher
 from studies._engine.model import ROW_KEYS, Context, Study, get_study, load_studies, row
 from studies._engine.provenance import REPO_ROOT, code_hash
 from studies._engine.report import ReportFolderError, df_to_markdown, fmt, write_index
-from studies._engine.runner import StudyInterrupted, run_study
+from studies._engine.runner import StudyInterrupted, last_run, run_study
 
 __all__ = [
     "REPO_ROOT",
@@ -50,6 +52,7 @@ __all__ = [
     "fmt",
     "one_thread",
     "get_study",
+    "last_run",
     "load_studies",
     "loglog_slope",
     "main",

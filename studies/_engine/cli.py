@@ -22,7 +22,7 @@ from studies._engine.model import (
 )
 from studies._engine.provenance import git_commit, package_version
 from studies._engine.report import ReportFolderError, check_writable, is_incomplete
-from studies._engine.runner import StudyInterrupted, UnreadableReportError, run_study
+from studies._engine.runner import StudyInterrupted, UnreadableReportError, last_run, last_run_path, run_study
 
 STUDIES_EXTRA = ("pandas", "matplotlib", "seaborn", "tqdm")
 STUDIES_INSTALL = 'pip install "torch==2.13.0" -e ".[studies]"  (from the repository root)'
@@ -46,7 +46,10 @@ figures (png, svg), summary.md (key table, findings, provenance) and provenance.
 cached under <out>/<study>/.cache/, keyed on the cell, the flags and a hash of the code (and of
 your own estimators' source), so an interrupted run (Ctrl-C) resumes and a code change
 recomputes. results.csv is the same file whichever executor (in process, --jobs, --scheduler)
-computed the cells. The files of a report are replaced together, at the end of a run.
+computed the cells. The files of a report are replaced together, at the end of a run; a run
+that reproduces the report already there byte for byte (results.csv, figures, the summary but
+its provenance lines) leaves the folder untouched, so a clone stays clean. Every run's own
+provenance is written to <out>/<study>/.cache/last-run.json.
 """
 
 
@@ -207,6 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ConnectionError, ReportFolderError, CacheEntryError, UnreadableReportError) as e:  # one line
             print(f"python -m studies: {e}", file=sys.stderr)
             return 1
+        if not args.replot and last_run(args.out, s).get("report") == "reproduced":
+            print(f"[{s.name}] reproduced the report in {folder} byte for byte (results.csv, figures, summary): "
+                  f"its summary.md and provenance.json are kept; this run's provenance is in "
+                  f"{last_run_path(args.out, s)}", file=sys.stderr)
         print(f"[{s.name}] {time.perf_counter() - ts:.1f} s -> {folder}", file=sys.stderr)
     print(f"total {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0

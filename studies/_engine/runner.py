@@ -1,6 +1,8 @@
 """The runner: computes the cells of a study that are not cached (with one of the executors),
 merges their rows in grid order into ``results.csv``, draws the figures, writes the summary and
-the provenance, and publishes the report folder all at once."""
+the provenance, and publishes the report folder all at once, unless the folder already holds
+that report byte for byte (provenance aside); every completed run's own provenance goes to
+``<out>/<study>/.cache/last-run.json`` (:func:`last_run`)."""
 
 from __future__ import annotations
 
@@ -95,7 +97,10 @@ def run_study(
     (``"tcp://host:port"``). Every cell is cached as it completes (atomically), and the rows are
     merged in grid order, so ``results.csv`` is the same file whatever the executor and however
     often the run was interrupted. The outputs are staged and moved into the report folder only
-    when all of them are written (see :mod:`studies._engine.report`).
+    when all of them are written (see :mod:`studies._engine.report`); when they are the report
+    already in the folder byte for byte, provenance aside, the folder and the index are left
+    untouched. Either way (and after ``replot``) the run's own provenance is written to
+    ``<out>/<name>/.cache/last-run.json`` (read it with :func:`last_run`).
 
     ``imports`` are modules imported first (a user's estimator registrations; worker processes
     import them too); ``estimators`` restricts the grid to the cells of those estimators
@@ -275,6 +280,81 @@ def run_study(
     except BaseException:
         _report.discard(stage)  # the previous report stays as it was
         raise
-    _report.publish(stage, folder)
-    _report.write_index(Path(out))
+    published = _report.publish(stage, folder, keep_reproduced=not replot)
+    if published or not (Path(out) / "README.md").exists():
+        _report.write_index(Path(out))
+    outcome = "replotted" if replot else "published" if published else "reproduced"
+    last = last_run_path(out, study)
+    last.parent.mkdir(exist_ok=True)
+    write_atomic(last, json.dumps({**prov, "report": outcome}, indent=2) + "\n")
     return folder
+
+
+#: Where every completed run writes its own provenance, inside the report folder's cache
+#: (git-ignored): ``<out>/<study>/.cache/last-run.json``.
+LAST_RUN = Path(".cache") / "last-run.json"
+
+
+def last_run_path(out: Path | str, study: Study | str) -> Path:
+    """The file :func:`last_run` reads: ``<out>/<study>/.cache/last-run.json``."""
+    name = study if isinstance(study, str) else study.name
+    return Path(out) / name / LAST_RUN
+
+
+def last_run(out: Path | str, study: Study | str) -> dict:
+    """The provenance of the last completed run of ``study`` (a :class:`Study` or its name) into
+    the report root ``out``, whether or not that run replaced the report's files.
+
+    Every completed run writes it to ``<out>/<study>/.cache/last-run.json``: the record
+    ``provenance.json`` holds (command, commit, code hash, times, cells from cache, executor,
+    figures, ...) plus ``report``, what the run did with the report folder:
+
+    - ``"published"``: its files replaced the report's; ``provenance.json`` is this record
+      without ``report``;
+    - ``"reproduced"``: the report in the folder was this run's byte for byte (``results.csv``,
+      figures, the summary's body: :func:`studies._engine.report.reproduces`), so the folder was
+      left untouched and its ``summary.md`` and ``provenance.json`` still name the run that
+      produced the report; the index ``<out>/README.md`` was left untouched too;
+    - ``"replotted"``: ``--replot`` redrew the figures and the summary (``provenance.json`` is
+      this record without ``report``).
+
+    A run that fails or is interrupted writes none: the file keeps the last completed run's.
+
+    Parameters
+    ----------
+    out : Path or str
+        The report root (``--out``; ``reports`` by default).
+    study : Study or str
+        The study, or its name (``"dlogd"``).
+
+    Returns
+    -------
+    dict
+        The record, as written (JSON).
+
+    Raises
+    ------
+    FileNotFoundError
+        No run of ``study`` has completed into ``out`` (the message names the file).
+
+    Examples
+    --------
+    After ``python -m studies run dlogd`` in a fresh clone (every cell computed, the committed
+    report reproduced):
+
+    >>> from studies._engine import last_run
+    >>> rec = last_run("reports", "dlogd")  # doctest: +SKIP
+    >>> rec["report"], rec["n_cells_from_cache"], rec["n_cells"]  # doctest: +SKIP
+    ('reproduced', 0, 66)
+    """
+    path = last_run_path(out, study)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        name = study if isinstance(study, str) else study.name
+        raise FileNotFoundError(f"{path} does not exist: no run of {name} has completed into {out} "
+                                f"(python -m studies run {name} --out {out})") from None
+    rec = json.loads(text)
+    if not isinstance(rec, dict):
+        raise ValueError(f"{path} holds a {type(rec).__name__}, not a run's provenance record")
+    return rec
