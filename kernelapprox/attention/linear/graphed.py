@@ -99,8 +99,8 @@ def capture_step(
         Steps before the capture (at least 3 with ``compile``: the first calls compile, and the
         step counter becomes a dynamic integer after one recompilation).
     compile : bool, default False
-        Capture ``torch.compile(rnn.step, dynamic=False)`` (Inductor fuses the step's pointwise
-        kernels: fewer launches per replay) instead of the eager step.
+        Capture ``torch.compile(rnn.step)`` (Inductor fuses the step's pointwise kernels: fewer
+        launches per replay) instead of the eager step.
 
     Returns
     -------
@@ -123,7 +123,9 @@ def capture_step(
     rnn.inplace = True
     qs, ks, vs = (t.detach().clone() for t in (q_t, k_t, v_t))
     pad = torch.ones(ks.shape[:-1], dtype=torch.bool, device=device)
-    fn: Callable[..., torch.Tensor] = torch.compile(rnn.step, dynamic=False) if compile else rnn.step
+    # default dynamism: the shapes never change, and the step counter turns into a dynamic integer
+    # after one recompilation (``dynamic=False`` would recompile at every token)
+    fn: Callable[..., torch.Tensor] = torch.compile(rnn.step) if compile else rnn.step
     if compile:
         warmup = max(warmup, 3)
     side = torch.cuda.Stream(device)
