@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One run on a GPU machine, under four minutes: the CUDA tests, then the quick GPU benchmark.
+# One run on a GPU machine, under four minutes: the CUDA tests (less the slow ones: a compiled
+# capture), then the quick GPU benchmark.
 #
 #   bash benchmarks/device_check.sh [OUT_DIR]        (default: $OUT, else ./device-check)
 #
@@ -36,7 +37,7 @@ PY
 cat "$out/env.txt"
 
 start=$(date +%s)
-timeout -k 5 90 "$py" -m pytest -q -m cuda -p no:cacheprovider > "$out/pytest-cuda.log" 2>&1
+timeout -k 5 90 "$py" -m pytest -q -m "cuda and not slow" -p no:cacheprovider > "$out/pytest-cuda.log" 2>&1
 tests=$?
 [ "$tests" -eq 5 ] && tests=0  # no test selected is not a failure
 # a run that printed its summary without failures but lingered at exit past the timeout passed
@@ -44,7 +45,7 @@ summary=$(tail -n 1 "$out/pytest-cuda.log")
 if [ "$tests" -eq 124 ] && [[ "$summary" =~ (passed|skipped|deselected) ]] && ! [[ "$summary" =~ (failed|error) ]]; then
     tests=0
 fi
-echo "pytest -m cuda: status $tests in $(( $(date +%s) - start )) s ($(tail -n 1 "$out/pytest-cuda.log"))"
+echo "pytest -m \"cuda and not slow\": status $tests in $(( $(date +%s) - start )) s ($(tail -n 1 "$out/pytest-cuda.log"))"
 
 start=$(date +%s)
 timeout -k 5 130 "$py" -m benchmarks gpu --quick --budget 100 --out "$out" > "$out/gpu.log" 2>&1

@@ -31,8 +31,19 @@ Groups (d = 64 unless said; inputs in ``--dtype``, bf16 by default):
   against the two GEMMs;
 * ``short``: causal calls at n = 16, 48, 128, 512 (B32 H4 d16, FAVOR+ r64), the library, its
   naive quadratic form and SDPA;
-* ``decode``: one token per step at t = 4096 (B8 H16, FAVOR+ r128): ``RecurrentLinearAttention.step``
-  and ``RecurrentHybridAttention.step`` (w = 64 + 1 sink) against one SDPA step on a KV cache;
+* ``decode``: one token per step after a prompt of t = 512, 4096, 16384 tokens (B8 H16, FAVOR+
+  r128) against one SDPA step on a KV cache of t tokens (``sdpa(q_t, K, V)``, the cache not
+  appended to): ``RecurrentLinearAttention.step`` on the torch step (``KERNELAPPROX_BACKEND=torch``
+  around each call) and on fla's fused recurrent kernel (``fla fused_recurrent step``:
+  ``KERNELAPPROX_BACKEND=fla``, unavailable where `kernelapprox.backends.decode_plan` does not
+  choose fla), each eager and replayed from a CUDA graph (``RecurrentLinearAttention.capture``;
+  ``compiled+graphed``: the step compiled by Inductor, then captured; a graphed row first checks
+  one replay against the eager step and reports an error past 1e-2 of the output's scale; inputs
+  are copied into the graph's static tensors inside the timed call), and
+  ``RecurrentHybridAttention.step`` (w = 64 + 1 sink). The per-token cost of the recurrent rows
+  does not depend on t; the SDPA step reads the t cached keys and values. ``--quick``: t = 512 and
+  4096, without the compiled rows (Inductor's compilation would take a third of its budget; nor
+  with ``--tiny``), the hybrid row at 4096 only;
 * ``hybrid``: ``hybrid_attention`` w = 64 + 1 sink, FAVOR+ r128, causal, against SDPA causal.
 
 Method. A *warm-up phase* first calls every case once (fla autotunes each kernel and shape on its
@@ -61,6 +72,7 @@ import csv
 import datetime
 import io
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -80,7 +92,16 @@ D = 64
 ATTN_SIZES = ((1024, 8, 16), (4096, 8, 16), (16384, 2, 16), (65536, 1, 16))
 FEATURES = (64, 128, 256)
 SHORT_NS = (16, 48, 128, 512)
-DECODE_T = 4096
+DECODE_TS = (512, 4096, 16384)
+QUICK_DECODE_TS = (512, 4096)
+#: (impl, backend, how): the recurrent rows of the decode group.
+DECODE_IMPLS = (
+    ("RecurrentLinearAttention.step torch", "torch", "eager"),
+    ("RecurrentLinearAttention.step torch graphed", "torch", "graphed"),
+    ("RecurrentLinearAttention.step torch compiled+graphed", "torch", "compiled"),
+    ("fla fused_recurrent step", "fla", "eager"),
+    ("fla fused_recurrent step graphed", "fla", "graphed"),
+)
 WINDOW, SINKS = 64, 1
 #: --quick: a subset that fits in < 4 minutes with fla's autotuning.
 QUICK_SIZES = ((4096, 8, 16),)
@@ -192,11 +213,16 @@ def cases(quick: bool = False, tiny: bool = False) -> list[Case]:
         for impl in ("sdpa causal", "kernelapprox favor+ causal", "kernelapprox naive quadratic causal"):
             add("short", impl, shape, "sdpa causal", n=n, B=sB, H=sH, d=sd, F=sr, causal=True, fmap="favor+")
 
-    dB, dH, dt, dr = (1, 2, 64, 8) if tiny else (8, 16, DECODE_T, 128)
-    shape = f"B{dB} H{dH} t{dt} d{d} F{dr}"
-    for impl in ("sdpa KV-cache step", "RecurrentLinearAttention.step",
-                 f"RecurrentHybridAttention.step w{WINDOW}+{SINKS}"):
-        add("decode", impl, shape, "sdpa KV-cache step", backward=False, B=dB, H=dH, t=dt, d=d, F=dr)
+    dB, dH, dr = (1, 2, 8) if tiny else (8, 16, 128)
+    dts = (32, 64) if tiny else (QUICK_DECODE_TS if quick else DECODE_TS)
+    for dt in dts:
+        shape = f"B{dB} H{dH} t{dt} d{d} F{dr}"
+        impls = ["sdpa KV-cache step"] + [
+            impl for impl, _, how in DECODE_IMPLS if not ((quick or tiny) and how == "compiled")]
+        if not quick or dt == 4096:
+            impls.append(f"RecurrentHybridAttention.step w{WINDOW}+{SINKS}")
+        for impl in impls:
+            add("decode", impl, shape, "sdpa KV-cache step", backward=False, B=dB, H=dH, t=dt, d=d, F=dr)
 
     hr = 8 if tiny else 128
     for n, B, H in sizes:
@@ -390,16 +416,60 @@ def _decode_fn(c: Case, device, dtype) -> Callable[[], object]:
         q1 = qt.unsqueeze(2)
         return lambda: _no_grad(lambda: sdpa(q1, k, v))
     fm = _feature_map("favor+", d, F, device)
-    with torch.no_grad():
-        if c.impl.startswith("RecurrentLinear"):
-            _, state = ka.linear_attention(q, k, v, fm, causal=True, return_state=True)
-            rnn: ka.RecurrentLinearAttention | ka.RecurrentHybridAttention = ka.RecurrentLinearAttention(
-                fm, state=state)
-        else:
+    if c.impl.startswith("RecurrentHybrid"):
+        with torch.no_grad():
             _, hstate = ka.hybrid_attention(q, k, v, fm, window=WINDOW, sinks=SINKS, causal=True,
                                             return_state=True)
-            rnn = ka.RecurrentHybridAttention(fm, window=WINDOW, sinks=SINKS, state=hstate)
-    return lambda: _no_grad(lambda: rnn.step(qt, kt, vt))
+        hyb = ka.RecurrentHybridAttention(fm, window=WINDOW, sinks=SINKS, state=hstate)
+        return lambda: _no_grad(lambda: hyb.step(qt, kt, vt))
+    backend, how = next((b, h) for impl, b, h in DECODE_IMPLS if impl == c.impl)
+    if backend == "fla":
+        from kernelapprox import backends
+        from kernelapprox.attention import fla_mode
+
+        with _backend_env("fla"):
+            plan = backends.decode_plan(device, torch.float32, mode=fla_mode(fm), warn=False)
+        if plan.path != "fla":
+            raise Unavailable(str(plan.reason))
+    if how != "eager" and device.type != "cuda":
+        raise Unavailable("CUDA graphs need a CUDA device")
+    with torch.no_grad():
+        _, state = ka.linear_attention(q, k, v, fm, causal=True, return_state=True)
+    rnn = ka.RecurrentLinearAttention(fm, state=state)
+    if how == "eager":
+        def eager() -> object:
+            with torch.no_grad(), _backend_env(backend):
+                return rnn.step(qt, kt, vt)
+        return eager
+    with _backend_env(backend):
+        step = rnn.capture(qt, kt, vt, compile=how == "compiled")
+        assert rnn.state is not None
+        twin = ka.RecurrentLinearAttention(fm, state=ka.LinearAttentionState(
+            rnn.state.kv.clone(), rnn.state.log_scale.clone()))
+        with torch.no_grad():
+            want = twin.step(qt, kt, vt).float()
+    got = step(qt, kt, vt).float()
+    err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+    if not err <= 1e-2:
+        raise RuntimeError(f"a replay differs from the eager step by {err:.2e} (relative to its largest entry)")
+    return lambda: step(qt, kt, vt)
+
+
+class _backend_env:  # noqa: N801 - a context manager, like contextlib's
+    """``KERNELAPPROX_BACKEND=value`` within the block (the previous value restored on exit)."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __enter__(self) -> None:
+        self.prev = os.environ.get("KERNELAPPROX_BACKEND")
+        os.environ["KERNELAPPROX_BACKEND"] = self.value
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prev is None:
+            os.environ.pop("KERNELAPPROX_BACKEND", None)
+        else:
+            os.environ["KERNELAPPROX_BACKEND"] = self.prev
 
 
 def _no_grad(fn: Callable[[], object]) -> object:

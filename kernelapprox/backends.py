@@ -304,6 +304,8 @@ class AttentionPlan:
         ``"cpu"`` (the CPU algorithms: shared-scale / running-maximum chunks), ``"torch"`` (the
         accelerator's torch path: per-feature gated chunks), ``"quadratic"`` (one masked GEMM
         pair, short calls on accelerators) or ``"fla"`` (flash-linear-attention's chunked kernels).
+        A decoding step's plan (`decode_plan`) is ``"torch"`` (the torch step) or ``"fla"`` (fla's
+        fused recurrent kernels).
     reason : str or None
         Why a faster path was not taken (a fallback, announced by a warning), else ``None``.
     """
@@ -443,6 +445,118 @@ def attention_plan(
         return AttentionPlan("fla")
     if warn:
         _warn_once(reason)
+    return AttentionPlan("torch", reason)
+
+
+# --------------------------------------------------------------------------- decoding
+
+_CAPS_CACHE: dict[str, AttentionCapabilities] = {}
+
+
+def _decode_capabilities(device: torch.device) -> AttentionCapabilities:
+    """`attention_capabilities`, read once per device (a decoding step is a few microseconds on a
+    GPU: the package metadata is not read again at every token)."""
+    key = str(device)
+    caps = _CAPS_CACHE.get(key)
+    if caps is None:
+        caps = _CAPS_CACHE[key] = attention_capabilities(device)
+    return caps
+
+
+def _warn_decode_once(reason: str) -> None:
+    key = "decode: " + reason
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    from ._validation import KernelApproxWarning
+
+    warnings.warn(f"decoding falls back to the torch step: {reason}", KernelApproxWarning, stacklevel=4)
+
+
+def decode_plan(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    mode: str | None,
+    caps: AttentionCapabilities | None = None,
+    warn: bool = True,
+) -> AttentionPlan:
+    r"""The path of one decoding step (`kernelapprox.RecurrentLinearAttention.step`): ``"torch"``
+    (the torch step, every device) or ``"fla"`` (flash-linear-attention's fused recurrent kernels,
+    ``fused_recurrent_gla`` / ``fused_recurrent_simple_gla``, one token per call).
+
+    The rules, in order (``KERNELAPPROX_BACKEND`` = ``env``):
+
+    1. ``env == "torch"`` or ``"accelerator"``: ``"torch"``.
+    2. A CPU or ``meta`` device (and ``env`` not ``"fla"``): ``"torch"``.
+    3. A map without an fla form (``mode`` ``None``: trigonometric, Nyström and HybridRF
+       features, see `kernelapprox.attention.linear.fla.fla_mode`): ``"torch"``, announced only
+       when ``env`` is ``"fla"`` (the fla path was asked for).
+    4. fla's kernels, unless: fla-core absent or not `FLA_VERSION`; Triton absent; not a CUDA
+       device; a float64 computation (fla has no float64 kernels). Each is a fallback to
+       ``"torch"`` with its reason, announced once per reason by a
+       `kernelapprox.KernelApproxWarning`.
+
+    The fused recurrent kernels have their own backward, not the chunked one that fla refuses on
+    Hopper with Triton in [3.4, 3.7.1) (see `attention_plan`), so a gradient changes nothing here.
+    The device's capabilities are read once per device and kept.
+
+    Parameters
+    ----------
+    device : torch.device or str
+    dtype : torch.dtype
+        The step's compute dtype (the promotion of the inputs and the map, at least float32).
+    mode : str or None
+        ``fla_mode(feature_map)``: ``"gla"``, ``"plain"`` or ``None``.
+    caps : AttentionCapabilities, optional
+        The device's capabilities (default: read once per device); tests pass their own.
+    warn : bool, default True
+        Announce a fallback.
+
+    Returns
+    -------
+    AttentionPlan
+        ``path`` ``"torch"`` or ``"fla"``, with the ``reason`` of a fallback.
+
+    Examples
+    --------
+    >>> decode_plan("cpu", torch.float32, mode="gla").path
+    'torch'
+    >>> caps = AttentionCapabilities("cuda", (9, 0), "0.6.0", "3.6.0")
+    >>> decode_plan("cuda", torch.float32, mode="gla", caps=caps).path
+    'fla'
+    >>> plan = decode_plan("cuda", torch.float64, mode="gla", caps=caps, warn=False)
+    >>> plan.path, plan.reason
+    ('torch', 'fla has no float64 kernels')
+    """
+    env = forced_backend()
+    dev = torch.device(device)
+    if env in ("torch", "accelerator"):
+        return AttentionPlan("torch")
+    if not is_accelerator(dev) and env != "fla":
+        return AttentionPlan("torch")
+    if mode is None:
+        no_form = "the feature map has no fla form (trigonometric, Nystrom and HybridRF features)"
+        if warn and env == "fla":
+            _warn_decode_once(no_form)
+        return AttentionPlan("torch", no_form)
+    if caps is None:
+        caps = _decode_capabilities(dev)
+    reason: str | None = None
+    if caps.fla_version is None:
+        reason = "flash-linear-attention (fla-core) is not installed"
+    elif _parse(caps.fla_version) != _parse(FLA_VERSION):
+        reason = f"fla-core {caps.fla_version} is installed; the adapter is written for {FLA_VERSION}"
+    elif caps.triton_version is None:
+        reason = "Triton is not installed"
+    elif caps.device_type != "cuda":
+        reason = f"fla's kernels run on CUDA devices, not {caps.device_type!r}"
+    elif dtype == torch.float64:
+        reason = "fla has no float64 kernels"
+    if reason is None:
+        return AttentionPlan("fla")
+    if warn:
+        _warn_decode_once(reason)
     return AttentionPlan("torch", reason)
 
 

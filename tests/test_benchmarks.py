@@ -168,6 +168,13 @@ def test_gpu_case_list() -> None:
     assert maps == {e.name for e in ka.estimators() if e.is_random}
     assert {int(c.p("n")) for c in full if c.group == "short"} == {16, 48, 128, 512}
     assert any(c.group == "decode" and c.impl.startswith("RecurrentHybridAttention") for c in full)
+    # decoding: every recurrent path and the SDPA KV-cache step at each prompt length
+    dec = [c for c in full if c.group == "decode"]
+    for impl in ["sdpa KV-cache step"] + [i for i, _, _ in gpu.DECODE_IMPLS]:
+        assert {int(c.p("t")) for c in dec if c.impl == impl} == {512, 4096, 16384}, impl
+    qdec = [c for c in gpu.cases(quick=True) if c.group == "decode"]
+    assert {int(c.p("t")) for c in qdec} == {512, 4096}
+    assert not any("compiled" in c.impl for c in qdec)
     assert any(c.group == "favor" and c.shape == "B8 H16 n4096 d64 F128" for c in full)
     quick = gpu.cases(quick=True)
     assert set(c.key for c in quick) < set(keys) and len(quick) < len(full) / 2
@@ -306,7 +313,8 @@ def test_gpu_harness_runs_every_case_on_a_cpu_at_a_tiny_size(tmp_path) -> None:
                             log=lambda s: None)
     bad = [(r.impl, r.shape, r.mode, r.status) for r in rows
            if r.status != "ok" and not (r.impl.startswith("fla") and r.status.startswith("unavailable"))
-           and not (r.impl.startswith("performer") and r.status.startswith("unavailable"))]
+           and not (r.impl.startswith("performer") and r.status.startswith("unavailable"))
+           and not ("graphed" in r.impl and r.status == "unavailable: CUDA graphs need a CUDA device")]
     assert not bad, bad
     assert gpu.main(["--dry-run", "--tiny"]) == 0
 

@@ -197,7 +197,9 @@ class AttentionServer:
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None, fm: FeatureMap,
              state: Any) -> tuple[torch.Tensor, Any]:
         """Causal attention of n queries on the n new keys after ``state``: output and new state
-        (one token after a state: the recurrent form, the chunked one otherwise)."""
+        (one token after a state: the recurrent form, whose step runs where
+        `kernelapprox.backends.decode_plan` says, fla's fused kernel on CUDA with fla; the chunked
+        form otherwise)."""
         from ..attention.hybrid.recurrent import RecurrentHybridAttention
         from ..attention.linear.recurrent import RecurrentLinearAttention
         from ..attention.padded import padded_attention

@@ -13,10 +13,18 @@ numerator and the denominator. That is fla's ``chunk_gla`` (per-feature gates, `
 [B, T, H, K]) with ``scale=1.0``. Maps without log2 features whose features are bounded (elu+1,
 ReLU, Taylor) run ungated through ``chunk_simple_gla(g=None)``. fla's ``normalize=True`` is never
 used (its key sums are kept in bf16). Layout [B, T, H, K] throughout.
+
+Decoding (one token per call, `fla_decode_step`) runs the same recurrence through fla's fused
+recurrent kernels, ``fused_recurrent_gla`` (per-feature gate ``gk``) and
+``fused_recurrent_simple_gla`` (one gate per row, ``g``), with ``T = 1``: the state
+`kernelapprox.LinearAttentionState` is fla's ``initial_state`` [N, H, K, V] as it is, ``K = F``
+features by ``V = d_v + 1`` columns $[S \mid z]$ (these kernels mask both widths, so nothing is
+padded), and fla's final state (float32) is the next state's ``kv``.
 """
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ...maps.base import FeatureMap
-from .._common import feature_state, has_log2_features, log2_state, normalise
+from .._common import feature_state, has_log2_features, log2_state, normalise, with_ones
 from ..state import LinearAttentionState
 
 _LN2 = 0.6931471805599453
@@ -54,6 +62,22 @@ def _kernels() -> Any:
     from fla.ops.simple_gla import chunk_simple_gla  # type: ignore[import-not-found]
 
     return SimpleNamespace(chunk_gla=chunk_gla, chunk_simple_gla=chunk_simple_gla)
+
+
+_LOADED: dict[str, Any] = {}
+
+
+def _recurrent_kernels() -> Any:
+    """fla's fused recurrent kernels, imported on first use and kept (a decoding step, compiled
+    or captured, then reads one module attribute; tests replace this function)."""
+    kern = _LOADED.get("recurrent")
+    if kern is None:
+        from fla.ops.gla import fused_recurrent_gla
+        from fla.ops.simple_gla import fused_recurrent_simple_gla
+
+        kern = _LOADED["recurrent"] = SimpleNamespace(
+            fused_recurrent_gla=fused_recurrent_gla, fused_recurrent_simple_gla=fused_recurrent_simple_gla)
+    return kern
 
 
 def _even(n: int) -> int:
@@ -214,3 +238,147 @@ def fla_linear_attention(
             last = m[:, -1]  # (B, H, F)
         return out, feature_state(ht[..., :Fd, :dv + 1], last / _LN2)
     return out
+
+
+def fla_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    state: LinearAttentionState | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    r"""One decoding step by fla's fused recurrent kernels (``T = 1``): the output and the next state.
+
+    Gated maps (`fla_mode` ``"gla"``: positive maps with log2 features). With $a_f$ and $b_f$ the
+    key's and the query's log2-features, $\ell_f$ the state's log-scale of feature $f$ and $z_f$
+    its mass column, $X_f = \ell_f / \ln 2 + \log_2 z_f$ is the log2 of the feature's true
+    mass ($-\infty$ for a feature no key reached, or one whose $z_f$ is below the smallest
+    normal float32), and the new scale is $X'_f = \max(X_f, a_f)$. fla then computes, per row,
+    $$
+    h = e^{g} \odot h_0 + k [v, 1]^\top,\qquad o = q^\top h,
+    $$
+    with ``gk`` $g_f = (\ell_f / \ln 2 - X'_f) \ln 2 \le -\ln z_f$ (finite: at most
+    $126 \ln 2$), keys $k_f = 2^{a_f - X'_f} \le 1$ and queries $q_f = 2^{b_f + X'_f - M}$,
+    $M = \max_f (b_f + X'_f)$, so that one term of the denominator is at least 1. The next state
+    is ``kv`` $= h$ with the per-feature log-scales $X'_f \ln 2$ (float64; 0 where no key
+    reached), the state `kernelapprox.RecurrentLinearAttention` keeps.
+
+    Maps without log2 features whose features are bounded (`fla_mode` ``"plain"``: elu+1, ReLU,
+    Taylor): the key's shared log-scale $s$ (`FeatureMap.key_log_features` with
+    ``shared=True``) and the state's $G$ give $G' = \max(G, s)$; the key enters as
+    $\psi(k) e^{s - G'}$ and the state decays by the row gate ``g`` $= G - G'$ (0 for elu+1 and
+    ReLU, whose key scale is 0), as in the torch step.
+
+    Parameters
+    ----------
+    q, k : Tensor, shape (..., 1, d)
+        One token, in the compute dtype, as `kernelapprox.RecurrentLinearAttention.step` prepares
+        them (a padded key already zeroed).
+    v : Tensor, shape (..., 1, dv)
+    feature_map : FeatureMap
+        A map with an fla form (`fla_mode` not ``None``).
+    state : LinearAttentionState, optional
+        ``kv`` (..., F, dv + 1), one or per-feature log-scales; ``None``: nothing seen yet. A
+        contiguous float32 ``kv`` of the step's batch shape goes to fla without a copy.
+    key_padding_mask : Tensor, optional
+        Bool (..., 1), ``True`` where the token is padding: its key and value leave the state's
+        content unchanged, its query reads it.
+    eps : float, default 1e-6
+        Denominator guard of signed maps (Taylor), as in `kernelapprox.linear_attention`.
+
+    Returns
+    -------
+    out : Tensor, shape (..., 1, dv), float32 (the dtype of ``v`` where wider)
+    state : LinearAttentionState
+        ``kv`` (..., F, dv + 1) float32, fla's final state reshaped (no copy).
+
+    Examples
+    --------
+    Runs where ``fla-core`` and a CUDA device are present (see ``docs/gpu.md``); the step of
+    `kernelapprox.RecurrentLinearAttention` takes it there.
+    """
+    mode = fla_mode(feature_map)
+    if mode is None:
+        raise ValueError(f"{type(feature_map).__name__} has no fla form (see fla_mode)")
+    kern = _recurrent_kernels()
+    acc = torch.promote_types(torch.float32, v.dtype)
+    ninf = float("-inf")
+    dv = v.shape[-1]
+    P = dv + 1
+    pad = key_padding_mask
+    v1 = with_ones(v).squeeze(-2).to(acc)  # (..., P)
+    if pad is not None:
+        v1 = v1.masked_fill(pad, 0.0)
+    gate: torch.Tensor | None = None
+    if mode == "gla":
+        b = feature_map.query_log2_features(q)
+        a = feature_map.key_log2_features(k)
+        if a is None or b is None:
+            raise ValueError(f"{type(feature_map).__name__} returned no log2 features")
+        a, b = a.squeeze(-2).to(acc), b.squeeze(-2).to(acc)  # (..., F)
+        if pad is not None:
+            a = a.masked_fill(pad, ninf)
+        Fd = a.shape[-1]
+        with torch.no_grad():
+            Xn = a.detach()
+            if state is not None:
+                z = state.kv[..., dv].detach().to(torch.float64)  # (..., F)
+                ls2 = state.log_scale.detach().to(torch.float64).squeeze(-1) * (1.0 / _LN2)  # (..., F or 1)
+                reached = z >= torch.finfo(torch.float32).tiny
+                X = torch.where(reached, ls2 + torch.log2(z), ninf).to(acc)
+                Xn = torch.maximum(X, Xn)
+            ref = torch.where(Xn == ninf, 0.0, Xn)
+            if state is not None:
+                # the state's rows enter at the new scale: (l / ln 2 - X') in natural log; a feature
+                # with nothing representable is emptied (the lowest float32 gate, e^g = 0)
+                g2 = ls2 - ref.to(torch.float64)
+                gate = torch.where(reached, g2 * _LN2, torch.finfo(acc).min).to(acc)
+            top = (b.detach() + Xn).amax(dim=-1, keepdim=True)
+            top = torch.where(top == ninf, 0.0, top)
+        kk = torch.exp2(a - ref)
+        kq = torch.exp2(b + Xn - top)
+        log_scale = (ref.to(torch.float64) * _LN2).unsqueeze(-1)  # (..., F, 1)
+    else:
+        fq = feature_map.query_features(q).squeeze(-2).to(acc)  # (..., F)
+        fk, s = feature_map.key_log_features(k, shared=True)  # (..., 1, F), (..., 1)
+        if pad is not None:
+            s = s.masked_fill(pad, ninf)
+        Fd = fk.shape[-1]
+        with torch.no_grad():
+            G = s.detach()
+            if state is not None:
+                old = state.log_scale.detach().to(s.dtype).squeeze(-1)  # (..., 1)
+                G = torch.maximum(old, G)
+            G = torch.where(G == ninf, 0.0, G)
+            if state is not None:
+                gate = (old - G).to(acc)  # (..., 1)
+        kk = fk.squeeze(-2).to(acc) * torch.exp(s - G).to(acc)
+        kq = fq
+        log_scale = G.unsqueeze(-1)  # (..., 1, 1)
+    lead = torch.broadcast_shapes(kq.shape[:-1], kk.shape[:-1], v1.shape[:-1],
+                                  *(() if state is None else (state.kv.shape[:-2],)))
+    N = math.prod(lead)
+
+    def rows(x: torch.Tensor, width: int) -> torch.Tensor:
+        """(..., width) -> fla's (N, T = 1, H = 1, width): a view where the shape is already ``lead``."""
+        return x.expand(*lead, width).reshape(N, 1, 1, width)
+
+    h0 = None if state is None else state.kv.expand(*lead, Fd, P).reshape(N, 1, Fd, P)
+    if mode == "gla":
+        o, ht = kern.fused_recurrent_gla(
+            q=rows(kq, Fd), k=rows(kk, Fd), v=rows(v1, P), gk=None if gate is None else rows(gate, Fd),
+            scale=1.0, initial_state=h0, output_final_state=True,
+        )
+    else:
+        o, ht = kern.fused_recurrent_simple_gla(
+            q=rows(kq, Fd), k=rows(kk, Fd), v=rows(v1, P),
+            g=None if gate is None else gate.expand(*lead, 1).reshape(N, 1, 1),
+            scale=1.0, initial_state=h0, output_final_state=True,
+        )
+    o = o.to(acc)
+    out = normalise(o[..., :dv], o[..., dv:], feature_map.positive, eps).reshape(*lead, 1, dv)
+    kv = ht.reshape(*lead, Fd, P)
+    return out, LinearAttentionState(kv, log_scale.expand(*lead, *log_scale.shape[-2:]))

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
+from ... import backends
+from ..._validation import (
+    broadcast_batch,
+    check_bool,
+    check_floating,
+    compute_dtype,
+    inputs_validated,
+    no_autocast,
+)
 from ...maps.base import FeatureMap
 from .._common import (
     apply_padding,
@@ -20,6 +30,10 @@ from .._common import (
     with_ones,
 )
 from ..state import LinearAttentionState
+from .fla import fla_decode_step, fla_mode
+
+if TYPE_CHECKING:
+    from .graphed import CapturedStep
 
 
 class RecurrentLinearAttention:
@@ -42,6 +56,20 @@ class RecurrentLinearAttention:
         Initial state, e.g. from ``linear_attention(..., causal=True, return_state=True)`` on a prompt.
     eps : float, default 1e-6
         Denominator guard for signed feature maps (see `kernelapprox.linear_attention`).
+    inplace : bool, default False
+        Write each step's state into the tensors of the state this decoder made at the step
+        before (``copy_``), instead of new tensors: the state's storage then stays put from the
+        second step on, as a captured CUDA graph needs (`capture`). A state passed in (``state``,
+        or assigned to ``.state``) is never written; a state that records autograd is replaced,
+        not overwritten.
+
+    Notes
+    -----
+    Where the step runs is `kernelapprox.backends.decode_plan`'s choice: the torch step on the
+    CPU and wherever fla is absent, flash-linear-attention's fused recurrent kernels on CUDA
+    (`kernelapprox.attention.linear.fla.fla_decode_step`). Neither reads a device value on the
+    host, and ``torch.compile(rnn.step, fullgraph=True)`` traces the torch step. `capture`
+    replays a step from a CUDA graph (``docs/gpu.md``).
 
     Examples
     --------
@@ -59,6 +87,7 @@ class RecurrentLinearAttention:
         *,
         state: LinearAttentionState | None = None,
         eps: float = 1e-6,
+        inplace: bool = False,
     ) -> None:
         check_feature_map(feature_map)
         if state is not None and not isinstance(state, LinearAttentionState):
@@ -66,11 +95,13 @@ class RecurrentLinearAttention:
         self.feature_map = feature_map
         self.state = state
         self.eps = check_eps(eps)
+        self.inplace = check_bool("inplace", inplace)
         self.steps = 0
+        self._owned: LinearAttentionState | None = None  # the state whose tensors ``inplace`` may write
 
     def reset(self) -> None:
         """Forget the state."""
-        self.state = None
+        self.state = self._owned = None
         self.steps = 0
 
     @no_autocast
@@ -131,6 +162,12 @@ class RecurrentLinearAttention:
         cdt = compute_dtype(out_dtype, fm.param_dtype)
         q, k, v = q_t.to(cdt).unsqueeze(-2), k_t.to(cdt).unsqueeze(-2), v_t.to(cdt).unsqueeze(-2)
         k, v = apply_padding(pad, k, v)
+        mode = fla_mode(fm)
+        if backends.decode_plan(q_t.device, cdt, mode=mode).path == "fla":
+            with inputs_validated():
+                out, state = fla_decode_step(q, k, v, fm, state=self.state, key_padding_mask=pad, eps=self.eps)
+            self._commit(state.kv, state.log_scale)
+            return out.squeeze(-2).to(out_dtype)
         if fm.positive and has_log2_features(fm):
             with inputs_validated():
                 lk = fm.key_log2_features(k)
@@ -155,10 +192,58 @@ class RecurrentLinearAttention:
             old_ls = old.log_scale.to(gk.dtype)
             g = torch.maximum(old_ls, gk).detach()
             kv = old.kv.to(cdt) * torch.exp(old_ls - g).to(cdt) + upd * torch.exp(gk - g).to(cdt)
-        self.state = LinearAttentionState(kv, g.expand(*kv.shape[:-2], 1, 1))
-        self.steps += 1
+        self._commit(kv, g.expand(*kv.shape[:-2], 1, 1))
         out = normalise(*split(torch.matmul(fq, kv)), fm.positive, self.eps)
         return out.squeeze(-2).to(out_dtype)
+
+    def capture(
+        self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, *, warmup: int = 2, compile: bool = False,
+    ) -> CapturedStep:
+        r"""Record one step in a CUDA graph and return it as a callable: ``capture(q, k, v)(q_t,
+        k_t, v_t)`` is ``step(q_t, k_t, v_t)`` replayed (`kernelapprox.attention.linear.graphed`).
+
+        Sets ``inplace``; the state is left as it was. ``q_t, k_t, v_t`` (CUDA) give the shapes
+        to replay; ``warmup`` steps run first; ``compile`` captures ``torch.compile(self.step)``.
+        See `kernelapprox.attention.linear.graphed.capture_step`.
+
+        Returns
+        -------
+        CapturedStep
+
+        Examples
+        --------
+        Runs on a CUDA device (``docs/gpu.md``); on a CPU tensor it says so:
+
+        >>> import kernelapprox as ka
+        >>> rnn = ka.RecurrentLinearAttention(ka.PositiveRF(8, 16, seed=0))
+        >>> q, k, v = torch.randn(3, 2, 8).unbind(0)
+        >>> _ = rnn.step(q, k, v)
+        >>> rnn.capture(q, k, v)
+        Traceback (most recent call last):
+        ...
+        ValueError: q_t must be a CUDA tensor to capture a CUDA graph, got cpu
+        """
+        from .graphed import capture_step
+
+        return capture_step(self, q_t, k_t, v_t, warmup=warmup, compile=compile)
+
+    def _commit(self, kv: torch.Tensor, log_scale: torch.Tensor) -> None:
+        """Keep the step's state: under ``inplace`` written into the tensors of the state this
+        decoder made at its previous step (never a state it was given) where shapes and dtypes
+        match and nothing records autograd, else as new tensors; count the step."""
+        old = self.state
+        self.steps += 1
+        if self.inplace and not kv.requires_grad:
+            if (old is not None and old is self._owned and old.kv.shape == kv.shape and old.kv.dtype == kv.dtype
+                    and old.log_scale.shape == log_scale.shape and old.log_scale.dtype == log_scale.dtype
+                    and not old.kv.requires_grad):
+                old.kv.copy_(kv)
+                old.log_scale.copy_(log_scale)
+                return
+            # the first step: tensors of the step's own layout, with storage of their own
+            self.state = self._owned = LinearAttentionState(kv.contiguous(), log_scale.contiguous())
+            return
+        self.state = LinearAttentionState(kv, log_scale)
 
     def _gated_step(
         self, lq: torch.Tensor, lk: torch.Tensor, v: torch.Tensor, pad: torch.Tensor | None
@@ -198,7 +283,7 @@ class RecurrentLinearAttention:
         with torch.no_grad():
             s = b.amax(dim=-1, keepdim=True)
             s = torch.where(s == ninf, torch.zeros_like(s), s)
-        self.state = feature_state(kv, Xn)
-        self.steps += 1
+        st = feature_state(kv, Xn)
+        self._commit(st.kv, st.log_scale)
         out = torch.matmul(torch.exp2(b - s), kv)
         return normalise(*split(out), True, self.eps)
