@@ -11,7 +11,10 @@ import kernelapprox as ka
 from kernelapprox import backends
 from kernelapprox.attention.linear.naive_gated import exact_linear_attention
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 # bf16 outputs within 5e-3 of float64, gradients within 1e-2 (relative to their scale)
 TOL = {torch.bfloat16: (5e-3, 1e-2), torch.float32: (1e-4, 1e-4)}
