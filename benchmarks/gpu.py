@@ -1,7 +1,7 @@
 r"""GPU benchmark: kernelapprox against fla, torch SDPA and performer-pytorch, in one process.
 
 Run: ``python -m benchmarks gpu [--quick] [--out DIR] [--budget SECONDS] [--dtype bfloat16]
-[--dry-run] [--device cuda|cpu] [--tiny]``
+[--dry-run] [--device cuda|cpu] [--tiny] [--only GROUP ...]``
 
 Every case calls the library through its public API only (``ka.linear_attention``,
 ``ka.hybrid_attention``, the feature maps, ``RecurrentLinearAttention.step``,
@@ -29,8 +29,11 @@ Groups (d = 64 unless said; inputs in ``--dtype``, bf16 by default):
   ``x @ W.mT`` of its projection's shape writing a 16-bit output;
 * ``favor``: FAVOR+ r128 on q and k (``fm(q)``, ``fm.key_features(k)``) at B8 H16 n4096,
   against the two GEMMs;
-* ``short``: causal calls at n = 16, 48, 128, 512 (B32 H4 d16, FAVOR+ r64), the library, its
-  naive quadratic form and SDPA;
+* ``short``: causal calls at n = 16 ... 1024 (B32 H4 d16 FAVOR+ r64, and B8 H16 d64 r128): the
+  library's choice, its two accelerator forms forced (the quadratic form and the log-domain scan,
+  ``kernelapprox.backends.SHORT_CALL_N`` moved around ``n`` for the call), its naive quadratic
+  form and SDPA; the run ends with the crossover of the two forms per shape and mode (the least
+  ``n`` from which the scan is at least as fast), the measurement behind ``SHORT_CALL_N``;
 * ``decode``: one token per step after a prompt of t = 512, 4096, 16384 tokens (B8 H16, FAVOR+
   r128) against one SDPA step on a KV cache of t tokens (``sdpa(q_t, K, V)``, the cache not
   appended to): ``RecurrentLinearAttention.step`` on the torch step (``KERNELAPPROX_BACKEND=torch``
@@ -91,7 +94,11 @@ D = 64
 #: (n, B, H) of the attention and hybrid groups.
 ATTN_SIZES = ((1024, 8, 16), (4096, 8, 16), (16384, 2, 16), (65536, 1, 16))
 FEATURES = (64, 128, 256)
-SHORT_NS = (16, 48, 128, 512)
+SHORT_NS = (16, 32, 64, 128, 256, 512, 1024)
+#: (B, H, d, F) of the short group.
+SHORT_SHAPES = ((32, 4, 16, 64), (8, 16, 64, 128))
+#: The short group's forms forced on either side of ``SHORT_CALL_N`` (their crossover is printed).
+SHORT_QUADRATIC, SHORT_SCAN = "kernelapprox quadratic form", "kernelapprox scan form"
 DECODE_TS = (512, 4096, 16384)
 QUICK_DECODE_TS = (512, 4096)
 #: (impl, backend, how): the recurrent rows of the decode group.
@@ -207,11 +214,13 @@ def cases(quick: bool = False, tiny: bool = False) -> list[Case]:
     add("favor", "FAVOR+ fm(q), fm.key_features(k)", shape, "two bf16 GEMMs (q, k)",
         B=fB, H=fH, n=fn_, d=d, r=fr)
 
-    sB, sH, sd, sr = (2, 2, 8, 8) if tiny else (32, 4, 16, 64)
-    for n in ((16, 64) if tiny else ((16, 128, 512) if quick else SHORT_NS)):
-        shape = _shape(sB, sH, n, sd, sr)
-        for impl in ("sdpa causal", "kernelapprox favor+ causal", "kernelapprox naive quadratic causal"):
-            add("short", impl, shape, "sdpa causal", n=n, B=sB, H=sH, d=sd, F=sr, causal=True, fmap="favor+")
+    short_shapes = ((2, 2, 8, 8),) if tiny else (SHORT_SHAPES[:1] if quick else SHORT_SHAPES)
+    for sB, sH, sd, sr in short_shapes:
+        for n in ((16, 64) if tiny else ((16, 64, 128, 512) if quick else SHORT_NS)):
+            shape = _shape(sB, sH, n, sd, sr)
+            for impl in ("sdpa causal", "kernelapprox favor+ causal", SHORT_QUADRATIC, SHORT_SCAN,
+                         "kernelapprox naive quadratic causal"):
+                add("short", impl, shape, "sdpa causal", n=n, B=sB, H=sH, d=sd, F=sr, causal=True, fmap="favor+")
 
     dB, dH, dr = (1, 2, 8) if tiny else (8, 16, 128)
     dts = (32, 64) if tiny else (QUICK_DECODE_TS if quick else DECODE_TS)
@@ -296,6 +305,44 @@ def _gated_scan(fm: ka.FeatureMap, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return o[..., :dv] / o[..., dv:dv + 1]
 
 
+def _forced_short_call(limit: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       fm: ka.FeatureMap) -> torch.Tensor:
+    """The library's causal torch forms with ``backends.SHORT_CALL_N = limit`` for the call:
+    above ``n`` the quadratic form, 0 the log-domain scan (`kernelapprox.attention.chunk_linear_attention`
+    takes the scan for every accelerator plan but the quadratic one, fla's included)."""
+    from kernelapprox import backends
+
+    old = backends.SHORT_CALL_N
+    backends.SHORT_CALL_N = limit
+    try:
+        return ka.attention.chunk_linear_attention(q, k, v, fm)  # type: ignore[return-value]
+    finally:
+        backends.SHORT_CALL_N = old
+
+
+def short_crossover(rows: Sequence[Row]) -> list[str]:
+    """Per short-group shape (without n) and mode, the times of the quadratic and the scan form at
+    each n and the least n from which the scan is at least as fast ('none' if it never is)."""
+    table: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
+    for r in rows:
+        if r.group != "short" or r.impl not in (SHORT_QUADRATIC, SHORT_SCAN) or r.status != "ok":
+            continue
+        parts = r.shape.split()
+        n = int(next(p for p in parts if p.startswith("n"))[1:])
+        key = (" ".join(p for p in parts if not p.startswith("n")), r.mode)
+        table.setdefault(key, {}).setdefault(n, {})[r.impl] = r.ms
+    lines = []
+    for (shape, mode), by_n in table.items():
+        both = {n: t for n, t in sorted(by_n.items()) if len(t) == 2}
+        if not both:
+            continue
+        cross = next((n for n, t in both.items() if t[SHORT_SCAN] <= t[SHORT_QUADRATIC]), None)
+        times = ", ".join(f"n{n} {t[SHORT_QUADRATIC]:.3g}/{t[SHORT_SCAN]:.3g}" for n, t in both.items())
+        lines.append(f"short-call crossover {shape} {mode}: scan at least as fast as the quadratic form from "
+                     f"n = {cross if cross is not None else 'none'} (quadratic/scan ms: {times})")
+    return lines
+
+
 def _attention_fn(c: Case, device, dtype) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
     n, B, H, d = (int(c.p(x)) for x in ("n", "B", "H", "d"))  # type: ignore[call-overload]
     causal = bool(c.p("causal"))
@@ -311,6 +358,10 @@ def _attention_fn(c: Case, device, dtype) -> tuple[Callable[[], torch.Tensor], l
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if impl.startswith("sdpa"):
         return (lambda: sdpa(q, k, v, is_causal=causal)), leaves
+    if impl in (SHORT_QUADRATIC, SHORT_SCAN):
+        fm = _feature_map("favor+", d, F, device)
+        limit = n + 1 if impl == SHORT_QUADRATIC else 0
+        return (lambda: _forced_short_call(limit, q, k, v, fm)), leaves
     if impl.startswith("kernelapprox naive"):
         fm = _feature_map("favor+", d, F, device)
         return (lambda: ka.naive_linear_attention(q, k, v, fm, causal=causal)), leaves
@@ -700,8 +751,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny: a harness check)")
     p.add_argument("--dry-run", action="store_true", help="list the cases and exit")
     p.add_argument("--tiny", action="store_true", help="every case at a tiny size (harness check)")
+    p.add_argument("--only", nargs="+", metavar="GROUP", help="run only these groups (attention, maps, favor, "
+                   "short, decode, hybrid)")
     a = p.parse_args(argv)
     case_list = cases(quick=a.quick, tiny=a.tiny)
+    if a.only:
+        case_list = [c for c in case_list if c.group in a.only]
     if a.dry_run:
         for c in case_list:
             print(f"{c.group:9s} {c.mode:7s} {c.shape:24s} {c.impl}")
@@ -722,6 +777,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, warmup_s = run_cases(case_list, device, dtype, timer, budget)
     skipped = [f"{r.group} {r.impl} {r.shape} {r.mode}" for r in rows if r.status == "skipped (budget)"]
     md = to_markdown(rows, env, warmup_s, how, a.dtype, skipped=skipped)
+    cross = short_crossover(rows)
+    if cross:
+        md += "\n" + "\n".join(f"- {line}" for line in cross) + "\n"
     print(md)
     if a.out:
         out = Path(a.out)

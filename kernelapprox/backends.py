@@ -262,8 +262,14 @@ def fused_features(fm: torch.nn.Module, x: torch.Tensor, key: bool = False) -> t
 FLA_VERSION = "0.6.0"
 
 #: Below this sequence length, causal linear attention on an accelerator takes the quadratic
-#: form (one masked GEMM pair) rather than a scan: short calls are launch-bound. A placeholder
-#: until measured on the device by ``python -m benchmarks gpu`` (short-call rows).
+#: form (`kernelapprox.attention.linear.quadratic`, one masked score GEMM pair) rather than the
+#: log-domain scan (`kernelapprox.attention.linear.chunk_logscan`): short calls are launch-bound,
+#: and the quadratic form has none of the scan's state operations. A CPU measurement (forced
+#: accelerator path, FAVOR+, float32, one thread, least of 5-7 interleaved calls, 2026-12-04):
+#: the scan is as fast as the quadratic form from n = 128-160 forward and n = 128 forward +
+#: backward at B32 H4 d16 r64, from n = 384 and 256 at B8 H16 d64 r128 (128 is the conservative
+#: side there: the quadratic form's memory grows as n^2). The GPU crossover is printed by
+#: ``python -m benchmarks gpu --only short`` (not yet measured).
 SHORT_CALL_N = 128
 
 #: Triton releases under which fla 0.6.0 refuses the gated backward on Hopper (sm90): a Triton

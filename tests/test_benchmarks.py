@@ -166,7 +166,10 @@ def test_gpu_case_list() -> None:
         assert c.ref.endswith(c.mode)
     maps = {c.p("estimator") for c in full if c.group == "maps"} - {None}
     assert maps == {e.name for e in ka.estimators() if e.is_random}
-    assert {int(c.p("n")) for c in full if c.group == "short"} == {16, 48, 128, 512}
+    short = [c for c in full if c.group == "short"]
+    assert {int(c.p("n")) for c in short} == set(gpu.SHORT_NS)
+    assert {(c.p("B"), c.p("H"), c.p("d"), c.p("F")) for c in short} == set(gpu.SHORT_SHAPES)
+    assert {gpu.SHORT_QUADRATIC, gpu.SHORT_SCAN, "kernelapprox favor+ causal"} <= {c.impl for c in short}
     assert any(c.group == "decode" and c.impl.startswith("RecurrentHybridAttention") for c in full)
     # decoding: every recurrent path and the SDPA KV-cache step at each prompt length
     dec = [c for c in full if c.group == "decode"]
@@ -178,6 +181,27 @@ def test_gpu_case_list() -> None:
     assert any(c.group == "favor" and c.shape == "B8 H16 n4096 d64 F128" for c in full)
     quick = gpu.cases(quick=True)
     assert set(c.key for c in quick) < set(keys) and len(quick) < len(full) / 2
+
+
+def test_gpu_short_call_crossover() -> None:
+    """The least n from which the forced scan is at least as fast as the forced quadratic form,
+    per shape and mode, from the rows (failed rows left out; 'none' if the scan never wins)."""
+    from benchmarks import gpu
+
+    rows = []
+    for n, tq, ts in ((16, 1.0, 3.0), (64, 2.0, 2.5), (128, 4.0, 3.9), (256, 9.0, 5.0)):
+        shape = f"B32 H4 n{n} d16 F64"
+        rows += [gpu.Row("short", gpu.SHORT_QUADRATIC, shape, "fwd", ms=tq),
+                 gpu.Row("short", gpu.SHORT_SCAN, shape, "fwd", ms=ts),
+                 gpu.Row("short", gpu.SHORT_QUADRATIC, shape, "fwd+bwd", ms=tq),
+                 gpu.Row("short", gpu.SHORT_SCAN, shape, "fwd+bwd", ms=10 * ts),
+                 gpu.Row("short", "sdpa causal", shape, "fwd", ms=0.1)]
+    rows.append(gpu.Row("short", gpu.SHORT_SCAN, "B32 H4 n512 d16 F64", "fwd", status="OOM"))
+    lines = gpu.short_crossover(rows)
+    assert len(lines) == 2
+    assert "B32 H4 d16 F64 fwd: scan at least as fast as the quadratic form from n = 128" in lines[0]
+    assert "n16 1/3" in lines[0] and "n512" not in lines[0]
+    assert "fwd+bwd" in lines[1] and "from n = none" in lines[1]
 
 
 def test_gpu_runner_isolates_cases_and_keeps_the_budget() -> None:

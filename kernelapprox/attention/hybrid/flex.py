@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ...maps.base import FeatureMap
+from ..linear.chunk_logscan import causal_log_scan
 from .core import check_hybrid_eps, check_window_mode, prepare_hybrid, resolve_sinks, softmax_path
 from .logfeatures import log_features_pair
 
@@ -45,70 +46,23 @@ __all__ = ["flex_hybrid_attention"]
 _NEG = -1e30  # a finite "minus infinity": exp() of it is 0 and its gradients are finite
 
 
-def _safe_log(x: torch.Tensor) -> torch.Tensor:
-    pos = x > 0
-    return torch.where(pos, torch.where(pos, x, torch.ones_like(x)).log(), torch.full_like(x, _NEG))
-
-
 def _delayed_scan(lq: torch.Tensor, lk: torch.Tensor, v: torch.Tensor, delay: int, block: int, chunk: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""Causal remainder read with a delay, per-feature log domain.
+    r"""Causal remainder read with a delay, per-feature log domain
+    (`kernelapprox.attention.linear.chunk_logscan.causal_log_scan` on natural-log features).
 
     ``lq`` (L, n, F), ``lk`` (L, n, F) with ``_NEG`` for keys out of the remainder, ``v`` (L, n, dv).
     ``block == 0``: query ``i`` reads keys ``j <= i - delay``. ``block > 0``: query ``i`` reads the
     keys of the blocks ``<= i // block - 2`` (``chunk`` is then ``block``).
 
     Returns ``(num, den, sigma)``: the remainder's numerator (L, n, dv) and normaliser (L, n),
-    both times ``exp(-sigma)``, and the shift ``sigma`` (L, n), detached.
+    both times ``exp(-sigma)``, and the shift ``sigma`` (L, n), detached; a row that reads no key
+    has ``num = den = 0`` and ``sigma = -inf`` (weight 0 in `_merge`).
     """
-    L, n, Fd = lq.shape
-    dv = v.shape[-1]
-    if block:
-        C = block
-    else:  # shift the keys by the delay: query i then reads the shifted keys j <= i
-        C = chunk
-        lk = F.pad(lk, (0, 0, delay, 0), value=_NEG)[:, :n]
-        v = F.pad(v, (0, 0, delay, 0))[:, :n]
-    nc = -(-n // C)
-    tail = nc * C - n
-    if tail:
-        lq = F.pad(lq, (0, 0, 0, tail), value=_NEG)
-        lk = F.pad(lk, (0, 0, 0, tail), value=_NEG)
-        v = F.pad(v, (0, 0, 0, tail))
-    lq = lq.reshape(L, nc, C, Fd)
-    lk = lk.reshape(L, nc, C, Fd)
-    v = v.reshape(L, nc, C, dv)
-    # chunk sums per feature, relative to the chunk's per-feature maximum
-    with torch.no_grad():
-        M = lk.detach().amax(dim=2, keepdim=True)  # (L, nc, 1, F)
-    ek = torch.exp(lk - M)  # (L, nc, C, F), in [0, 1]
-    vals = torch.cat([v.clamp(min=0), (-v).clamp(min=0), torch.ones_like(v[..., :1])], dim=-1)  # (L, nc, C, 2dv+1)
-    T = ek.transpose(-1, -2) @ vals  # (L, nc, F, 2dv+1)
-    logT = _safe_log(T) + M.transpose(-1, -2)  # log of the absolute chunk sums
-    logS = torch.logcumsumexp(logT, dim=1)  # inclusive over chunks
-    gap = 2 if block else 1  # the state read by chunk c: chunks <= c - gap
-    logS = F.pad(logS, (0, 0, 0, 0, gap, 0), value=_NEG)[:, :nc]  # (L, nc, F, 2dv+1)
-    logS = logS.clamp(min=_NEG)
-    with torch.no_grad():
-        R = logS[..., -1:].detach()  # per-feature reference: the log normaliser of the state
-    St = torch.exp(logS - R)  # (L, nc, F, 2dv+1), the "1" column is 1 (or 0 for an empty state)
-    qa = lq + R.transpose(-1, -2)  # (L, nc, C, F) log query weights against the state
-    with torch.no_grad():
-        sig = qa.detach().amax(dim=-1)  # (L, nc, C)
-    intra = None
-    if not block:  # exact scores within the chunk: lambda_ij = logsumexp_f(b_if + a_jf), j <= i
-        lam = torch.logsumexp(lq.unsqueeze(3) + lk.unsqueeze(2), dim=-1)  # (L, nc, C, C)
-        causal = torch.ones(C, C, dtype=torch.bool, device=lq.device).tril()
-        lam = lam.masked_fill(~causal, _NEG)
-        with torch.no_grad():
-            sig = torch.maximum(sig, lam.detach().amax(dim=-1))
-        intra = torch.exp(lam - sig.unsqueeze(-1)) @ vals  # (L, nc, C, 2dv+1)
-    out = torch.exp(qa - sig.unsqueeze(-1)) @ St  # (L, nc, C, 2dv+1)
-    if intra is not None:
-        out = out + intra
-    out = out.reshape(L, nc * C, 2 * dv + 1)[:, :n]
-    num = out[..., :dv] - out[..., dv:2 * dv]
-    return num, out[..., -1], sig.reshape(L, nc * C)[:, :n]
+    lk = lk.masked_fill(lk <= _NEG, float("-inf"))  # keys out of the remainder take no part
+    res = causal_log_scan(lq, lk, v, log2=False, delay=0 if block else delay, block=block, chunk=chunk,
+                          tile=chunk)  # exact scores within a chunk
+    return res.num, res.den, res.shift
 
 
 def _merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -3,7 +3,9 @@
 `chunk_shared.shared_scale_attention` (one key scale per group of chunks) and
 `chunk_runmax.running_max_attention` (each query at its running maximum), one per module; and
 `per_feature_attention`, which recomputes the rows whose denominator underflows with every
-feature at its own causal scale.
+feature at its own causal scale. On accelerators, positive maps with log2 features go to
+`chunk_logscan` (the log-domain scan) or, for short calls, `quadratic`
+(`kernelapprox.backends.attention_plan` decides).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from .._common import (
 )
 from ..state import LinearAttentionState
 from . import chunk_runmax, chunk_shared
+from .chunk_logscan import causal_log_scan
 from .parallel import _GEMM_COLUMNS
+from .quadratic import quadratic_log_attention
 
 _PATHS = ("auto", "shared", "runmax")
 
@@ -227,10 +231,21 @@ def chunk_linear_attention(
     `den_floor` are recomputed by `per_feature_attention` (every feature at its own causal
     scale, $\text{den}_i \ge 1$, so also a finite backward); one host read per call.
 
-    Output $i$ depends on positions $\le i$ only, also for non-finite inputs: a NaN or
-    Inf at position $j$ reaches rows $\ge j$ (as in the recurrent form), never rows
-    before it, whatever the chunk size, bitwise (the rows before a token the shared-scale path
-    cannot take are computed as if it were absent); padding after the sequence has no effect.
+    On accelerators (`kernelapprox.backends.attention_plan`; on any device with
+    ``KERNELAPPROX_BACKEND=accelerator``) positive maps with log2 features take forms with every
+    feature at its own causal scale ($\text{den}_i \ge 1$ at any norm), a fixed number of tensor
+    operations for any ``n`` and no host read: calls shorter than
+    `kernelapprox.backends.SHORT_CALL_N` the quadratic form
+    (`kernelapprox.attention.linear.quadratic.quadratic_log_attention`), longer ones the chunked
+    log-domain scan (`kernelapprox.attention.linear.chunk_logscan.causal_log_scan`, chunks of
+    ``chunk_size`` tokens). There a non-finite input reaches every row of its chunk (of the call,
+    in the quadratic form) and the later ones. The returned state has one log scale per feature.
+
+    On the shared-scale and running-maximum paths, output $i$ depends on positions $\le i$ only,
+    also for non-finite inputs: a NaN or Inf at position $j$ reaches rows $\ge j$ (as in the
+    recurrent form), never rows before it, whatever the chunk size, bitwise (the rows before a
+    token the shared-scale path cannot take are computed as if it were absent); padding after the
+    sequence has no effect.
 
     Memory: peak $O(n(F + d_v) + F d_v)$ per head for any ``chunk_size`` (no $(n, F, d_v)$
     tensor); cost $O(nFd_v + nC(F + d_v))$ for chunk size $C$. The backward keeps the inputs of
@@ -299,30 +314,31 @@ def chunk_linear_attention(
     initial_state = shared_state(initial_state)
     log2 = feature_map.positive and has_log2_features(feature_map)
     device_path = False
+    plan = None
     if _path == "auto":
         grad = torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
             or any(p.requires_grad for p in feature_map.parameters()))
         plan = backends.attention_plan(q.device, q.dtype, n=q.shape[-2], gated=log2, grad=grad)
         device_path = plan.path != "cpu"
-    if device_path and log2:
-        # Accelerators (and the forced accelerator path): every feature at its own causal scale
-        # (the per-feature gated recurrence, by blocks), no host read, no rescue needed.
+    if device_path and log2 and plan is not None:
+        # Accelerators (and the forced accelerator path): every feature at its own causal scale, a
+        # fixed number of operations for any n, no host read, no rescue needed: the quadratic form
+        # for short calls, the chunked log-domain scan otherwise.
         with inputs_validated():
             lq = feature_map.query_log2_features(q)
             lk = feature_map.key_log2_features(k)
         if lq is not None and lk is not None:
-            dv = v.shape[-1]
-            v1 = with_ones(v, _GEMM_COLUMNS)
-            if pad is not None:
-                v1 = v1.masked_fill(pad.unsqueeze(-1), 0.0)
-            lead = torch.broadcast_shapes(lq.shape[:-2], lk.shape[:-2], v1.shape[:-2])
-            raw = per_feature_attention(lq, lk, v1, pad, given_state, lead, dv)
-            out = normalise(raw[..., :dv], raw[..., dv:dv + 1], True, eps).to(out_dtype)
+            if plan.path == "quadratic":
+                res = quadratic_log_attention(lq, lk, v, key_padding_mask=pad, initial_state=given_state,
+                                              return_state=return_state)
+            else:
+                res = causal_log_scan(lq, lk, v, key_padding_mask=pad, initial_state=given_state,
+                                      return_state=return_state, chunk=chunk_size)
+            out = normalise(res.num, res.den.unsqueeze(-1), True, eps).to(out_dtype)
             if return_state:
-                st = None if given_state is None else log2_state(given_state, dv, v1.dtype)
-                kv, t = per_feature_keys(lk, with_ones(v), pad, st)
-                return out, feature_state(kv, t)
+                assert res.state is not None
+                return out, res.state
             return out
     k, v = apply_padding(pad, k, v)
     with inputs_validated():
