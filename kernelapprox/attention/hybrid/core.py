@@ -33,6 +33,12 @@ of its remainder (non-causal: of all remainder keys; causal: of the keys it has 
 evaluates $e^{q_i^\top k_j - m_i}$ and $e^{s(q_i) + G_i - m_i} f(q_i)^\top
 \sum_{j\in R_i} f(k_j) e^{s(k_j) - G_i} v_j^\top$: every weight is at most 1, and the shift
 cancels in the ratio, so a positive unbiased $\varphi$ gives unbiased $\hat N_i$, $\hat D_i$.
+For positive maps, the non-causal forms shift each feature by its own maximum
+(`kernelapprox.attention.hybrid.logfeatures`), and the causal forms recompute the rows whose
+denominator under $m_i$ falls below `kernelapprox.attention._common.den_floor` with every feature
+at its own scale (`kernelapprox.attention.hybrid.rescue`; on the CPU, one host read), so that no
+row underflows at any norm; their states, and the decoding step's, keep one scale per feature.
+Signed maps warn where the ``eps`` guard changes a row (`kernelapprox.attention.hybrid.rescue`).
 
 References
 ----------
@@ -58,7 +64,7 @@ import torch.nn.functional as F
 from ... import backends
 from ..._validation import _as_int, check_finite_float, check_tensor_fields, inputs_validated, no_autocast
 from ...maps.base import FeatureMap
-from .._common import apply_padding, normalise, padding_mask, prepare, with_ones
+from .._common import apply_padding, den_floor, normalise, padding_mask, prepare, with_ones
 from .logfeatures import key_log_features, log_features_pair, shift_per_feature
 from .rescue import rescue_rows, underflowed_rows, warn_signed_rows
 from .sinks import CausalSinks, check_sinks
@@ -1006,9 +1012,17 @@ def _causal_core(
     G_last = G_end[..., -1:].unsqueeze(-1)  # (..., 1, 1)
     kv = S
     if feature_map.positive:
-        # positive maps: the linear state at per-feature scales (one more product of the keys), so
-        # that a later segment or a decoder reads every feature, also those far below the largest
-        kv, G_last = _per_feature_state(feature_map, k, v1, s_rem, ne - w, initial_state, cdt)
+        # positive maps: the linear state at per-feature scales, so that a later segment or a decoder
+        # reads every feature, also those far below the largest. From the state at one scale where
+        # every feature's mass is above the floor (then every lost term is below the smallest
+        # normal number); else by one more product of the keys' log-features.
+        kv, G_last = _per_feature_from_shared(S, G_last)
+        redo = True
+        if _host_checks(q):
+            with torch.no_grad():
+                redo = bool((S[..., dv] < den_floor(S.dtype)).any())  # the host read
+        if redo:
+            kv, G_last = _per_feature_state(feature_map, k, v1, s_rem, ne - w, initial_state, cdt)
     # the ring buffer holds the last min(w, t_end) keys, the key of position p in slot p mod w
     # (sized by the tokens seen, not by the window); one gather, no loop
     size = min(w, t_end)
@@ -1041,6 +1055,18 @@ def _rescue_on(feature_map: FeatureMap, q: torch.Tensor) -> bool:
     """Whether a causal call checks its rows for an underflowed normaliser (`rescue_rows`): positive
     maps on the CPU, in eager mode (the check reads one value on the host)."""
     return feature_map.positive and _host_checks(q)
+
+
+def _per_feature_from_shared(S: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""A linear state ``S`` (..., F, dv + 1) at one scale ``G`` (..., 1, 1) as one at per-feature
+    scales: ``(S / z_f, G + log z_f)``, the scales (..., F, 1) float64 (0 where $z_f = 0$, ``S`` 0
+    there). ``S`` keeps its gradient."""
+    with torch.no_grad():
+        z = S[..., -1].detach().double()  # (..., F)
+        X = G.detach().double().squeeze(-1) + torch.log(z.clamp(min=0.0))
+        X = torch.where(z > 0, X, torch.zeros_like(X))
+        inv = torch.where(z > 0, 1.0 / z, torch.zeros_like(z))
+    return (S.double() * inv.unsqueeze(-1)).to(S.dtype), X.unsqueeze(-1)
 
 
 def _per_feature_state(
@@ -1153,6 +1179,21 @@ def chunk_hybrid_attention(
     $O(nF(d + d_v) + nC(F + d_v) + n(C + w)(d + d_v))$, memory linear in ``n`` (autograd
     keeps one $F \times (d_v + 1)$ state per chunk).
 
+    No row underflows (positive maps, CPU, eager mode): the shift
+    $m_i \ge s(q_i) + G_i$ bounds the remainder from above, and for a map whose query and key
+    features peak at different features (fitted FAVOR++/FAVOR#/SDERF at large norms) the bound
+    can exceed the row's whole mass by hundreds of nats, so that every weight underflows. The
+    rows whose denominator under $m_i$ is below `kernelapprox.attention._common.den_floor`
+    ($2.3\cdot10^{-13}$ in float32; above it, every lost term is below the smallest normal
+    number) are recomputed, in the sequences that hold one, with every feature at its own scale
+    in the log domain (`kernelapprox.attention.hybrid.rescue`; denominator $\ge 1$,
+    differentiable). One host read per call; the other rows are unchanged, bitwise. On other
+    devices and under ``torch.compile`` the check is skipped (no host read). With
+    ``return_state``, a positive map's linear state is returned at per-feature scales
+    (``log_scale`` (..., F, 1); one more product of the keys), so that a continuation or a
+    decoder reads every feature. Signed maps: a `kernelapprox.KernelApproxWarning` where the
+    ``eps`` guard changes a row.
+
     Parameters
     ----------
     q, k : Tensor, shape (..., n, d)
@@ -1264,6 +1305,12 @@ def hybrid_attention(
     accelerator with ``flex_attention``, a positive map with ``window >= 1`` and no state takes
     `kernelapprox.attention.hybrid.flex.flex_hybrid_attention` (the same result; the choice is
     `kernelapprox.backends.hybrid_path`'s). 16-bit inputs are computed in float32, the output is cast back.
+
+    No silently wrong row: for positive maps the remainder of the non-causal forms is shifted per
+    feature, and the causal forms on the CPU recompute per feature the rows whose normaliser
+    underflows (`chunk_hybrid_attention`); for signed maps a `kernelapprox.KernelApproxWarning`
+    names the rows the ``eps`` guard changes or (non-causal) whose global-minus-window remainder
+    cancels beyond the compute dtype (`kernelapprox.attention.hybrid.rescue`).
 
     Parameters
     ----------

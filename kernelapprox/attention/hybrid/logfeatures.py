@@ -69,8 +69,8 @@ def query_log_features(fm: FeatureMap, q: torch.Tensor) -> torch.Tensor:
     if lq2 is None:
         return _safe_log(fq) + sq
     lq = lq2 * math.log(2.0)
-    idx = fq.detach().argmax(dim=-1, keepdim=True)  # f = 1 there: log phi = sq
-    return lq + (sq + _safe_log(fq.gather(-1, idx)) - lq.gather(-1, idx.expand(*lq.shape[:-1], 1)))
+    # the row constant at the largest feature, where both forms are exact: log phi = log f + sq
+    return lq + (sq + _safe_log(fq.amax(dim=-1, keepdim=True)) - lq.amax(dim=-1, keepdim=True))
 
 
 def key_log_features(fm: FeatureMap, k: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@ r"""Hybrid attention as an RNN: one token per step, $O(w(d + d_v) + F d_v)$ per 
 
 The state (`kernelapprox.attention.hybrid.HybridAttentionState`) is a ring buffer of the last
 $w$ keys and values, the $F \times (d_v + 1)$ linear state of the keys that have left the
-window, and the sinks: a key leaving the window is folded into the linear state (unless it is
-a sink, which stays exact).
+window (at one scale per feature for positive maps), and the sinks: a key leaving the window is
+folded into the linear state (unless it is a sink, which stays exact).
 """
 
 from __future__ import annotations
@@ -45,10 +45,21 @@ class RecurrentHybridAttention:
     {\sum_{j\in W_t\cup\Sigma_{\le t}} e^{q_t^\top k_j} + z_t^\top\varphi(q_t)} ,
     $$
 
-    the values of `kernelapprox.attention.hybrid.chunk_hybrid_attention` (same window, sinks and
-    stabilisation). A step folds key $t - w$ into the linear state, then reads the
+    the values of `kernelapprox.attention.hybrid.chunk_hybrid_attention` (same window and sinks).
+    A step folds key $t - w$ into the linear state, then reads the
     buffer: $O(w(d + d_v) + F(d + d_v))$ work and a state of fixed size, no KV cache beyond the
     window [Kat20]_.
+
+    Positive maps keep the linear state at one scale per feature, $\tilde S_f = e^{-X_f}\sum_j
+    \psi_f(k_j)[v_j, 1]^\top$ with $X_f$ the largest $\log\psi_f(k_j)$ folded so far (a fold
+    is the gated update $\tilde S_f \leftarrow e^{X_f - X'_f}\tilde S_f + e^{\log\psi_f(k) -
+    X'_f}[v, 1]^\top$ [Yan24]_), and read it with one shift for the window, the sinks and
+    $\max_f(\log\varphi_f(q_t) + X_f)$: at that feature the state holds a term 1, so the
+    denominator is $\ge 1$ and no row underflows, whatever the norms (one scale for every feature
+    lets a fitted map's rows underflow to 0 at large norms). A state with one scale (from a signed
+    map or an older checkpoint) is brought to per-feature scales on the first step. Signed maps
+    keep one scale and warn (`kernelapprox.KernelApproxWarning`) where the ``eps`` guard changes a
+    row.
 
     Parameters
     ----------
@@ -65,6 +76,8 @@ class RecurrentHybridAttention:
     References
     ----------
     .. [Kat20] A. Katharopoulos, A. Vyas, N. Pappas, F. Fleuret. "Transformers are RNNs", ICML 2020.
+    .. [Yan24] S. Yang, B. Wang, Y. Shen, R. Panda, Y. Kim. "Gated linear attention transformers
+       with hardware-efficient training", ICML 2024.
 
     Examples
     --------
@@ -186,7 +199,11 @@ class RecurrentHybridAttention:
                 ) from None
         t = st.position
         positive = fm.positive
-        if positive:  # one scale per feature (a state with one scale is brought to them)
+        if positive and st.log_scale.shape[-2] == st.kv.shape[-2]:  # one scale per feature, as kept here
+            kv = st.kv.to(cdt)
+            with torch.no_grad():  # a feature no key reached: -inf, whatever the stored value
+                X = torch.where(st.kv[..., -1] > 0, st.log_scale[..., 0].double(), _NEG_INF)
+        elif positive:  # a state with one scale: brought to one per feature
             kv, X = per_feature_scales(st, cdt)
         else:
             kv, g = shared_scale(st)
@@ -225,7 +242,7 @@ class RecurrentHybridAttention:
         self.state = HybridAttentionState(kv, X.unsqueeze(-1) if positive else g, keys, vals, sk, sv, spos, t + 1, w)
         # 3. the output: one shift for the exact terms and the linear state
         if positive:  # per feature: a = log phi_f(q) + X_f, the state's part sum_f e^{a_f - m} kv_f
-            a = query_log_features(fm, q).double() + X.unsqueeze(-2)  # (..., 1, F)
+            a = query_log_features(fm, q).double() + X.unsqueeze(-2)  # (..., 1, F), -inf where unreached
             shifts = [a.detach().amax(-1, keepdim=True)]  # (..., 1, 1)
         else:
             with inputs_validated():
