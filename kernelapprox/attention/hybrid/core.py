@@ -33,6 +33,12 @@ of its remainder (non-causal: of all remainder keys; causal: of the keys it has 
 evaluates $e^{q_i^\top k_j - m_i}$ and $e^{s(q_i) + G_i - m_i} f(q_i)^\top
 \sum_{j\in R_i} f(k_j) e^{s(k_j) - G_i} v_j^\top$: every weight is at most 1, and the shift
 cancels in the ratio, so a positive unbiased $\varphi$ gives unbiased $\hat N_i$, $\hat D_i$.
+For positive maps, the non-causal forms shift each feature by its own maximum
+(`kernelapprox.attention.hybrid.logfeatures`), and the causal forms recompute the rows whose
+denominator under $m_i$ falls below `kernelapprox.attention._common.den_floor` with every feature
+at its own scale (`kernelapprox.attention.hybrid.rescue`; on the CPU, one host read), so that no
+row underflows at any norm; their states, and the decoding step's, keep one scale per feature.
+Signed maps warn where the ``eps`` guard changes a row (`kernelapprox.attention.hybrid.rescue`).
 
 References
 ----------
@@ -58,8 +64,9 @@ import torch.nn.functional as F
 from ... import backends
 from ..._validation import _as_int, check_finite_float, check_tensor_fields, inputs_validated, no_autocast
 from ...maps.base import FeatureMap
-from .._common import apply_padding, normalise, padding_mask, prepare, with_ones
-from .logfeatures import log_features_pair, shift_per_feature
+from .._common import apply_padding, den_floor, normalise, padding_mask, prepare, with_ones
+from .logfeatures import key_log_features, log_features_pair, shift_per_feature
+from .rescue import rescue_rows, underflowed_rows, warn_signed_rows
 from .sinks import CausalSinks, check_sinks
 from .softmax import softmax_limit
 
@@ -210,7 +217,9 @@ class HybridAttentionState:
     - a ring buffer of the last ``min(window, position)`` keys and values (the key of position
       $p$ in slot $p \bmod w$; it grows with the tokens seen), exact for the next queries;
     - the linear state $[S \mid z] = \sum_{j} \varphi(k_j)[v_j, 1]^\top$ over the keys that
-      have left the window (sinks excluded), stored scaled by $e^{-\text{log\_scale}}$;
+      have left the window (sinks excluded), stored scaled by $e^{-\text{log\_scale}}$: one
+      scale, or (positive maps, from `chunk_hybrid_attention` and `RecurrentHybridAttention`)
+      one per feature, so that a feature far below the largest one keeps its mass;
     - the sink keys and values seen so far, exact for every later query.
 
     Its size is $O(w(d + d_v) + F(d_v + 1))$ whatever ``position``.
@@ -219,8 +228,10 @@ class HybridAttentionState:
     ----------
     kv : Tensor, shape (..., F, dv + 1)
         $[S \mid z]$ divided by ``exp(log_scale)``.
-    log_scale : Tensor, shape (..., 1, 1)
-        Largest key log-scale in the linear state (``-inf`` while it is empty).
+    log_scale : Tensor, shape (..., 1, 1) or (..., F, 1)
+        Largest key log-scale in the linear state (``-inf`` while it is empty), or one per
+        feature (row $f$ of ``kv`` at the scale ``log_scale[..., f, 0]``; ``-inf`` or any value
+        where no key reached the feature).
     keys : Tensor, shape (..., min(window, position), d)
     values : Tensor, shape (..., min(window, position), dv)
     sink_keys : Tensor, shape (..., s, d)
@@ -265,7 +276,7 @@ class HybridAttentionState:
         with the field named): ``position`` and ``window`` non-negative ints; a ring buffer of
         ``min(window, position)`` slots (``window`` slots also accepted); the sink positions
         sorted, unique, before ``position``, one per stored sink key and value; ``log_scale``
-        of shape (..., 1, 1)."""
+        of shape (..., 1, 1) or (..., F, 1)."""
         check_tensor_fields(self, "kv", "log_scale", "keys", "values", "sink_keys", "sink_values")
         for name in ("position", "window"):
             val = getattr(self, name)
@@ -283,8 +294,11 @@ class HybridAttentionState:
             if getattr(self, name).dim() < 2:
                 raise ValueError(f"HybridAttentionState.{name} must have shape (..., rows, columns), "
                                  f"got {tuple(getattr(self, name).shape)}")
-        if tuple(self.log_scale.shape[-2:]) != (1, 1):
-            raise ValueError(f"HybridAttentionState.log_scale must have shape (..., 1, 1), got {tuple(self.log_scale.shape)}")
+        if tuple(self.log_scale.shape[-2:]) not in ((1, 1), (self.kv.shape[-2], 1)):
+            raise ValueError(
+                f"HybridAttentionState.log_scale must have shape (..., 1, 1) or (..., F, 1) with F = "
+                f"{self.kv.shape[-2]} (kv's rows), got {tuple(self.log_scale.shape)}"
+            )
         slots = self.keys.shape[-2]
         need = min(self.window, self.position)
         if slots not in (need, self.window) or self.values.shape[-2] != slots:
@@ -317,6 +331,31 @@ class HybridAttentionState:
             self.kv.detach(), self.log_scale.detach(), self.keys.detach(), self.values.detach(),
             self.sink_keys.detach(), self.sink_values.detach(), self.sink_positions, self.position, self.window,
         )
+
+
+def shared_scale(state: HybridAttentionState) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The state's linear part at one scale: ``(kv, G)``, ``G`` (..., 1, 1) the largest of its
+    scales (detached; ``-inf`` for an empty state). A per-feature state is brought to it (features
+    far below it may underflow: the forms that need them read `per_feature_scales`)."""
+    ls = state.log_scale
+    if ls.shape[-2] == 1:
+        return state.kv, ls
+    with torch.no_grad():
+        G = ls.detach().amax(dim=-2, keepdim=True)
+    return state.kv * exp_diff(ls.detach(), _finite_or_zero(G), state.kv.dtype), G
+
+
+def per_feature_scales(state: HybridAttentionState, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The state's linear part with unit mass per reached feature: ``(kv, X)``, ``kv``
+    (..., F, dv + 1) in ``dtype`` with $\tilde z_f = 1$ (0 for a feature no key reached) and
+    ``X`` (..., F), float64, $X_f = \log z_f$ ($-\infty$ where $z_f = 0$), from a state with
+    one scale or one per feature. ``X`` is a constant for autograd; ``kv`` keeps its gradient."""
+    with torch.no_grad():
+        z = state.kv[..., -1].detach().double()  # (..., F)
+        X = state.log_scale.detach().double().squeeze(-1) + torch.log(z.clamp(min=0.0))
+        inv = torch.where(z > 0, 1.0 / z, torch.zeros_like(z))
+    kv = (state.kv.double() * inv.unsqueeze(-1)).to(dtype)
+    return kv, X
 
 
 def exp_diff(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -570,6 +609,14 @@ def parallel_hybrid_attention(
         out = out + torch.matmul(A, windows(v1)).reshape(*lead, nb * Cb, dv + 1)[..., :n, :]
     if sink_idx:
         out = out + torch.matmul(torch.exp(slog - m.unsqueeze(-1).to(cdt)), v1[..., sidx, :])
+    if not feature_map.positive and _host_checks(q):
+        # the magnitudes that cancel in the global sum minus the window's feature terms
+        bound = None
+        if not (full or h < 0):
+            with torch.no_grad():
+                bound = torch.matmul(fqa.abs(), fkw_all.abs().sum(dim=-2).unsqueeze(-1))[..., 0]
+        warn_signed_rows(out[..., dv], eps, feature_map, "non-causal",
+                         None if kpad is None else (~kpad).any(dim=-1, keepdim=True), bound)
     return normalise(out[..., :dv], out[..., dv:], feature_map.positive, eps).to(out_dtype)
 
 
@@ -713,7 +760,26 @@ def _block_core(
     num = out[..., :dv]
     if poison is not None:
         num = num.masked_fill(poison, float("nan"))
-    return normalise(num, out[..., dv:], feature_map.positive, eps).to(out_dtype)
+    reached = None
+    if kpad is not None:  # rows without a valid key: 0 / 0, not an underflow
+        reached = torch.cumsum((~kpad).to(torch.int32), dim=-1) > 0 if causal else (~kpad).any(dim=-1, keepdim=True)
+    if not feature_map.positive and _host_checks(q):
+        bound = None
+        if not causal and R is not None:  # the magnitudes that cancel in the global sum minus three blocks
+            with torch.no_grad():
+                zabs = (aligned(fk).abs() * wk).sum(dim=(-3, -2))[..., None, :, None]  # (*lead, 1, F, 1)
+                bound = torch.matmul(aligned(fq).abs(), zabs)[..., 0] * exp_diff(base, m, cdt)
+                bound = bound.reshape(*lead, N)[..., :n]
+        warn_signed_rows(out[..., dv], eps, feature_map, "causal block window" if causal else "block window",
+                         reached, bound)
+    res = normalise(num, out[..., dv:], feature_map.positive, eps)
+    if causal and _rescue_on(feature_map, q):
+        low = underflowed_rows(out[..., dv], reached)
+        fixed = rescue_rows(res, low, lead, feature_map, q, k, v, window=c, block=True, sinks=sink_idx, pad=kpad)
+        if fixed is not res and poison is not None:
+            fixed = fixed.masked_fill(poison, float("nan"))
+        res = fixed
+    return res.to(out_dtype)
 
 
 def _block_remainder(T: torch.Tensor, Gk: torch.Tensor, causal: bool, grad: bool, cdt: torch.dtype) -> torch.Tensor:
@@ -782,8 +848,9 @@ def _causal_core(
         if old:
             out_sk = st.sink_keys[..., old, :].to(cdt)
             out_sv = st.sink_values[..., old, :].to(cdt)
-        kv0 = st.kv.to(cdt)
-        G0 = st.log_scale.detach().double().reshape(*st.log_scale.shape[:-2], 1)
+        kv0, G0 = shared_scale(st)
+        kv0 = kv0.to(cdt)
+        G0 = G0.detach().double().reshape(*G0.shape[:-2], 1)
     ext_sinks += [p - t0 + b for p in sink_idx if t0 <= p < t0 + n]
     ne = b + n  # extended length
     with inputs_validated():
@@ -921,13 +988,41 @@ def _causal_core(
     if sk_keys:
         out = out + torch.matmul(torch.exp(slog - m.unsqueeze(-1).to(cdt)), skv)
     num = out[..., :dv].masked_fill(poison, float("nan"))
-    res = normalise(num, out[..., dv:], feature_map.positive, eps).to(out_dtype)
+    reached = None
+    if kpad is not None and t0 == 0:  # rows before the first valid key: 0 / 0, not an underflow
+        reached = (torch.cumsum((~kpad).to(torch.int32), dim=-1) > 0)[..., b:]
+    if not feature_map.positive and _host_checks(q):
+        warn_signed_rows(out[..., dv], eps, feature_map, "causal", reached)
+    res = normalise(num, out[..., dv:], feature_map.positive, eps)
+    if _rescue_on(feature_map, q):
+        rows = underflowed_rows(out[..., dv], reached)
+        fixed = rescue_rows(
+            res, rows, lead, feature_map, q, k, v.masked_fill(v_bad, 0.0), window=w, block=False,
+            sinks=tuple(ext_sinks), pad=kpad,
+            old_sinks=None if out_sk is None or out_sv is None else (out_sk, out_sv),
+            state=None if initial_state is None else per_feature_scales(initial_state, cdt),
+        )
+        if fixed is not res:
+            res = fixed.masked_fill(poison, float("nan"))
+    res = res.to(out_dtype)
     if not return_state:
         return res
     # the state after the last token: keys <= t_end - w in the linear state, the last w in the buffer
     t_end = t0 + n
     G_last = G_end[..., -1:].unsqueeze(-1)  # (..., 1, 1)
     kv = S
+    if feature_map.positive:
+        # positive maps: the linear state at per-feature scales, so that a later segment or a decoder
+        # reads every feature, also those far below the largest. From the state at one scale where
+        # every feature's mass is above the floor (then every lost term is below the smallest
+        # normal number); else by one more product of the keys' log-features.
+        kv, G_last = _per_feature_from_shared(S, G_last)
+        redo = True
+        if _host_checks(q):
+            with torch.no_grad():
+                redo = bool((S[..., dv] < den_floor(S.dtype)).any())  # the host read
+        if redo:
+            kv, G_last = _per_feature_state(feature_map, k, v1, s_rem, ne - w, initial_state, cdt)
     # the ring buffer holds the last min(w, t_end) keys, the key of position p in slot p mod w
     # (sized by the tokens seen, not by the window); one gather, no loop
     size = min(w, t_end)
@@ -949,6 +1044,58 @@ def _causal_core(
     sink_v = torch.cat(sv_list, dim=-2) if sv_list else v.new_zeros(*lead, 0, dv)
     state = HybridAttentionState(kv, G_last, keys, vals, sink_k, sink_v, tuple(pos_all), t_end, w)
     return res, state
+
+
+def _host_checks(q: torch.Tensor) -> bool:
+    """Whether a call may read a value on the host to check its rows: on the CPU, in eager mode."""
+    return q.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _rescue_on(feature_map: FeatureMap, q: torch.Tensor) -> bool:
+    """Whether a causal call checks its rows for an underflowed normaliser (`rescue_rows`): positive
+    maps on the CPU, in eager mode (the check reads one value on the host)."""
+    return feature_map.positive and _host_checks(q)
+
+
+def _per_feature_from_shared(S: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""A linear state ``S`` (..., F, dv + 1) at one scale ``G`` (..., 1, 1) as one at per-feature
+    scales: ``(S / z_f, G + log z_f)``, the scales (..., F, 1) float64 (0 where $z_f = 0$, ``S`` 0
+    there). ``S`` keeps its gradient."""
+    with torch.no_grad():
+        z = S[..., -1].detach().double()  # (..., F)
+        X = G.detach().double().squeeze(-1) + torch.log(z.clamp(min=0.0))
+        X = torch.where(z > 0, X, torch.zeros_like(X))
+        inv = torch.where(z > 0, 1.0 / z, torch.zeros_like(z))
+    return (S.double() * inv.unsqueeze(-1)).to(S.dtype), X.unsqueeze(-1)
+
+
+def _per_feature_state(
+    fm: FeatureMap, k: torch.Tensor, v1: torch.Tensor, s_rem: torch.Tensor, upto: int,
+    initial_state: HybridAttentionState | None, cdt: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The linear state of the keys ``k[..., :upto, :]`` (..., ne, d) outside the sinks and padding
+    (``s_rem`` (..., ne) ``-inf`` there) and of ``initial_state``, at per-feature scales:
+    ``kv`` (..., F, dv + 1) $= \sum_j e^{\log\psi_f(k_j) - t_f}[v_j, 1]$ plus the state's part,
+    and ``log_scale`` (..., F, 1) $= t_f$, the largest $\log\psi_f$ (float64, 0 where no key
+    reached the feature)."""
+    m = max(upto, 0)
+    lead, dv1 = v1.shape[:-2], v1.shape[-1]
+    st = None if initial_state is None else per_feature_scales(initial_state, cdt)
+    t = torch.full((*lead, fm.feature_dim), _NEG_INF, dtype=torch.float64, device=k.device)
+    lk = None
+    if m:
+        lk = key_log_features(fm, k[..., :m, :]).to(cdt)  # (..., m, F)
+        lk = lk.masked_fill((s_rem[..., :m] == _NEG_INF).unsqueeze(-1), _NEG_INF)
+        t = torch.maximum(t, lk.detach().amax(dim=-2).double())
+    if st is not None:
+        t = torch.maximum(t, st[1])
+    t = _finite_or_zero(t)
+    kv = v1.new_zeros(*lead, fm.feature_dim, dv1)
+    if lk is not None:
+        kv = kv + torch.matmul(exp_diff(lk, t.unsqueeze(-2).to(cdt), cdt).mT, v1[..., :m, :])
+    if st is not None:
+        kv = kv + exp_diff(st[1], t, cdt).unsqueeze(-1) * st[0]
+    return kv, t.unsqueeze(-1)
 
 
 def check_hybrid_state(
@@ -1031,6 +1178,21 @@ def chunk_hybrid_attention(
     non-finite inputs (a NaN at position $j$ reaches rows $\ge j$). Cost
     $O(nF(d + d_v) + nC(F + d_v) + n(C + w)(d + d_v))$, memory linear in ``n`` (autograd
     keeps one $F \times (d_v + 1)$ state per chunk).
+
+    No row underflows (positive maps, CPU, eager mode): the shift
+    $m_i \ge s(q_i) + G_i$ bounds the remainder from above, and for a map whose query and key
+    features peak at different features (fitted FAVOR++/FAVOR#/SDERF at large norms) the bound
+    can exceed the row's whole mass by hundreds of nats, so that every weight underflows. The
+    rows whose denominator under $m_i$ is below `kernelapprox.attention._common.den_floor`
+    ($2.3\cdot10^{-13}$ in float32; above it, every lost term is below the smallest normal
+    number) are recomputed, in the sequences that hold one, with every feature at its own scale
+    in the log domain (`kernelapprox.attention.hybrid.rescue`; denominator $\ge 1$,
+    differentiable). One host read per call; the other rows are unchanged, bitwise. On other
+    devices and under ``torch.compile`` the check is skipped (no host read). With
+    ``return_state``, a positive map's linear state is returned at per-feature scales
+    (``log_scale`` (..., F, 1); one more product of the keys), so that a continuation or a
+    decoder reads every feature. Signed maps: a `kernelapprox.KernelApproxWarning` where the
+    ``eps`` guard changes a row.
 
     Parameters
     ----------
@@ -1143,6 +1305,12 @@ def hybrid_attention(
     accelerator with ``flex_attention``, a positive map with ``window >= 1`` and no state takes
     `kernelapprox.attention.hybrid.flex.flex_hybrid_attention` (the same result; the choice is
     `kernelapprox.backends.hybrid_path`'s). 16-bit inputs are computed in float32, the output is cast back.
+
+    No silently wrong row: for positive maps the remainder of the non-causal forms is shifted per
+    feature, and the causal forms on the CPU recompute per feature the rows whose normaliser
+    underflows (`chunk_hybrid_attention`); for signed maps a `kernelapprox.KernelApproxWarning`
+    names the rows the ``eps`` guard changes or (non-causal) whose global-minus-window remainder
+    cancels beyond the compute dtype (`kernelapprox.attention.hybrid.rescue`).
 
     Parameters
     ----------

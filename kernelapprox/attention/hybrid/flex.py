@@ -26,6 +26,11 @@ $$
 The shifts carry no gradient (they cancel). On CPU, eager ``flex_attention`` has a forward and
 no backward: the path is taken on accelerators (`kernelapprox.backends.hybrid_path`) or when
 forced.
+
+`per_feature_causal` is the same merge with the window in plain torch, for a causal segment that
+may continue a state (a preceding window buffer, sinks before it, a linear state at per-feature
+scales): the causal CPU forms recompute with it the rows whose normaliser underflows
+(`kernelapprox.attention.hybrid.rescue`).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from ..linear.chunk_logscan import causal_log_scan
 from .core import check_hybrid_eps, check_window_mode, prepare_hybrid, resolve_sinks, softmax_path
 from .logfeatures import log_features_pair
 
-__all__ = ["flex_hybrid_attention"]
+__all__ = ["flex_hybrid_attention", "per_feature_causal"]
 
 _NEG = -1e30  # a finite "minus infinity": exp() of it is 0 and its gradients are finite
 
@@ -299,3 +304,104 @@ def flex_hybrid_attention(
             parts.append((nm.flip(1), dn.flip(1), s.flip(1)))
     out = _merge(parts)
     return out.reshape(*lead, n, dv).to(out_dtype)
+
+
+_RESCUE_CHUNK = 16  # tokens per chunk of the delayed scan in `per_feature_causal`
+
+
+def _exact_part(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, active: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax of ``q`` (L, n, d) over ``keys`` (L, s, d) where ``active`` (broadcasting with
+    (L, n, s)): ``(out, 1, lse)`` as `_merge` takes it."""
+    logits = torch.matmul(q, keys.mT).masked_fill(~active, _NEG)
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), values)
+    return out, torch.ones_like(lse), lse
+
+
+def per_feature_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lq: torch.Tensor, lk: torch.Tensor, *, window: int,
+    block: bool, sinks: tuple[int, ...], pad: torch.Tensor | None,
+    old_sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    state: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    r"""Causal hybrid attention of a positive map in the log domain, no scale shared between features.
+
+    The queries are the last ``n`` of the ``ne`` keys (the first ``b = ne - n`` are a preceding
+    segment's window buffer). Query $e = b + i$ merges, under one shift, the exact part on its
+    window (``window_mode`` token: $0 \le e - e' < w$; block: $0 \le \lfloor e/w\rfloor -
+    \lfloor e'/w\rfloor \le 1$) and the ``sinks`` $e' \le e$ (log-sum-exp $\ell_i$), the
+    sinks before the buffer (``old_sinks``, exact for every query), the remainder
+    $\sum_f \varphi_f(q_i)\sum_{e' \le p(e),\, e'\notin\Sigma}\psi_f(k_{e'})[v_{e'}, 1]$ by the
+    per-feature delayed scan, and a carried state
+    $\sum_f e^{\log\varphi_f(q_i) + X_f}\,\tilde S_f$ ($\tilde S_f$ with unit mass per reached
+    feature, $X_f$ its log-scale):
+
+    $$
+    o_i = \frac{\sum_p e^{\sigma_{p,i} - \mu_i} N_{p,i}}{\sum_p e^{\sigma_{p,i} - \mu_i} D_{p,i}},
+    \qquad \mu_i = \max_p \sigma_{p,i},
+    $$
+
+    each part $p$ with a term 1 at its own shift $\sigma_{p,i}$, so the denominator is $\ge 1$
+    for a row with any key. Differentiable (the shifts are constants).
+
+    Parameters
+    ----------
+    q : Tensor, shape (L, n, d)
+    k : Tensor, shape (L, ne, d)
+    v : Tensor, shape (L, ne, dv)
+        Finite values.
+    lq : Tensor, shape (L, n, F)
+        Natural-log query features on the absolute scale (`log_features_pair`).
+    lk : Tensor, shape (L, ne, F)
+        Natural-log key features.
+    window : int
+        ``w >= 0`` (``0``: no window; ``block`` needs ``w >= 1``).
+    block : bool
+        The block window.
+    sinks : tuple of int
+        Sink positions among the ``ne`` keys.
+    pad : Tensor, shape (L, ne), bool, or None
+        Padded keys.
+    old_sinks : (Tensor (L, s, d), Tensor (L, s, dv)), optional
+    state : (Tensor (L, F, dv + 1), Tensor (L, F)), optional
+        $\tilde S$ and $X$ ($-\infty$ or any value where $\tilde S_f = 0$).
+
+    Returns
+    -------
+    Tensor, shape (L, n, dv)
+    """
+    L, n, d = q.shape
+    ne = k.shape[-2]
+    b = ne - n
+    w = window
+    dev = q.device
+    drop = torch.zeros(ne, dtype=torch.bool, device=dev)
+    if sinks:
+        drop[list(sinks)] = True
+    drop = drop.expand(L, ne) if pad is None else drop | pad
+    lkm = lk.masked_fill(drop.unsqueeze(-1), _NEG).clamp(min=_NEG)
+    lqe = F.pad(lq.clamp(min=_NEG), (0, 0, b, 0), value=_NEG)
+    parts = []
+    if w >= 1:
+        out_w, lse = _torch_window_term(F.pad(q, (0, 0, b, 0)), k, v, w, sinks, True, block, pad)
+        parts.append((out_w[:, b:], torch.ones_like(lse[:, b:]), lse[:, b:]))
+    elif sinks:  # no window: the sinks e' <= e are the exact part
+        sidx = torch.tensor(sinks, device=dev)
+        active = (b + torch.arange(n, device=dev))[:, None] >= sidx[None, :]
+        if pad is not None:
+            active = active & ~pad[:, sidx].unsqueeze(-2)
+        parts.append(_exact_part(q, k[:, sidx], v[:, sidx], active))
+    num, den, sig = _delayed_scan(lqe, lkm, v, w, w if block else 0, _RESCUE_CHUNK)
+    parts.append((num[:, b:], den[:, b:], sig[:, b:]))
+    if old_sinks is not None:
+        sk, sv = old_sinks
+        parts.append(_exact_part(q, sk, sv, torch.ones(1, 1, sk.shape[-2], dtype=torch.bool, device=dev)))
+    if state is not None:
+        kv, X = state
+        a = (lq + X.to(lq.dtype).unsqueeze(-2)).clamp(min=_NEG)  # (L, n, F)
+        with torch.no_grad():
+            s = a.detach().amax(dim=-1)
+        out = torch.matmul(torch.exp(a - s.unsqueeze(-1)), kv.to(lq.dtype))
+        parts.append((out[..., :-1], out[..., -1], s))
+    return _merge(parts)

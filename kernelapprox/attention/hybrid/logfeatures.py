@@ -27,7 +27,7 @@ import torch
 from ..._validation import inputs_validated
 from ...maps.base import FeatureMap
 
-__all__ = ["log_features_pair", "shift_per_feature"]
+__all__ = ["key_log_features", "log_features_pair", "query_log_features", "shift_per_feature"]
 
 _NEG_INF = float("-inf")
 
@@ -57,6 +57,32 @@ def log_features_pair(fm: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> tuple
         lq = lq + (sq + _safe_log(fq.gather(-1, idx)) - lq.gather(-1, idx.expand(*lq.shape[:-1], 1)))
         return lq, lk2 * math.log(2.0)
     return _safe_log(fq) + sq, _safe_log(fk) + sk.to(fk.dtype).unsqueeze(-1)
+
+
+def query_log_features(fm: FeatureMap, q: torch.Tensor) -> torch.Tensor:
+    r"""Natural-log query features $\log\varphi(q_i)$, (..., n, F), on the absolute scale, as in
+    `log_features_pair`, without the keys' (a decoding step reads its query alone)."""
+    with inputs_validated():
+        fq, sq = fm.log_features(q)
+        lq2 = fm.query_log2_features(q)
+    sq = sq.to(fq.dtype).unsqueeze(-1)
+    if lq2 is None:
+        return _safe_log(fq) + sq
+    lq = lq2 * math.log(2.0)
+    # the row constant at the largest feature, where both forms are exact: log phi = log f + sq
+    return lq + (sq + _safe_log(fq.amax(dim=-1, keepdim=True)) - lq.amax(dim=-1, keepdim=True))
+
+
+def key_log_features(fm: FeatureMap, k: torch.Tensor) -> torch.Tensor:
+    r"""Natural-log key features $\log\psi(k_j)$, (..., m, F), as in `log_features_pair` (the
+    map's log2 hook where it has one, else the logarithm of its stabilised features plus their
+    scale), without the queries' (for a state, which holds keys only)."""
+    with inputs_validated():
+        lk2 = fm.key_log2_features(k)
+        if lk2 is not None:
+            return lk2 * math.log(2.0)
+        fk, sk = fm.key_log_features(k)
+    return _safe_log(fk) + sk.to(fk.dtype).unsqueeze(-1)
 
 
 def shift_per_feature(

@@ -2,8 +2,8 @@ r"""Hybrid attention as an RNN: one token per step, $O(w(d + d_v) + F d_v)$ per 
 
 The state (`kernelapprox.attention.hybrid.HybridAttentionState`) is a ring buffer of the last
 $w$ keys and values, the $F \times (d_v + 1)$ linear state of the keys that have left the
-window, and the sinks: a key leaving the window is folded into the linear state (unless it is
-a sink, which stays exact).
+window (at one scale per feature for positive maps), and the sinks: a key leaving the window is
+folded into the linear state (unless it is a sink, which stays exact).
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ from .core import (
     check_hybrid_state,
     check_window,
     exp_diff,
+    per_feature_scales,
+    shared_scale,
     state_batch,
 )
+from .logfeatures import key_log_features, query_log_features
+from .rescue import warn_signed_rows
 from .sinks import CausalSinks
 
 __all__ = ["RecurrentHybridAttention"]
@@ -41,10 +45,21 @@ class RecurrentHybridAttention:
     {\sum_{j\in W_t\cup\Sigma_{\le t}} e^{q_t^\top k_j} + z_t^\top\varphi(q_t)} ,
     $$
 
-    the values of `kernelapprox.attention.hybrid.chunk_hybrid_attention` (same window, sinks and
-    stabilisation). A step folds key $t - w$ into the linear state, then reads the
+    the values of `kernelapprox.attention.hybrid.chunk_hybrid_attention` (same window and sinks).
+    A step folds key $t - w$ into the linear state, then reads the
     buffer: $O(w(d + d_v) + F(d + d_v))$ work and a state of fixed size, no KV cache beyond the
     window [Kat20]_.
+
+    Positive maps keep the linear state at one scale per feature, $\tilde S_f = e^{-X_f}\sum_j
+    \psi_f(k_j)[v_j, 1]^\top$ with $X_f$ the largest $\log\psi_f(k_j)$ folded so far (a fold
+    is the gated update $\tilde S_f \leftarrow e^{X_f - X'_f}\tilde S_f + e^{\log\psi_f(k) -
+    X'_f}[v, 1]^\top$ [Yan24]_), and read it with one shift for the window, the sinks and
+    $\max_f(\log\varphi_f(q_t) + X_f)$: at that feature the state holds a term 1, so the
+    denominator is $\ge 1$ and no row underflows, whatever the norms (one scale for every feature
+    lets a fitted map's rows underflow to 0 at large norms). A state with one scale (from a signed
+    map or an older checkpoint) is brought to per-feature scales on the first step. Signed maps
+    keep one scale and warn (`kernelapprox.KernelApproxWarning`) where the ``eps`` guard changes a
+    row.
 
     Parameters
     ----------
@@ -61,6 +76,8 @@ class RecurrentHybridAttention:
     References
     ----------
     .. [Kat20] A. Katharopoulos, A. Vyas, N. Pappas, F. Fleuret. "Transformers are RNNs", ICML 2020.
+    .. [Yan24] S. Yang, B. Wang, Y. Shen, R. Panda, Y. Kim. "Gated linear attention transformers
+       with hardware-efficient training", ICML 2024.
 
     Examples
     --------
@@ -98,23 +115,39 @@ class RecurrentHybridAttention:
     def _empty(self, lead: torch.Size, d: int, dv: int, dtype: torch.dtype, device: torch.device) -> HybridAttentionState:
         Fd, w = self.feature_map.feature_dim, self.window
         z = torch.zeros((), dtype=dtype, device=device)
+        scales = Fd if self.feature_map.positive else 1  # one scale per feature for positive maps
         # the ring buffer grows with the tokens seen, up to `window` slots
         return HybridAttentionState(
-            z.expand(*lead, Fd, dv + 1).clone(), torch.full((*lead, 1, 1), _NEG_INF, dtype=torch.float64, device=device),
+            z.expand(*lead, Fd, dv + 1).clone(),
+            torch.full((*lead, scales, 1), _NEG_INF, dtype=torch.float64, device=device),
             z.expand(*lead, 0, d).clone(), z.expand(*lead, 0, dv).clone(),
             z.expand(*lead, 0, d).clone(), z.expand(*lead, 0, dv).clone(), (), 0, w,
         )
 
-    def _fold(self, st: HybridAttentionState, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The linear state with key ``k`` (..., 1, d) and value ``v`` (..., 1, dv) added."""
+    def _fold(self, kv: torch.Tensor, old: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linear state ``kv`` at the scale ``old`` (..., 1, 1) with key ``k`` (..., 1, d) and
+        value ``v`` (..., 1, dv) added (signed maps: one scale)."""
         with inputs_validated():
             fk, gk = self.feature_map.key_log_features(k, shared=True)  # (..., 1, F), (..., 1)
         gk = gk.double().unsqueeze(-1)  # (..., 1, 1)
-        old = st.log_scale
         g = torch.maximum(old, gk).detach()
         cdt = fk.dtype
-        kv = st.kv * exp_diff(old, g, cdt) + torch.matmul(fk.mT, with_ones(v)) * exp_diff(gk, g, cdt)
+        kv = kv * exp_diff(old, g, cdt) + torch.matmul(fk.mT, with_ones(v)) * exp_diff(gk, g, cdt)
         return kv, g
+
+    def _fold_per_feature(self, kv: torch.Tensor, X: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""The linear state ``kv`` (..., F, dv + 1) at per-feature scales ``X`` (..., F) with key
+        ``k`` (..., 1, d) and value ``v`` (..., 1, dv) added (positive maps): each feature at the
+        larger of its scale and the key's $\log\psi_f(k)$, a gated update with gate
+        $e^{X_f - X'_f} \le 1$ [Yan24]_."""
+        lk = key_log_features(self.feature_map, k)  # (..., 1, F)
+        X_new = torch.maximum(X, lk.detach().double().squeeze(-2))
+        ref = torch.where(X_new == _NEG_INF, torch.zeros_like(X_new), X_new)
+        cdt = kv.dtype
+        add = exp_diff(lk.mT, ref.unsqueeze(-1), cdt) * with_ones(v).to(cdt)  # (..., F, dv + 1)
+        return kv * exp_diff(X, ref, cdt).unsqueeze(-1) + add, X_new
 
     @no_autocast
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor) -> torch.Tensor:
@@ -165,19 +198,33 @@ class RecurrentHybridAttention:
                     "(reset() to start a new sequence)"
                 ) from None
         t = st.position
-        kv, g = st.kv.to(cdt), st.log_scale
+        positive = fm.positive
+        if positive and st.log_scale.shape[-2] == st.kv.shape[-2]:  # one scale per feature, as kept here
+            kv = st.kv.to(cdt)
+            with torch.no_grad():  # a feature no key reached: -inf, whatever the stored value
+                X = torch.where(st.kv[..., -1] > 0, st.log_scale[..., 0].double(), _NEG_INF)
+        elif positive:  # a state with one scale: brought to one per feature
+            kv, X = per_feature_scales(st, cdt)
+        else:
+            kv, g = shared_scale(st)
+            kv = kv.to(cdt)
         keys, vals = st.keys.to(cdt), st.values.to(cdt)
         if keys.shape[-2] > min(w, t):  # a buffer of `window` slots before it filled: its used slots
             keys, vals = keys[..., :t, :], vals[..., :t, :]
         sk, sv, spos = st.sink_keys.to(cdt), st.sink_values.to(cdt), st.sink_positions
-        st = HybridAttentionState(kv, g, keys, vals, sk, sv, spos, t, w)
         # 1. the key leaving the window joins the linear state (the current key if w = 0)
+        leaving = None
         if w == 0:
             if t not in self.sinks:
-                kv, g = self._fold(st, k, v)
+                leaving = (k, v)
         elif t >= w and (t - w) not in self.sinks:
             slot = t % w
-            kv, g = self._fold(st, keys[..., slot:slot + 1, :], vals[..., slot:slot + 1, :])
+            leaving = (keys[..., slot:slot + 1, :], vals[..., slot:slot + 1, :])
+        if leaving is not None:
+            if positive:
+                kv, X = self._fold_per_feature(kv, X, *leaving)
+            else:
+                kv, g = self._fold(kv, g, *leaving)
         # 2. sinks are kept; the ring buffer takes the new key
         if t in self.sinks:
             sk = torch.cat((sk.expand(*lead, *sk.shape[-2:]), k.expand(*lead, 1, d)), dim=-2)
@@ -192,11 +239,15 @@ class RecurrentHybridAttention:
             vals = vals.expand(*lead, w, dv).clone()
             keys[..., slot, :] = k.expand(*lead, 1, d)[..., 0, :]
             vals[..., slot, :] = v.expand(*lead, 1, dv)[..., 0, :]
-        self.state = HybridAttentionState(kv, g, keys, vals, sk, sv, spos, t + 1, w)
+        self.state = HybridAttentionState(kv, X.unsqueeze(-1) if positive else g, keys, vals, sk, sv, spos, t + 1, w)
         # 3. the output: one shift for the exact terms and the linear state
-        with inputs_validated():
-            fq, sq = fm.log_features(q)  # (..., 1, F), (..., 1)
-        shifts = [(sq.double().unsqueeze(-1) + g).detach()]  # (..., 1, 1)
+        if positive:  # per feature: a = log phi_f(q) + X_f, the state's part sum_f e^{a_f - m} kv_f
+            a = query_log_features(fm, q).double() + X.unsqueeze(-2)  # (..., 1, F), -inf where unreached
+            shifts = [a.detach().amax(-1, keepdim=True)]  # (..., 1, 1)
+        else:
+            with inputs_validated():
+                fq, sq = fm.log_features(q)  # (..., 1, F), (..., 1)
+            shifts = [(sq.double().unsqueeze(-1) + g).detach()]  # (..., 1, 1)
         parts_k, parts_v, parts_m = [], [], []
         if w:  # every slot of the buffer is filled
             parts_k.append(keys)
@@ -221,9 +272,13 @@ class RecurrentHybridAttention:
         m = shifts[0]
         for s_ in shifts[1:]:
             m = torch.maximum(m, s_)
-        base = sq.double().unsqueeze(-1) + g
-        out = torch.matmul(fq, kv) * exp_diff(base, m, cdt)
+        if positive:
+            out = torch.matmul(exp_diff(a, m, cdt), kv)
+        else:
+            base = sq.double().unsqueeze(-1) + g
+            out = torch.matmul(fq, kv) * exp_diff(base, m, cdt)
         if parts_k:
             out = out + torch.matmul(torch.exp(logits - m.to(cdt)), ev)
+        warn_signed_rows(out[..., dv], self.eps, fm, "decoding step")
         out = normalise(out[..., :dv], out[..., dv:], fm.positive, self.eps)
         return out.squeeze(-2).to(out_dtype)
