@@ -536,8 +536,10 @@ def vs_hybrid_baseline(df: pd.DataFrame, w: int) -> list[dict[str, Any]] | None:
     Rule (fixed before the data): the per-head log error of the map minus that of the
     baseline, paired t over the heads, Holm-corrected over the maps
     (`studies.verdicts.pairwise_differences`); ``beats`` when the corrected interval lies below
-    ``-BASELINE_MARGIN``, ``worse`` when it lies above ``+BASELINE_MARGIN``, ``ties``
-    otherwise. Beside it, the count of heads on which the map is worse, with its
+    ``-BASELINE_MARGIN``, ``worse`` when it lies above ``+BASELINE_MARGIN``, ``ties`` when it
+    lies inside ``[-BASELINE_MARGIN, +BASELINE_MARGIN]`` (equivalent within the margin), and
+    ``undecided`` otherwise (the interval reaches past an end of the margin: neither a difference
+    nor an equivalence is shown). Beside it, the count of heads on which the map is worse, with its
     Clopper-Pearson interval. None when the baseline is not in ``df``.
     """
     from studies.verdicts import pairwise_differences
@@ -565,8 +567,10 @@ def vs_hybrid_baseline(df: pd.DataFrame, w: int) -> list[dict[str, Any]] | None:
             label = "beats"
         elif rw["significant"] and rw["ci_low"] > BASELINE_MARGIN:
             label = "worse"
-        else:
+        elif -BASELINE_MARGIN <= rw["ci_low"] and rw["ci_high"] <= BASELINE_MARGIN:
             label = "ties"
+        else:
+            label = "undecided"
         out.append({"map": rw["a"], "label": label, "diff": rw["diff"], "ci_low": rw["ci_low"],
                     "ci_high": rw["ci_high"], "level": rw["level"], "p_adj": rw["p_adj"],
                     "worse": k, "heads": n, "worse_low": lo, "worse_high": hi,
@@ -792,7 +796,9 @@ def summarize(df: pd.DataFrame, ctx: Context) -> str:
                          "remainder given uniform weights at its exact mass; median error "
                          f"{fmt(vb[0]['baseline_median'], 3)}): per-head log-error difference, paired t "
                          f"over the heads, Holm over the {len(vb)} maps, margin ±{fmt(BASELINE_MARGIN, 3)} "
-                         "(a 1% ratio; heads worse with Clopper-Pearson 95% intervals): " + "; ".join(parts) + ".")
+                         "(a 1% ratio; beats/worse: the Holm interval beyond the margin, ties: inside it, "
+                         "undecided: reaching past one end; heads worse with Clopper-Pearson 95% "
+                         "intervals): " + "; ".join(parts) + ".")
         rs = ratio_spread(df)
         if rs["n"]:
             lines.append(f"- The (1 − p)·remainder error (exact when the remainder mass is exact) over the measured "

@@ -171,6 +171,14 @@ def test_hybrid_baseline_verdict_flips_with_the_data() -> None:
     assert got["hedgehog r=64"]["label"] == "beats" and got["hedgehog r=64"]["worse"] == 0
     assert got["positive r=256"]["label"] == "worse" and got["positive r=256"]["worse"] == 72
     assert got["taylor r=0"]["label"] == "ties"
+    # an interval that reaches past one end of the margin shows neither: undecided, not a tie
+    wide = [b * math.exp(0.05 + 0.5 * z) for b, z in zip(base, rng.standard_normal(72), strict=True)]
+    res = hy.vs_hybrid_baseline(_heads_df({("sderf", 256): wide, ("taylor", 0): tie}, base), 64)
+    assert res is not None
+    got = {x["map"]: x for x in res}
+    assert got["sderf r=256"]["ci_low"] < hy.BASELINE_MARGIN < got["sderf r=256"]["ci_high"]
+    assert got["sderf r=256"]["label"] == "undecided"
+    assert got["taylor r=0"]["label"] == "ties"
     # without the baseline in the frame: no verdict, and the summary says so
     assert hy.vs_hybrid_baseline(_heads_df({("hedgehog", 64): better}, None), 64) is None
 
