@@ -148,7 +148,10 @@ class TrigRF(RandomFeatureMap):
 
     def _scaled(self, xc: torch.Tensor, gemm: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``f`` (..., n, F) and the per-row log scale (..., n) of the prepared input ``xc``."""
-        f = self._trig(xc, gemm)
+        return self._with_log_scale(self._trig(xc, gemm), xc)
+
+    def _with_log_scale(self, f: torch.Tensor, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``f`` and the per-row log scale $\\|x\\|^2/2 + \\log c$ (..., n) of ``xc``, float64."""
         r = self.num_features
         log_c = -0.5 * math.log(r) if self.variant == "sincos" else 0.5 * math.log(2.0 / r)
         ls = _sqnorm_half64(xc) + log_c
@@ -172,11 +175,14 @@ class TrigRF(RandomFeatureMap):
         return (f * scale if _grad(f, scale) else f.mul_(scale)).to(out_dtype)
 
     def log_features(self, x, shared=False):
-        fast = self._fused(x, shared)
-        if fast is not None:
-            return fast
+        fast = self._fused(x)
         xc, out_dtype, g = self._prepare_gemm("x", x)
-        f, ls = self._scaled(xc, g)
+        if fast is not None:
+            # the fused kernel's sines; its log scale, a float32 sum of squares, is replaced by the
+            # float64 one (the shared scale below is then applied here, as on the torch path)
+            f, ls = self._with_log_scale(fast[0], xc)
+        else:
+            f, ls = self._scaled(xc, g)
         if shared:
             with torch.no_grad():
                 m = ls.amax(-1, keepdim=True)

@@ -13,10 +13,13 @@ from .._common import (
     check_state,
     feature_state,
     has_log2_features,
+    host_reads,
     log2_state,
     normalise,
     padding_mask,
+    signed_lost,
     split,
+    state_abs_mass,
     with_ones,
 )
 from ..state import LinearAttentionState
@@ -41,7 +44,11 @@ class RecurrentLinearAttention:
     state : LinearAttentionState, optional
         Initial state, e.g. from ``linear_attention(..., causal=True, return_state=True)`` on a prompt.
     eps : float, default 1e-6
-        Denominator guard for signed feature maps (see `kernelapprox.linear_attention`).
+        Denominator guard for signed feature maps (see `kernelapprox.linear_attention`). For a
+        signed map the step also carries $\sum_j|\psi(k_j)|$ (per feature, beside the state) and
+        reports a lost row (`kernelapprox.attention._common.signed_lost`): a warning on the CPU,
+        NaN on accelerators. A state handed in (``state=``) enters that bound with the absolute
+        value of its summed features (the norms of its keys are not stored).
 
     Examples
     --------
@@ -67,11 +74,15 @@ class RecurrentLinearAttention:
         self.state = state
         self.eps = check_eps(eps)
         self.steps = 0
+        # signed maps: sum_j |psi(k_j)| at the state's scale (the keys' part of the magnitude bound
+        # of `signed_lost`), with the state object it belongs to
+        self._zabs: tuple[LinearAttentionState, torch.Tensor] | None = None
 
     def reset(self) -> None:
         """Forget the state."""
         self.state = None
         self.steps = 0
+        self._zabs = None
 
     @no_autocast
     def step(
@@ -155,9 +166,26 @@ class RecurrentLinearAttention:
             old_ls = old.log_scale.to(gk.dtype)
             g = torch.maximum(old_ls, gk).detach()
             kv = old.kv.to(cdt) * torch.exp(old_ls - g).to(cdt) + upd * torch.exp(gk - g).to(cdt)
+        zabs = None
+        if not fm.positive:
+            # sum_j |psi(k_j)| carried beside the state, per feature (a state given from
+            # elsewhere enters with its |z|, `state_abs_mass`)
+            with torch.no_grad():
+                zabs = torch.matmul(fk.detach().abs().mT, torch.exp(gk.detach() - g.detach()).to(cdt))
+                if self.state is not None:
+                    old_z = (self._zabs[1] if self._zabs is not None and self._zabs[0] is self.state
+                             else state_abs_mass(self.state, v_t.shape[-1]))
+                    zabs = zabs + old_z.to(cdt) * torch.exp(self.state.log_scale.detach() - g.detach()).to(cdt)
         self.state = LinearAttentionState(kv, g.expand(*kv.shape[:-2], 1, 1))
         self.steps += 1
-        out = normalise(*split(torch.matmul(fq, kv)), fm.positive, self.eps)
+        raw = torch.matmul(fq, kv)
+        lost = None
+        if zabs is not None:
+            self._zabs = (self.state, zabs)
+            with torch.no_grad():
+                lost = signed_lost(raw[..., -1:], torch.matmul(fq.detach().abs(), zabs),
+                                   (zabs > 0).any(dim=-2, keepdim=True))
+        out = normalise(*split(raw), fm.positive, self.eps, lost, host=lost is None or host_reads(kv.device))
         return out.squeeze(-2).to(out_dtype)
 
     def _gated_step(
