@@ -444,16 +444,20 @@ def _signed_lost_rows(
         if z0 is not None:
             has_key = has_key | (z0 > 0).any(dim=-2, keepdim=True)
         if not host:
-            ones = torch.ones_like(s, dtype=fk.dtype).unsqueeze(-1)
+            # [1, 0]: two columns, so that the rows come back as a slice of the same layout as the
+            # call's own (a one-column slice makes torch.compile guard on the length)
+            ones = F.pad(torch.ones_like(s, dtype=fk.dtype).unsqueeze(-1), (0, 1))
             if pad is not None:
                 ones = ones.masked_fill(pad.unsqueeze(-1), 0.0)
             st = None if initial_state is None or z0 is None else LinearAttentionState(
-                z0.to(fk.dtype), initial_state.log_scale)
+                F.pad(z0.to(fk.dtype), (0, 1)), initial_state.log_scale)
             babs = chunk_runmax.running_max_attention(
                 fq.abs(), fk.abs(), ones, s, mask, st, fk.dtype, lead, recompute=False, host_reads=False)[0]
-            run = chunk_runmax.row_scales(s, initial_state).expand(*lead, n)
-            bound = babs * torch.exp(run - rho).to(babs.dtype).unsqueeze(-1)  # into the path's units
-            return signed_lost(den, bound, has_key)
+            babs = babs[..., :1]
+            if path == "shared":  # into the units of the shared-scale rows
+                run = chunk_runmax.row_scales(s, initial_state).expand(*lead, n)
+                babs = babs * torch.exp(run - rho).to(babs.dtype).unsqueeze(-1)
+            return signed_lost(den, babs, has_key)
         # the screen: M_i >= B_i from the rows' norms, the keys' summed in the log domain
         ell = s + torch.log(row_norms(fk).double())
         if pad is not None:
