@@ -422,11 +422,11 @@ def _signed_lost_rows(
 
     - ``host`` (CPU): a screen by Cauchy-Schwarz, $B_i \le M_i = \|\varphi(q_i)\|(\sum_{j \le i}
       \|f_j\|e^{s_j} + \|z_0\|e^{G_0})e^{-\rho_i}$, from the rows' norms and a float64
-      ``logcumsumexp`` over the keys ($O(nF)$, 2 % of a call); only the rows with
+      ``logcumsumexp`` over the keys ($O(nF)$: 2.6 ms of a 60 ms call, ``docs/attention.md``); only the rows with
       $|\text{den}_i| \le \tau M_i$ (rare) get their exact $B_i$, in float64, $O(nF)$ each
       (one host read).
     - otherwise (no host read): $B_i$ for every row by `chunk_runmax.running_max_attention` on
-      $|\varphi(Q)|$, $|f|$ and a column of ones (a third of a call's cost).
+      $|\varphi(Q)|$, $|f|$ and a column of ones (a third of the call's time on the CPU).
     """
     with torch.no_grad():
         n = s.shape[-1]
