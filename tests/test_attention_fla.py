@@ -144,6 +144,28 @@ def test_adapter_padding_cu_seqlens_and_states(fake_fla):
     assert (tail.reshape(2, 14, 2, 3).double() - full[:, 10:]).abs().max() < 1e-4
 
 
+def test_adapter_taylor_lost_rows_are_nan(fake_fla):
+    """Taylor (signed features, the ungated path): ordinary rows equal the exact answer; rows lost
+    to cancellation (|x| = 1000, every key orthogonal to the query: den / B ~ 1e-12) come back NaN
+    (the accelerator's answer, no host read), also packed and continued from a state."""
+    g = torch.Generator().manual_seed(0)
+    basis, _ = torch.linalg.qr(torch.randn(4, 4, generator=g, dtype=torch.float64))
+    q, k, v = _bthd(5, T=6, H=1)
+    q[0, :, 0] = (1e3 * basis[:, 0]).float()
+    k[0, :, 0] = (1e3 * basis[:, 1 + torch.arange(6) % 3].mT).float()
+    fm = ka.TaylorFeatures(4)
+    out = fla_mod.fla_linear_attention(q, k, v, fm, eps=0.0)
+    assert fake_fla == ["chunk_simple_gla"]
+    assert bool(out[0].isnan().all()) and bool(out[1].isfinite().all())
+    assert (out[1].double() - _ref(q[1:], k[1:], v[1:], fm)[0]).abs().max() < 1e-4
+    packed = fla_mod.fla_linear_attention(q.reshape(1, 12, 1, 4), k.reshape(1, 12, 1, 4), v.reshape(1, 12, 1, 3),
+                                          fm, cu_seqlens=torch.tensor([0, 6, 12]), eps=0.0)
+    assert torch.equal(packed.reshape(2, 6, 1, 3).isnan(), out.isnan())
+    o1, st = fla_mod.fla_linear_attention(q[:, :3], k[:, :3], v[:, :3], fm, return_state=True, eps=0.0)
+    o2 = fla_mod.fla_linear_attention(q[:, 3:], k[:, 3:], v[:, 3:], fm, initial_state=st, eps=0.0)
+    assert torch.equal(torch.cat([o1, o2], 1).isnan(), out.isnan())
+
+
 def test_adapter_backward_matches_torch_path(fake_fla):
     fm = ka.PositiveRF(4, 8, seed=0)
     q, k, v = _bthd(2, T=12)

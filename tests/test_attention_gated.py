@@ -187,13 +187,7 @@ def _forms(fm, q, k, v, eps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [
-    pytest.param(e.name, marks=pytest.mark.xfail(
-        reason="signed maps: the eps guard is absolute on the stabilised denominator (0/0 without it), "
-               "and float32 features lose well-conditioned rows at large norms", strict=False))
-    if not e.cls.positive else e.name
-    for e in ka.estimators()
-])
+@pytest.mark.parametrize("name", [e.name for e in ka.estimators()])
 def test_survey_every_map_form_norm_dtype(name):
     bad = []
     for est in [e for e in ka.estimators() if e.name == name]:

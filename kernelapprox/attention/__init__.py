@@ -130,7 +130,13 @@ def linear_attention(
         $\varphi(q_i)^\top z\, e^{-(s_{q_i} + M_i)}$ (query scale $s_{q_i}$, key scale
         $M_i$ = running maximum of the key log-scales, the same in all three forms): where
         it is $\le \varepsilon$ in absolute value it becomes $den + 2\varepsilon$.
-        Positive maps are only guarded against underflow.
+        Positive maps are only guarded against underflow. Whatever ``eps``, a signed map's row
+        whose denominator is lost, $|\text{den}_i| \le \varepsilon_{\text{dtype}}\,
+        |\varphi(q_i)|^\top\sum_j|\varphi(k_j)|$ (cancellation below the rounding of its
+        terms, or features that meet none of the keys' in the compute dtype), is never returned
+        silently: on the CPU a `kernelapprox.KernelApproxWarning` names their number (the rows
+        are returned as computed); on accelerators, the forced accelerator path and under
+        ``torch.compile`` (no host read) they are NaN. See ``docs/attention.md``, "Signed maps".
     fit : bool, default False
         First choose the map's data-dependent parameters from this batch,
         ``feature_map.fit(q, k)`` (in place; a no-op for maps without any), as the FAVOR++/FAVOR#

@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
+import math
+import os
+import sys
+import warnings
+
 import torch
 
-from .._validation import broadcast_batch, check_bool, check_finite_float, compute_dtype
+from .. import backends
+from .._validation import KernelApproxWarning, broadcast_batch, check_bool, check_finite_float, compute_dtype
 from ..exact import check_qkv, padding_mask  # noqa: F401 (padding_mask: imported from here by the forms)
 from ..maps.base import FeatureMap
 from .state import LinearAttentionState
@@ -337,7 +343,91 @@ def split(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out[..., :-1], out[..., -1:]
 
 
-def normalise(num: torch.Tensor, den: torch.Tensor, positive: bool, eps: float) -> torch.Tensor:
+#: Multiple of the compute dtype's machine epsilon: a signed map's denominator at or below this
+#: many units of its magnitude bound is lost (`lost_tolerance`).
+LOST_ULPS = 1
+
+
+def lost_tolerance(dtype: torch.dtype) -> float:
+    r"""$\tau = \varepsilon$ of ``dtype`` ($1.2 \cdot 10^{-7}$ in float32): a signed map's row with
+    $|\text{den}_i| \le \tau B_i$ is lost (see `signed_lost`).
+
+    $B_i = |\varphi(q_i)|^\top\sum_j|\psi(k_j)|$ is the magnitude of the terms that the
+    denominator $\text{den}_i = \varphi(q_i)^\top\sum_j\psi(k_j)$ sums, and $\varepsilon B_i$
+    the rounding unit at that magnitude: a denominator below it is not resolved (an underflow,
+    $B_i$ and $\text{den}_i$ both 0 in a row that has keys, is the extreme case). Above it the
+    computed denominator is off by about $0.1$ to
+    $1\,\varepsilon B_i$ (measured: trigonometric maps, 2048 keys, whose roundings are
+    independent) and up to $50\,\varepsilon B_i$ (Nyström, whose whitening $G^{-1/2}$ leaves
+    roundings of the size of the features' norms): a relative error of the row of about
+    $\varepsilon B_i / |\text{den}_i|$ times that factor.
+
+    Examples
+    --------
+    >>> lost_tolerance(torch.float32) == torch.finfo(torch.float32).eps
+    True
+    """
+    return LOST_ULPS * float(torch.finfo(dtype).eps)
+
+
+def row_norms(f: torch.Tensor) -> torch.Tensor:
+    """Euclidean norms of the feature rows, (..., n, F) -> (..., n), in ``f``'s dtype."""
+    return torch.linalg.vector_norm(f, dim=-1)
+
+
+def state_abs_mass(state: LinearAttentionState, dv: int) -> torch.Tensor:
+    r"""$|z|$ (..., F, 1), a state's summed key features (column ``dv`` of ``kv``) in absolute
+    value, at the state's (shared) scale, detached: what a state brings to the magnitude bound
+    $B_i$ of `lost_tolerance`. The state does not store $\sum_j|\psi(k_j)|$, so the
+    cancellation of its keys inside $z$ is not seen (a lower estimate of their part)."""
+    return state.kv[..., dv:dv + 1].detach().abs()
+
+
+def host_reads(device: torch.device) -> bool:
+    """Whether a call on ``device`` may read a value into Python for the signed-map check: the
+    CPU path of `kernelapprox.backends.attention_plan` (not the forced accelerator path), outside
+    ``torch.compile``, with values (not ``meta``)."""
+    if torch.compiler.is_compiling() or device.type == "meta":
+        return False
+    return backends.attention_plan(device, torch.float32, n=1 << 20, gated=False, grad=False,
+                                   warn=False).path == "cpu"
+
+
+def signed_lost(
+    den: torch.Tensor, bound: torch.Tensor, has_key: torch.Tensor | bool = True, dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    r"""The lost rows of a signed map, (..., n, 1) bool: $|\text{den}_i| \le \tau B_i$
+    (`lost_tolerance` of ``dtype``, the dtype whose rounding the summed terms carry, by default
+    ``den``'s; ``bound`` $= B_i$ in the units of ``den``), in rows that see a key (``has_key``; a
+    row without any gives 0 and is not lost). A row whose features meet none of its keys'
+    ($B_i = 0$ in the compute dtype: underflow) is lost; NaN is not.
+
+    Examples
+    --------
+    >>> den = torch.tensor([[1e-3], [1e-9], [0.0], [0.0]])
+    >>> bound = torch.tensor([[1.0], [1.0], [0.0], [0.0]])
+    >>> signed_lost(den, bound, torch.tensor([[True], [True], [True], [False]])).squeeze(-1)
+    tensor([False,  True,  True, False])
+    """
+    return (den.abs() <= lost_tolerance(den.dtype if dtype is None else dtype) * bound) & has_key
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` of the first frame outside kernelapprox and torch (the user's call), for a
+    warning issued by the caller of this function."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    skip = (pkg, os.path.dirname(torch.__file__) + os.sep)
+    frame = sys._getframe(2)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
+def normalise(
+    num: torch.Tensor, den: torch.Tensor, positive: bool, eps: float,
+    lost: torch.Tensor | None = None, *, host: bool = True,
+) -> torch.Tensor:
     r"""``num / den`` (num (..., n, dv), den (..., n, 1)), guarding vanishing denominators.
 
     Positive maps: a denominator can only vanish by underflow; it is clamped to the smallest normal
@@ -346,9 +436,37 @@ def normalise(num: torch.Tensor, den: torch.Tensor, positive: bool, eps: float) 
     (every key padded, see ``key_padding_mask``): its numerator is 0 too, and it is divided by 1,
     so that the output is 0 and its gradient $\partial o / \partial\,\text{num}$ is 1 rather than
     ``1 / tiny`` (which would overflow the backward into NaN).
+
+    Signed maps, with ``lost`` (..., n, 1) bool (`signed_lost`: the rows whose denominator is lost
+    to cancellation or underflow): with ``host`` (the CPU) the call warns with a
+    `kernelapprox.KernelApproxWarning` naming their number, and returns them as computed; without
+    (accelerators, the forced accelerator path, ``torch.compile``: no host synchronisation) those
+    rows are NaN. A zero denominator in a row that is not lost is a row without any key: it gives
+    0 (also with ``eps = 0``).
     """
     if positive:
         den = torch.where(den == 0, torch.ones_like(den), den.clamp_min(torch.finfo(den.dtype).tiny))
     else:
+        if lost is not None and den.device.type != "meta":
+            if host:
+                warn_lost(lost, den.dtype)
+            else:
+                num = torch.where(lost, torch.full_like(num, math.nan), num)
+            # a zero denominator that is not lost: a row without any key (numerator 0), output 0
+            den = torch.where((den == 0) & ~lost, torch.ones_like(den), den)
         den = den + 2 * eps * (den.abs() <= eps).to(den.dtype)
     return num / den
+
+
+def warn_lost(lost: torch.Tensor, dtype: torch.dtype) -> None:
+    """The `kernelapprox.KernelApproxWarning` of `normalise` where ``lost`` holds a row (one host
+    read)."""
+    count = int(lost.sum())
+    if count:
+        warnings.warn(
+            f"{count} row(s) of linear attention with a signed feature map lost to cancellation or "
+            f"underflow: |denominator| <= {lost_tolerance(dtype):.1e} x its magnitude bound "
+            f"|phi(q)|^T sum_j |psi(k_j)| in {str(dtype).replace('torch.', '')}: the rounding of the terms is as "
+            "large as the denominator, and these rows are not resolved (returned as computed; float64 inputs, "
+            "or a positive map, avoid it)",
+            KernelApproxWarning, stacklevel=_user_stacklevel())

@@ -25,12 +25,17 @@ from .._common import (
     den_floor,
     feature_state,
     has_log2_features,
+    host_reads,
     log2_state,
+    lost_tolerance,
     normalise,
     padding_mask,
     per_feature_keys,
     prepare,
+    row_norms,
     shared_state,
+    signed_lost,
+    state_abs_mass,
     with_ones,
 )
 from ..state import LinearAttentionState
@@ -264,7 +269,9 @@ def chunk_linear_attention(
     initial_state : LinearAttentionState, optional
     return_state : bool, default False
     eps : float, default 1e-6
-        Denominator guard for signed maps, see `kernelapprox.linear_attention`.
+        Denominator guard for signed maps, see `kernelapprox.linear_attention`. A signed map's
+        rows lost to cancellation are reported (`_signed_lost_rows`: a warning on the CPU, NaN
+        rows on the accelerator path).
     key_padding_mask : Tensor, optional
         Bool, ``True`` = padded key, shape (batch, n) or broadcasting with (..., n); see
         `kernelapprox.linear_attention`. A padded key enters both algorithms with a zero row
@@ -387,7 +394,12 @@ def chunk_linear_attention(
             raw = torch.where(keep.unsqueeze(-1), head, raw)
     if log2 and not compiling and not device_path:
         raw = _rescue_underflow(raw, q, k, v, feature_map, pad, given_state, lead)
-    out = normalise(raw[..., :dv], raw[..., dv:dv + 1], feature_map.positive, eps).to(out_dtype)
+    lost, host = None, True
+    if not feature_map.positive:  # signed maps: the rows lost to cancellation (`signed_lost`)
+        host = not device_path and host_reads(raw.device)
+        lost = _signed_lost_rows(raw[..., dv:dv + 1], fq, fk, s, pad, initial_state, path, keep, mask,
+                                 v1.shape[-1], lead, dv, host)
+    out = normalise(raw[..., :dv], raw[..., dv:dv + 1], feature_map.positive, eps, lost, host=host).to(out_dtype)
     if return_state:
         lk = feature_map.key_log2_features(k) if log2 else None
         if lk is not None:
@@ -401,6 +413,118 @@ def chunk_linear_attention(
             return out, feature_state(kv, t)
         return out, LinearAttentionState(state.kv[..., :dv + 1].contiguous(), state.log_scale)
     return out
+
+
+#: Candidate rows whose exact bound `_exact_bound_lost` forms at once ((rows, n) products).
+_EXACT_ROWS = 256
+
+
+def _signed_lost_rows(
+    den: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor, s: torch.Tensor, pad: torch.Tensor | None,
+    initial_state: LinearAttentionState | None, path: str, keep: torch.Tensor | None, mask: torch.Tensor,
+    P: int, lead: torch.Size, dv: int, host: bool,
+) -> torch.Tensor:
+    r"""The lost rows of a signed map's causal call, (*lead, n, 1) bool
+    (`kernelapprox.attention._common.signed_lost`): $|\text{den}_i| \le \tau B_i$ with the
+    magnitude bound
+
+    $$
+    B_i = |\varphi(q_i)|^\top\Big(\sum_{j \le i}|f_j|\,e^{s_j} + |z_0|\,e^{G_0}\Big)\,e^{-\rho_i},
+    $$
+
+    in the units of the row as its path computed it ($\rho_i$: `chunk_runmax.row_scales`, or
+    `chunk_shared.row_scales` for the rows that the shared-scale path gave; $|z_0|$: the initial
+    state's part, `kernelapprox.attention._common.state_abs_mass`). Constant for autograd.
+
+    - ``host`` (CPU): a screen by Cauchy-Schwarz, $B_i \le M_i = \|\varphi(q_i)\|(\sum_{j \le i}
+      \|f_j\|e^{s_j} + \|z_0\|e^{G_0})e^{-\rho_i}$, from the rows' norms and a float64
+      ``logcumsumexp`` over the keys ($O(nF)$: 2.6 ms of a 60 ms call, ``docs/attention.md``); only the rows with
+      $|\text{den}_i| \le \tau M_i$ (rare) get their exact $B_i$, in float64, $O(nF)$ each
+      (one host read).
+    - otherwise (no host read): $B_i$ for every row by `chunk_runmax.running_max_attention` on
+      $|\varphi(Q)|$, $|f|$ and a column of ones (a third of the call's time on the CPU).
+    """
+    with torch.no_grad():
+        n = s.shape[-1]
+        s = s.detach()
+        fq, fk = fq.detach(), fk.detach()
+        rho = chunk_runmax.row_scales(s, initial_state)
+        if path == "shared":
+            shared = chunk_shared.row_scales(s, fq.shape[-1], P, mask.shape[-1], initial_state, lead)
+            rho = shared if keep is None else torch.where(keep.reshape(*lead, -1), shared, rho)
+        rho = rho.expand(*lead, n)
+        z0 = None if initial_state is None else state_abs_mass(initial_state, dv)  # (..., F, 1)
+        has_key = torch.ones((), dtype=torch.bool, device=den.device)
+        if pad is not None:
+            has_key = (torch.cumsum(~pad, dim=-1) > 0).unsqueeze(-1)
+        if z0 is not None:
+            has_key = has_key | (z0 > 0).any(dim=-2, keepdim=True)
+        if not host:
+            # [1, 0]: two columns, so that the rows come back as a slice of the same layout as the
+            # call's own (a one-column slice makes torch.compile guard on the length)
+            ones = F.pad(torch.ones_like(s, dtype=fk.dtype).unsqueeze(-1), (0, 1))
+            if pad is not None:
+                ones = ones.masked_fill(pad.unsqueeze(-1), 0.0)
+            st = None if initial_state is None or z0 is None else LinearAttentionState(
+                F.pad(z0.to(fk.dtype), (0, 1)), initial_state.log_scale)
+            babs = chunk_runmax.running_max_attention(
+                fq.abs(), fk.abs(), ones, s, mask, st, fk.dtype, lead, recompute=False, host_reads=False)[0]
+            babs = babs[..., :1]
+            if path == "shared":  # into the units of the shared-scale rows
+                run = chunk_runmax.row_scales(s, initial_state).expand(*lead, n)
+                babs = babs * torch.exp(run - rho).to(babs.dtype).unsqueeze(-1)
+            return signed_lost(den, babs, has_key)
+        # the screen: M_i >= B_i from the rows' norms, the keys' summed in the log domain
+        ell = s + torch.log(row_norms(fk).double())
+        if pad is not None:
+            ell = ell.masked_fill(pad, float("-inf"))
+        acc = torch.logcumsumexp(ell, dim=-1)
+        if z0 is not None:
+            G0 = initial_state.log_scale.detach().double().squeeze(-1)  # type: ignore[union-attr]
+            acc = torch.logaddexp(acc, torch.log(row_norms(z0.mT).double()) + G0)
+        M = (row_norms(fq) * torch.exp(acc - rho).to(fq.dtype)).unsqueeze(-1)
+        cand = signed_lost(den, M, has_key)  # a superset of the lost rows
+        if not bool(cand.any()):  # the host read
+            return cand
+        return cand & _exact_bound_lost(den, fq, fk, s, pad, z0, initial_state, rho, cand, lead)
+
+
+def _exact_bound_lost(
+    den: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor, s: torch.Tensor, pad: torch.Tensor | None,
+    z0: torch.Tensor | None, initial_state: LinearAttentionState | None, rho: torch.Tensor,
+    cand: torch.Tensor, lead: torch.Size,
+) -> torch.Tensor:
+    r"""`_signed_lost_rows` on the candidate rows ``cand`` (*lead, n, 1): their exact
+    $B_i = \sum_{j \le i} |\varphi(q_i)|^\top|f_j|\,e^{s_j - \rho_i}$ (+ the state's part), in
+    float64 (no product of two float32 features underflows there), one sequence at a time,
+    $O(nF)$ per candidate row. Returns the lost rows (*lead, n, 1); other rows False."""
+    n = s.shape[-1]
+    L = math.prod(lead)
+
+    def flat(t: torch.Tensor, tail: int) -> torch.Tensor:
+        return t.expand(*lead, *t.shape[t.dim() - tail:]).reshape(L, *t.shape[t.dim() - tail:])
+
+    fq2, fk2, s2, rho2 = flat(fq, 2), flat(fk, 2), flat(s, 1), flat(rho, 1)
+    den2, cand2 = flat(den, 2)[..., 0], flat(cand, 2)[..., 0]
+    pad2 = None if pad is None else flat(pad, 1)
+    z02 = None if z0 is None else flat(z0, 2)[..., 0]
+    G02 = None if initial_state is None else flat(initial_state.log_scale.detach().double(), 2)[..., 0, 0]
+    out = torch.zeros_like(cand2)
+    j = torch.arange(n, device=s.device)
+    tol = lost_tolerance(den.dtype)
+    for b in cand2.any(dim=-1).nonzero().squeeze(-1).tolist():
+        fka = fk2[b].double().abs()  # (n, F)
+        for rows in cand2[b].nonzero().squeeze(-1).split(_EXACT_ROWS):  # (R, n) products at a time
+            a = fq2[b, rows].double().abs()  # (R, F)
+            keep = j.unsqueeze(0) <= rows.unsqueeze(-1)
+            if pad2 is not None:
+                keep = keep & ~pad2[b].unsqueeze(0)
+            logw = (s2[b].unsqueeze(0) - rho2[b, rows].unsqueeze(-1)).masked_fill(~keep, float("-inf"))
+            bound = ((a @ fka.mT) * torch.exp(logw)).sum(-1)
+            if z02 is not None and G02 is not None:
+                bound = bound + (a @ z02[b].double()) * torch.exp(G02[b] - rho2[b, rows])
+            out[b, rows] = den2[b, rows].double().abs() <= tol * bound
+    return out.reshape(*lead, n, 1)
 
 
 def _rescue_underflow(

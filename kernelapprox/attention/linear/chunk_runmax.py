@@ -97,6 +97,17 @@ def _run(
     return torch.matmul(fq_g, excl) * w_inter[..., a:b, :, :] + intra, state
 
 
+def row_scales(s: torch.Tensor, initial_state: LinearAttentionState | None) -> torch.Tensor:
+    r"""Each query's scale on this path, $M_i = \max(G_0, \max_{j \le i} s_j)$, (..., n), detached:
+    the ``[num | den]`` rows of `running_max_attention` are the true rows times $e^{-M_i}$ (and
+    the per-query feature factor)."""
+    M = torch.cummax(s.detach(), dim=-1).values
+    if initial_state is not None:
+        G = initial_state.log_scale.detach().to(M.dtype).reshape(*initial_state.log_scale.shape[:-2], 1)
+        M = torch.maximum(M, G)
+    return M
+
+
 def running_max_attention(
     fq: torch.Tensor, fk: torch.Tensor, v1: torch.Tensor, s: torch.Tensor, mask: torch.Tensor,
     initial_state: LinearAttentionState | None, cdt: torch.dtype, lead: torch.Size, *, recompute: bool,

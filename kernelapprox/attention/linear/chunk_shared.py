@@ -313,6 +313,21 @@ def _references(
     return gmax, R, G0
 
 
+def row_scales(
+    s: torch.Tensor, Fd: int, dv1: int, C: int, initial_state: LinearAttentionState | None, lead: torch.Size
+) -> torch.Tensor:
+    r"""Each token's scale on this path, the reference $R_g$ of its group, (*lead, n), detached:
+    the ``[num | den]`` rows of `shared_scale_attention` (on features of width ``Fd``, ``[v, 1]``
+    of width ``dv1``, chunks of ``C``) are the true rows times $e^{-R_g}$ (and the per-query
+    feature factor)."""
+    n = s.shape[-1]
+    L = math.prod(lead)
+    sd = s.detach().expand(*lead, n).reshape(L, n)
+    span = min(group_chunks(Fd, dv1), -(-n // C)) * C
+    _, R, _ = _references(sd, span, initial_state, lead)
+    return _per_token(R, span, n).expand(L, n).reshape(*lead, n)
+
+
 def clean_mask(
     fq: torch.Tensor, v1: torch.Tensor, s: torch.Tensor,
     initial_state: LinearAttentionState | None, C: int, lead: torch.Size,

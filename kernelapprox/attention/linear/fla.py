@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ...maps.base import FeatureMap
-from .._common import feature_state, has_log2_features, log2_state, normalise, with_ones
+from .._common import feature_state, has_log2_features, log2_state, normalise, signed_lost, with_ones
 from ..state import LinearAttentionState
 
 _LN2 = 0.6931471805599453
@@ -100,6 +100,46 @@ def _segment_cummax(a: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.T
     return (torch.cummax(a64 - lo + lift, dim=1).values - lift + lo).to(a.dtype)
 
 
+def _segment_cumsum(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Inclusive sums over dimension 1 (T) of ``x`` (B, T, ...), restarted at each sequence of
+    ``cu_seqlens`` (B = 1), without a host read."""
+    c = torch.cumsum(x, dim=1)
+    if cu_seqlens is None:
+        return c
+    T = x.shape[1]
+    pos = torch.arange(T, device=x.device)
+    start = cu_seqlens.to(pos.dtype)[torch.searchsorted(cu_seqlens.to(pos.dtype), pos, right=True) - 1]
+    before = torch.cat([torch.zeros_like(c[:, :1]), c], dim=1)[:, start]  # sum of the tokens before it
+    return c - before
+
+
+def _plain_lost(
+    den: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor, pad: torch.Tensor | None, h0: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, dv: int, acc: torch.dtype, terms: torch.dtype,
+) -> torch.Tensor:
+    r"""The lost rows (B, T, H, 1) of a signed map on the ungated path
+    (`kernelapprox.attention._common.signed_lost`): the bound
+    $B_t = |\varphi(q_t)|^\top(\sum_{s \le t}|\varphi(k_s)| + |z_0|)$ by a cumulative sum
+    over the sequence (restarted at each of ``cu_seqlens``; $|z_0|$ the initial state's summed
+    key features in absolute value), at the tolerance of ``terms``, the dtype of the kernel's
+    operands. No host read."""
+    with torch.no_grad():
+        zabs = _segment_cumsum(fk.detach().abs().to(acc), cu_seqlens)  # (B, T, H, K)
+        valid = torch.ones_like(den[..., 0, 0]) if pad is None else (~pad).to(acc)  # (B, T)
+        has_key = (_segment_cumsum(valid.unsqueeze(-1), cu_seqlens) > 0).unsqueeze(-1)  # (B, T, 1, 1)
+        if h0 is not None:
+            z0 = h0[..., dv].abs()  # (N, H, K)
+            if cu_seqlens is None:
+                z0 = z0.unsqueeze(1)  # (B, 1, H, K)
+            else:
+                pos = torch.arange(fk.shape[1], device=fk.device)
+                z0 = z0[torch.searchsorted(cu_seqlens.to(pos.dtype), pos, right=True) - 1].unsqueeze(0)
+            zabs = zabs + z0
+            has_key = has_key | (z0 > 0).any(dim=-1, keepdim=True)
+        bound = (fq.detach().abs().to(acc) * zabs).sum(dim=-1, keepdim=True)
+        return signed_lost(den, bound, has_key, dtype=terms)
+
+
 def fla_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -129,7 +169,9 @@ def fla_linear_attention(
     cu_seqlens : Tensor, optional
         Packed sequences: int64 (N + 1,) offsets into T, with B = 1 (fla's varlen convention).
     eps : float, default 1e-6
-        Denominator guard of signed maps (Taylor), as in `kernelapprox.linear_attention`.
+        Denominator guard of signed maps (Taylor), as in `kernelapprox.linear_attention`. Rows
+        lost to cancellation (`_plain_lost`, at the tolerance of the kernel's operand dtype) are
+        NaN.
 
     Returns
     -------
@@ -178,7 +220,11 @@ def fla_linear_attention(
             q=fq.to(v.dtype), k=fk.to(v.dtype), v=v1, g=None, scale=1.0, initial_state=h0,
             output_final_state=return_state, cu_seqlens=cu_seqlens,
         )
-        out = normalise(o[..., :dv].to(acc), o[..., dv:dv + 1].to(acc), feature_map.positive, eps).to(v.dtype)
+        den = o[..., dv:dv + 1].to(acc)
+        lost = None
+        if not feature_map.positive:  # Taylor: rows lost to cancellation come back NaN (no host read)
+            lost = _plain_lost(den, fq, fk, pad, h0, cu_seqlens, dv, acc, v.dtype)
+        out = normalise(o[..., :dv].to(acc), den, feature_map.positive, eps, lost, host=False).to(v.dtype)
         if return_state:
             return out, LinearAttentionState(ht[..., :Fd, :dv + 1], ht.new_zeros(*ht.shape[:-2], 1, 1))
         return out

@@ -13,6 +13,7 @@ from .._common import (
     den_floor,
     feature_state,
     has_log2_features,
+    host_reads,
     key_side,
     log2_state,
     normalise,
@@ -20,6 +21,7 @@ from .._common import (
     per_feature_parallel,
     prepare,
     shared_state,
+    signed_lost,
     with_ones,
 )
 from ..state import LinearAttentionState
@@ -56,7 +58,10 @@ def parallel_linear_attention(
         Keys and values already summarised (added to this call's).
     return_state : bool, default False
     eps : float, default 1e-6
-        Denominator guard for signed maps, see `kernelapprox.linear_attention`.
+        Denominator guard for signed maps, see `kernelapprox.linear_attention`. A signed map's
+        rows lost to cancellation (`kernelapprox.attention._common.signed_lost`, with the exact
+        bound $|\varphi(q_i)|^\top\sum_j|\psi(k_j)|$, one extra pass over the features) are
+        reported: a warning on the CPU, NaN rows on the accelerator path.
     key_padding_mask : Tensor, optional
         Bool, ``True`` = padded key, shape (batch, m) or broadcasting with (..., m); see
         `kernelapprox.linear_attention`. Padded keys have weight 0 in the numerator and the
@@ -111,6 +116,18 @@ def parallel_linear_attention(
                 return out, feature_state(kv[..., :dv + 1].contiguous(), t)
             return out
         fk, v1, kv0, g = key_side(feature_map, k, v, shared_state(initial_state), _GEMM_COLUMNS, pad)
+        zabs = None
+        if not feature_map.positive:
+            # the keys' part of the magnitude bound of `signed_lost`: sum_j |psi(k_j)| w_j, (..., F, 1)
+            # (and whether any key has weight), before phi(K) and [wV, w] may be recycled below
+            with torch.no_grad():
+                w = v1[..., dv:dv + 1]
+                zabs = torch.matmul(fk.abs().mT, w)
+                has_key = w.sum(dim=-2, keepdim=True) > 0
+                if kv0 is not None:
+                    z0 = kv0[..., dv:dv + 1].abs()
+                    zabs = zabs + z0
+                    has_key = has_key | (z0 > 0).any(dim=-2, keepdim=True)
         # [S | z] = phi(K)^T [V, 1] in one GEMM: numerator and denominator then share their
         # rounding (a constant v is returned exactly; separate reductions disagree by ~n*eps).
         # The GEMMs run at a width padded to a multiple of 8 (zero columns after the ones).
@@ -143,7 +160,12 @@ def parallel_linear_attention(
                     kvs, X0 = log2_state(initial_state, dv, o.dtype)
                     st = (torch.nn.functional.pad(kvs, (0, o.shape[-1] - kvs.shape[-1])), X0)
                 o = per_feature_parallel(lq, lk, with_ones(v, _GEMM_COLUMNS), pad, st)[0]
-    out = normalise(o[..., :dv], o[..., dv:dv + 1], feature_map.positive, eps).to(out_dtype)
+    lost, host = None, True
+    if zabs is not None:  # signed maps: the rows lost to cancellation (`signed_lost`)
+        host = host_reads(o.device)
+        with torch.no_grad():
+            lost = signed_lost(o[..., dv:dv + 1], torch.matmul(fq.detach().abs(), zabs), has_key)
+    out = normalise(o[..., :dv], o[..., dv:dv + 1], feature_map.positive, eps, lost, host=host).to(out_dtype)
     if return_state:
         kv = kv[..., :dv + 1].contiguous()
         return out, LinearAttentionState(kv, g.expand(*kv.shape[:-2], 1, 1))

@@ -23,10 +23,13 @@ from .._common import (
     check_state,
     feature_state,
     has_log2_features,
+    host_reads,
     log2_state,
     normalise,
     padding_mask,
+    signed_lost,
     split,
+    state_abs_mass,
     with_ones,
 )
 from ..state import LinearAttentionState
@@ -55,7 +58,11 @@ class RecurrentLinearAttention:
     state : LinearAttentionState, optional
         Initial state, e.g. from ``linear_attention(..., causal=True, return_state=True)`` on a prompt.
     eps : float, default 1e-6
-        Denominator guard for signed feature maps (see `kernelapprox.linear_attention`).
+        Denominator guard for signed feature maps (see `kernelapprox.linear_attention`). For a
+        signed map the step also carries $\sum_j|\psi(k_j)|$ (per feature, beside the state) and
+        reports a lost row (`kernelapprox.attention._common.signed_lost`): a warning on the CPU,
+        NaN on accelerators. A state handed in (``state=``) enters that bound with the absolute
+        value of its summed features (the norms of its keys are not stored).
     inplace : bool, default False
         Write each step's state into the tensors of the state this decoder made at the step
         before (``copy_``), instead of new tensors: the state's storage then stays put from the
@@ -67,8 +74,8 @@ class RecurrentLinearAttention:
     -----
     Where the step runs is `kernelapprox.backends.decode_plan`'s choice: the torch step on the
     CPU and wherever fla is absent, flash-linear-attention's fused recurrent kernels on CUDA
-    (`kernelapprox.attention.linear.fla.fla_decode_step`). Neither reads a device value on the
-    host, and ``torch.compile(rnn.step, fullgraph=True)`` traces the torch step. `capture`
+    (`kernelapprox.attention.linear.fla.fla_decode_step`). On accelerators neither reads a
+    device value on the host (on the CPU a signed map's step reads one, for its warning), and ``torch.compile(rnn.step, fullgraph=True)`` traces the torch step. `capture`
     replays a step from a CUDA graph (``docs/gpu.md``).
 
     Examples
@@ -98,11 +105,15 @@ class RecurrentLinearAttention:
         self.inplace = check_bool("inplace", inplace)
         self.steps = 0
         self._owned: LinearAttentionState | None = None  # the state whose tensors ``inplace`` may write
+        # signed maps: sum_j |psi(k_j)| at the state's scale (the keys' part of the magnitude bound
+        # of `signed_lost`), with the state object it belongs to
+        self._zabs: tuple[LinearAttentionState, torch.Tensor] | None = None
 
     def reset(self) -> None:
         """Forget the state."""
         self.state = self._owned = None
         self.steps = 0
+        self._zabs = None
 
     @no_autocast
     def step(
@@ -192,8 +203,25 @@ class RecurrentLinearAttention:
             old_ls = old.log_scale.to(gk.dtype)
             g = torch.maximum(old_ls, gk).detach()
             kv = old.kv.to(cdt) * torch.exp(old_ls - g).to(cdt) + upd * torch.exp(gk - g).to(cdt)
+        zabs = None
+        if not fm.positive:
+            # sum_j |psi(k_j)| carried beside the state, per feature (a state given from
+            # elsewhere enters with its |z|, `state_abs_mass`)
+            with torch.no_grad():
+                zabs = torch.matmul(fk.detach().abs().mT, torch.exp(gk.detach() - g.detach()).to(cdt))
+                if self.state is not None:
+                    old_z = (self._zabs[1] if self._zabs is not None and self._zabs[0] is self.state
+                             else state_abs_mass(self.state, v_t.shape[-1]))
+                    zabs = zabs + old_z.to(cdt) * torch.exp(self.state.log_scale.detach() - g.detach()).to(cdt)
         self._commit(kv, g.expand(*kv.shape[:-2], 1, 1))
-        out = normalise(*split(torch.matmul(fq, kv)), fm.positive, self.eps)
+        raw = torch.matmul(fq, kv)
+        lost = None
+        if zabs is not None:
+            self._zabs = (self.state, zabs)
+            with torch.no_grad():
+                lost = signed_lost(raw[..., -1:], torch.matmul(fq.detach().abs(), zabs),
+                                   (zabs > 0).any(dim=-2, keepdim=True))
+        out = normalise(*split(raw), fm.positive, self.eps, lost, host=lost is None or host_reads(kv.device))
         return out.squeeze(-2).to(out_dtype)
 
     def capture(
