@@ -554,7 +554,8 @@ def bench_league(B, H, n, d, device, dtype, repeats, F: int = LEAGUE_F) -> dict[
             continue
         r = _league_r(est, F, d)
         try:
-            fm = est.build(d, r, seed=0).to(device)
+            kw = {"sampler": "gaussian"} if est.is_random else {}  # FAVOR+'s iid rows
+            fm = est.build(d, r, seed=0, **kw).to(device)
             fit = bool(getattr(est, "data_dependent", False))
             tf = timeit(fwd(fm, fit), device, repeats)
             ta = timeit(lambda fm=fm, fit=fit: ka.linear_attention(q, k, v, fm, fit=fit), device, repeats)

@@ -222,7 +222,7 @@ def test_unbiased_statistic_detects_a_bandwidth_bug():
     cfg = UNBIASED["gaussian"]
     q, k, _ = pairs(False, stream=11)
     g = torch.Generator().manual_seed(seed(190))
-    fm = est.build(D, cfg.r, generator=g, batch_shape=(cfg.chunk,), dtype=F64)
+    fm = est.build(D, cfg.r, sampler=cfg.sampler, generator=g, batch_shape=(cfg.chunk,), dtype=F64)
     bad = ka.TrigRF.from_projection(fm.weight * math.sqrt(2.0))
     draws = torch.diagonal(bad.kernel(q, k), dim1=-2, dim2=-1)
     z, _ = zscores(draws, torch.exp((q * k).sum(-1)))
