@@ -282,19 +282,24 @@ print(json.dumps({"peak_mib": peak - base, "inputs_mib": 3 * q.numel() * 4 / 2**
 """
 
 
+#: ``n`` of the memory figures under ``--quick`` (the memory group: n and 4n). Each figure is a
+#: fresh subprocess whose imports cost ~1.5 s of CPU, so the compute at this n is a fraction of it.
+QUICK_MEM_N = 256
+
 #: Subprocesses per CPU peak-memory figure; the least is reported. The resident-set peak includes
 #: what glibc keeps of freed memory, which varies from run to run (causal inference at n = 16 384:
 #: 1352, 1677 and 1352 MiB in three runs of the same call), while the least slack is reproducible.
 MEM_TRIES = 3
 
 
-def bench_memory(device: torch.device, ns=(4096, 16384), tries: int = MEM_TRIES) -> dict[str, float]:
+def bench_memory(device: torch.device, ns=(4096, 16384), tries: int = MEM_TRIES,
+                 causals=(False, True)) -> dict[str, float]:
     """Group 3, memory: peak memory of one inference call of ``linear_attention`` (B = 4, H = 8,
-    d = 64, r = 256) at each ``n`` of ``ns`` (two values), non-causal and causal, and the ratio of
-    the second to the first (CPU: the least of ``tries`` fresh subprocesses; CUDA:
+    d = 64, r = 256) at each ``n`` of ``ns`` (two values), non-causal and causal (``causals``), and
+    the ratio of the second to the first (CPU: the least of ``tries`` fresh subprocesses; CUDA:
     ``max_memory_allocated``)."""
     out = {}
-    for causal in (False, True):
+    for causal in causals:
         for n in ns:
             if device.type == "cuda":
                 q, k, v = _inputs(4, 8, n, 64, device, torch.float32)
@@ -314,7 +319,7 @@ def bench_memory(device: torch.device, ns=(4096, 16384), tries: int = MEM_TRIES)
                     peaks.append(json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"])
                 peak = min(peaks)
             out[f"{'causal' if causal else 'parallel'}_peak_mib_n{n}"] = peak
-    for kind in ("parallel", "causal"):
+    for kind in ("causal" if c else "parallel" for c in causals):
         a, b = out[f"{kind}_peak_mib_n{ns[0]}"], out[f"{kind}_peak_mib_n{ns[1]}"]
         out[f"{kind}_peak_ratio_n{ns[1]}/n{ns[0]}"] = b / a
     return out
@@ -457,9 +462,9 @@ def bench_hybrid_memory(device: torch.device, ns=(4096, 16384), B: int = 4, H: i
                         window: int = 64, tries: int = MEM_TRIES, modes=("linear", "token", "block"),
                         causals=(False, True)) -> dict[str, float]:
     """Group 8, memory: peak memory of one inference call of linear attention and of the token- and
-    block-window hybrids, at each ``n`` of ``ns``, and the ratio of the last to the first (CPU: the
-    least peak resident-set growth of ``tries`` fresh subprocesses, `bench_memory`'s method;
-    CUDA: ``max_memory_allocated``)."""
+    block-window hybrids (``modes``), at each ``n`` of ``ns``, and the ratio of the last to the first
+    when there are two or more (CPU: the least peak resident-set growth of ``tries`` fresh
+    subprocesses, `bench_memory`'s method; CUDA: ``max_memory_allocated``)."""
     out: dict[str, float] = {}
     for causal in causals:
         kind = "causal" if causal else "parallel"
@@ -487,12 +492,17 @@ def bench_hybrid_memory(device: torch.device, ns=(4096, 16384), B: int = 4, H: i
                         peaks.append(json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"])
                     peak = min(peaks)
                 out[f"hybrid_mem/{kind}_{mode}_peak_mib_n{n}"] = peak
-            a, b = out[f"hybrid_mem/{kind}_{mode}_peak_mib_n{ns[0]}"], out[f"hybrid_mem/{kind}_{mode}_peak_mib_n{ns[-1]}"]
-            out[f"hybrid_mem/{kind}_{mode}_ratio_n{ns[-1]}/n{ns[0]}"] = b / a if a > 0 else float("nan")
+            if len(ns) > 1:  # the growth with n (one n, as under --quick: no ratio)
+                a, b = out[f"hybrid_mem/{kind}_{mode}_peak_mib_n{ns[0]}"], out[f"hybrid_mem/{kind}_{mode}_peak_mib_n{ns[-1]}"]
+                out[f"hybrid_mem/{kind}_{mode}_ratio_n{ns[-1]}/n{ns[0]}"] = b / a if a > 0 else float("nan")
     return out
 
 
-def bench_recurrent(device: torch.device, dtype, repeats: int, t_long: int = 100_000) -> dict[str, float]:
+def bench_recurrent(device: torch.device, dtype, repeats: int, t_long: int = 100_000,
+                    steps: int = 50) -> dict[str, float]:
+    """Group 4: microseconds per ``RecurrentLinearAttention.step`` (H = 8, d = 64, r = 256) after a
+    prefill of t = 10 and t = ``t_long`` tokens, each the median over ``repeats`` runs of ``steps``
+    steps, and their ratio (the state does not grow with t: a ratio near 1)."""
     H, d, r = 8, 64, 256
     fm = ka.PositiveRF(d, r, sampler="orthogonal", seed=0).to(device)
     res = {}
@@ -503,12 +513,12 @@ def bench_recurrent(device: torch.device, dtype, repeats: int, t_long: int = 100
         qt, kt, vt = (x[:, :, 0, :] for x in _inputs(1, H, 1, d, device, dtype, seed=3))
         rnn = ka.RecurrentLinearAttention(fm, state=state)
 
-        def steps(rnn=rnn, st=state, qt=qt, kt=kt, vt=vt):
+        def run(rnn=rnn, st=state, qt=qt, kt=kt, vt=vt, n_steps=steps):
             rnn.state = st
-            for _ in range(50):
+            for _ in range(n_steps):
                 rnn.step(qt, kt, vt)
 
-        res[f"step_us_t{t}"] = 1e6 * timeit(steps, device, repeats) / 50
+        res[f"step_us_t{t}"] = 1e6 * timeit(run, device, repeats) / steps
     res[f"step_t{t_long}/step_t10"] = res[f"step_us_t{t_long}"] / res["step_us_t10"]
     return res
 
@@ -554,7 +564,8 @@ def bench_league(B, H, n, d, device, dtype, repeats, F: int = LEAGUE_F) -> dict[
             continue
         r = _league_r(est, F, d)
         try:
-            fm = est.build(d, r, seed=0).to(device)
+            kw = {"sampler": "gaussian"} if est.is_random else {}  # FAVOR+'s iid rows
+            fm = est.build(d, r, seed=0, **kw).to(device)
             fit = bool(getattr(est, "data_dependent", False))
             tf = timeit(fwd(fm, fit), device, repeats)
             ta = timeit(lambda fm=fm, fit=fit: ka.linear_attention(q, k, v, fm, fit=fit), device, repeats)
@@ -729,7 +740,7 @@ def main(argv: list[str] | None = None) -> dict[str, float] | int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--quick", action="store_true", help="n=512, fewer repeats (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="n=512 (memory n=256), fewer repeats (a smoke run)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's own)")
     p.add_argument("--only", default="", help="run only the groups whose name starts with this "
@@ -742,12 +753,15 @@ def main(argv: list[str] | None = None) -> dict[str, float] | int:
         torch.set_num_threads(a.threads)
     B, H, n, d, r = 4, 8, (512 if a.quick else 4096), 64, 256
     reps = 2 if a.quick else a.repeats
-    # --quick: every group at small sizes (the league at B=1, H=2), one round (one Monte Carlo
-    # pair), one subprocess per memory figure and fewer of them (training: three paths at one n;
-    # hybrid: causal at one n), no torch.compile of the feature maps (minutes of Inductor on a
-    # CPU): a smoke run of every group
+    # --quick: every group at small sizes (the league at B=1, H=2, hybrid times at B=2, H=4, the
+    # memory figures at n = QUICK_MEM_N), one round (one Monte Carlo pair, a twentieth of its
+    # draws), one subprocess per memory figure and fewer of them, as each costs its imports (~1.5 s
+    # of CPU): inference causal only, training the old and new paths at one n, hybrid linear and
+    # token windows, causal, at one n; no torch.compile of the feature maps (minutes of Inductor on
+    # a CPU): a smoke run of every group (CPU seconds in docs/performance.md)
     rounds = 1 if a.quick else 3
     tries = 1 if a.quick else MEM_TRIES
+    n_mem = QUICK_MEM_N if a.quick else n
     print(f"device={device} dtype={dtype} B={B} H={H} n={n} d={d} r={r} threads={torch.get_num_threads()}")
     results: dict[str, float] = {}
     failed: list[str] = []
@@ -762,11 +776,13 @@ def main(argv: list[str] | None = None) -> dict[str, float] | int:
         ("feature maps: structured projection and QMC draws",
          lambda: bench_structured_qmc(B, H, n, d, r, device, dtype, reps, rounds, 20 if a.quick else 200)),
         ("attention", lambda: bench_attention(B, H, n, d, r, device, dtype, reps, rounds)),
-        ("memory", lambda: bench_memory(device, (n, 4 * n), tries)),
+        ("memory", lambda: bench_memory(device, (n_mem, 4 * n_mem), tries,
+                                        causals=(True,) if a.quick else (False, True))),
         ("memory in training (causal, B=1, forward + backward)",
-         lambda: bench_train_memory(device, (n,) if a.quick else (n, 4 * n),
-                                    paths=("old", "new", "runmax") if a.quick else TRAIN_PATHS)),
-        ("recurrent", lambda: bench_recurrent(device, dtype, reps, 1000 if a.quick else 100_000)),
+         lambda: bench_train_memory(device, (n_mem,) if a.quick else (n, 4 * n),
+                                    paths=("old", "new") if a.quick else TRAIN_PATHS)),
+        ("recurrent", lambda: bench_recurrent(device, dtype, reps, 1000 if a.quick else 100_000,
+                                              steps=10 if a.quick else 50)),
         (f"league (equal feature_dim F = {LEAGUE_F}, time / FAVOR+, fit included)",
          lambda: bench_league(1 if a.quick else B, 2 if a.quick else H, n, d, device, dtype, reps)),
         ("check (the KernelApproxWarning prediction, opt-in; and a small default call / bare)",
@@ -774,9 +790,11 @@ def main(argv: list[str] | None = None) -> dict[str, float] | int:
         ("short causal (B=32, H=4, d_h=16, r=64; ms and ratios)",
          lambda: bench_short_causal(device, dtype, reps, (16, 128) if a.quick else SHORT_NS, rounds=rounds)),
         ("hybrid (w=64: token and block window / linear attention)",
-         lambda: bench_hybrid(B, H, n, d, r, device, dtype, reps, rounds=rounds)),
+         lambda: bench_hybrid(2 if a.quick else B, 4 if a.quick else H, n, d, r, device, dtype, reps,
+                              rounds=rounds)),
         ("hybrid memory (peak MiB, inference)",
-         lambda: bench_hybrid_memory(device, (n,) if a.quick else (n, 4 * n), tries=tries,
+         lambda: bench_hybrid_memory(device, (n_mem,) if a.quick else (n, 4 * n), tries=tries,
+                                     modes=("linear", "token") if a.quick else ("linear", "token", "block"),
                                      causals=(True,) if a.quick else (False, True))),
     ):
         if a.only and not name.startswith(a.only):

@@ -172,7 +172,8 @@ def bench_mc(device: torch.device, dtype: torch.dtype, repeats: int, quick: bool
     repeats : int
         Back-to-back (driver, floor) pairs per case; the median ratio is reported.
     quick : bool, default False
-        Fewer draws (a smoke run, a few seconds).
+        A twentieth of the draws (a smoke run, a few seconds; the error_vs_r cell at the study's
+        quick grid, d = 16).
     only : str, default ""
         Run only the cases whose name starts with this (``"kernel_error"``, ``"attention_error"``,
         ``"error_vs_r"``).
@@ -196,13 +197,13 @@ def bench_mc(device: torch.device, dtype: torch.dtype, repeats: int, quick: bool
         out[f"{name}_ms"] = 1e3 * td
 
     for d, r, n, S in ((16, 64, 64, 10_000), (64, 256, 128, 2_000)):
-        S = S // 5 if quick else S
+        S = S // 20 if quick else S
         q, k = (torch.randn(2, n, d, generator=g) / d**0.25).to(device, cdt).unbind(0)
         fm = ka.PositiveRF(d, r, seed=0)
         add(f"kernel_error d{d} r{r} n{n} S{S}",
             lambda fm=fm, q=q, k=k, S=S: mc.kernel_error(fm, q, k, draws=S, dtype=cdt),
             lambda q=q, k=k, r=r, S=S: kernel_floor(q, k, r, S))
-    d, r, n, dv, S = 16, 64, 64, 16, (1_000 if quick else 5_000)
+    d, r, n, dv, S = 16, 64, 64, 16, (250 if quick else 5_000)
     q, k, v = torch.randn(3, n, d, generator=g).to(device, cdt).unbind(0)
     q, k, v = q / d**0.25, k / d**0.25, v[:, :dv]
     fm = ka.PositiveRF(d, r, seed=0)

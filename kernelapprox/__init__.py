@@ -42,6 +42,7 @@ from .maps import (
     TrigRF,
 )
 from .registry import (
+    DEFAULT_SAMPLER,
     Estimator,
     EstimatorTheory,
     estimator_of,
@@ -62,6 +63,7 @@ from .training import distillation_loss, fit_feature_map
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_SAMPLER",
     "Estimator",
     "EstimatorTheory",
     "register_estimator",

@@ -95,7 +95,7 @@ from ._validation import (
     check_seed,
 )
 from .maps.base import FeatureMap
-from .registry import estimators
+from .registry import DEFAULT_SAMPLER, estimators
 
 __all__ = [
     "Diagnosis", "diagnose", "KernelApproxWarning", "quick_relative_mse", "warn_if_hopeless", "WARN_RELATIVE_MSE",
@@ -253,7 +253,8 @@ def diagnose(
         diagnosed (pass one head at a time to see them all).
     feature_map : FeatureMap, optional
         Diagnose only this map (its ``num_features`` and sampler); default: every registered
-        estimator with a closed form, with orthogonal rows where the theory covers them.
+        estimator with a closed form, with ``ka.DEFAULT_SAMPLER`` (orthogonal) rows where the theory
+        covers them and iid rows otherwise.
     v : Tensor, shape (..., m, dv), optional
         Values: with them, each row also predicts the relative attention-output error
         $\sqrt{\sum\mathrm{Var}(\hat o)}/\|o\|_F$ on the sampled query rows by the delta
@@ -393,7 +394,8 @@ def diagnose(
             if est.learned:
                 continue
             if est.is_random:
-                law = "orthogonal" if "moments" in est.closed_forms("orthogonal") else "gaussian"
+                # the library's default rows where the theory covers them, iid rows otherwise
+                law = DEFAULT_SAMPLER if "moments" in est.closed_forms(DEFAULT_SAMPLER) else "gaussian"
                 if "moments" not in est.closed_forms(law):
                     continue
                 cands.append((est, law, None))

@@ -305,8 +305,8 @@ class LinearAttentionHeads(nn.Module):
         $r$ for a map built by name. Default for random maps: `default_num_features`,
         $\lfloor d_h \ln d_h\rfloor$ (performer-pytorch's default).
     sampler : str or Sampler, optional
-        Sampler of a random map built by name. Default ``"orthogonal"`` (FAVOR+'s orthogonal rows,
-        with the QR sign correction and chi norms: unbiased).
+        Sampler of a random map built by name. Default ``ka.DEFAULT_SAMPLER = "orthogonal"``
+        (FAVOR+'s orthogonal rows, with the QR sign correction and chi norms: unbiased).
     feature_map_kwargs : mapping, optional
         Further constructor arguments of a map built by name (``{"variant": "offset"}``, ...).
     scale : float, optional

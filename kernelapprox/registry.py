@@ -14,6 +14,26 @@ Everything that needs to know *which* estimator a feature map is -- `kernelappro
 names. Adding an estimator is one class, its theory functions (optional) and one
 `register_estimator` call; it then appears in every study whose selection matches.
 
+The default sampler. Every entry point that builds a random map with a sampler choice --
+`Estimator.build` here, `kernelapprox.maps.spec.resolve_feature_map` (hence the
+`kernelapprox.nn` layers and ``kernelapprox.hf.linearize``), ``kernelapprox.sklearn.RandomFeatures``
+and `kernelapprox.diagnose` -- draws its projection with `DEFAULT_SAMPLER` ``= "orthogonal"``
+unless ``sampler=`` is given: independent blocks of $d$ orthogonal directions (Haar, the sign of
+QR corrected) with independent $\chi_d$ row norms, so every row is marginally
+$\mathcal N(0, I_d)$, every estimator stays unbiased and the variance is lower than with iid rows
+[Yu16]_ [Cho21]_. Closed forms that exist for iid rows only (the delta-method attention
+variance, the uniform bounds, the moments of ``"sderf"`` and ``"hybrid"``) need
+``sampler="gaussian"``, the iid reference, passed explicitly; so does `estimators` when it
+filters by those closed forms. `diagnose` falls back to iid rows for an estimator whose moments
+are not known for orthogonal ones (its ``sampler`` column says which). A map class called
+directly (``ka.PositiveRF(d, r)``) keeps its own constructor default, ``"gaussian"``.
+
+References
+----------
+.. [Yu16] F. X. Yu, A. T. Suresh, K. Choromanski, D. Holtmann-Rice, S. Kumar. "Orthogonal Random
+   Features", NeurIPS 2016, arXiv:1610.09072 (ORF eq. 2, SORF eq. 5).
+.. [Cho21] K. Choromanski et al. "Rethinking attention with Performers", ICLR 2021.
+
 Examples
 --------
 >>> import kernelapprox as ka
@@ -22,8 +42,10 @@ Examples
 >>> est = ka.register_estimator(MyPositiveRF, name="my-positive", label="my positive",
 ...                             feature_dim="r", theory=ka.get_estimator("positive").theory)
 >>> fm = est.build(4, 8, seed=0)
->>> ka.estimator_of(fm).name, fm.feature_dim, sorted(est.closed_forms("gaussian"))
-('my-positive', 8, ['attention_variance', 'moments'])
+>>> ka.estimator_of(fm).name, fm.feature_dim, fm.sampler.name == ka.DEFAULT_SAMPLER
+('my-positive', 8, True)
+>>> sorted(est.closed_forms("orthogonal")), sorted(est.closed_forms("gaussian"))
+(['moments'], ['attention_variance', 'moments'])
 >>> ka.unregister_estimator("my-positive")
 """
 
@@ -49,7 +71,14 @@ __all__ = [
     "estimator_of",
     "estimators",
     "CLOSED_FORMS",
+    "DEFAULT_SAMPLER",
 ]
+
+#: The sampler of every random map built with a sampler choice and without ``sampler=``
+#: (`Estimator.build`, `kernelapprox.maps.spec.resolve_feature_map`, the `kernelapprox.nn`
+#: layers, ``kernelapprox.sklearn.RandomFeatures``, `kernelapprox.diagnose`): block-orthogonal
+#: rows with $\chi_d$ norms (`kernelapprox.samplers.OrthogonalSampler`) [Yu16]_ [Cho21]_.
+DEFAULT_SAMPLER = "orthogonal"
 
 #: Names of the closed forms an `EstimatorTheory` can provide.
 #:
@@ -252,28 +281,29 @@ class Estimator:
         return type(fm) is self.cls and all(getattr(fm, k, _MISSING) == v for k, v in self.params.items())
 
     def build(self, dim: int, num_features: int | None = None, **kwargs: Any) -> FeatureMap:
-        """Construct the feature map: ``cls(dim, num_features, **params, **kwargs)``.
+        r"""Construct the feature map: ``cls(dim, num_features, **params, **kwargs)``.
 
         Deterministic maps accept (and ignore) the random maps' arguments, so generic code can
         build any estimator the same way.
 
-        The sampler is the class's default, ``"gaussian"`` (iid rows), unless ``sampler=`` is
-        given: iid rows are the reference of the closed forms (every random estimator has its
-        moments for them, only some for orthogonal rows), and the studies that call ``build``
-        without a sampler measure iid rows. What builds a map *for a model* by name
-        (`kernelapprox.maps.spec.resolve_feature_map`, hence the `kernelapprox.nn` layers,
-        ``kernelapprox.hf.linearize`` and ``kernelapprox.sklearn.RandomFeatures``) passes
-        ``sampler=DEFAULT_SAMPLER = "orthogonal"`` (lower variance, Choromanski et al. 2021), and
-        `kernelapprox.diagnose` uses orthogonal rows where the theory covers them (its
-        ``sampler`` column says which).
+        A random map draws its projection with `DEFAULT_SAMPLER` (``"orthogonal"``: block-orthogonal
+        rows with $\chi_d$ norms, unbiased, lower variance [Yu16]_ [Cho21]_) unless a ``sampler``
+        is given (``None`` stands for the default), as every entry point that builds a map by name
+        does (module docstring). Pass ``sampler="gaussian"`` for iid rows, the reference of the
+        closed forms that exist for iid rows only (``closed_forms("gaussian")`` versus
+        ``closed_forms("orthogonal")``).
 
         Examples
         --------
         >>> import kernelapprox as ka
         >>> fm = ka.get_estimator("trig-offset").build(4, 16, seed=0)
-        >>> type(fm).__name__, fm.variant, fm.feature_dim
-        ('TrigRF', 'offset', 16)
+        >>> type(fm).__name__, fm.variant, fm.feature_dim, fm.sampler.name
+        ('TrigRF', 'offset', 16, 'orthogonal')
+        >>> ka.get_estimator("positive").build(4, 16, sampler="gaussian", seed=0).sampler.row_law
+        'iid'
         """
+        if self.is_random and kwargs.get("sampler") is None:
+            kwargs["sampler"] = DEFAULT_SAMPLER
         return self.cls(dim, num_features, **{**self.params, **kwargs})
 
     def __repr__(self) -> str:
@@ -502,15 +532,18 @@ def estimators(
     closed_form : str, optional
         Keep estimators with this closed form (one of `CLOSED_FORMS`) for ``sampler``.
     sampler : str or Sampler, optional
-        The sampler ``closed_form`` refers to (default: iid ``"gaussian"``).
+        The sampler ``closed_form`` refers to (default: `DEFAULT_SAMPLER`, the sampler `Estimator.build`
+        draws with; ``"gaussian"`` for the closed forms of iid rows).
     names : iterable of str, optional
         Keep these names only.
 
     Examples
     --------
     >>> import kernelapprox as ka
-    >>> [e.name for e in ka.estimators(closed_form="uniform")]
+    >>> [e.name for e in ka.estimators(closed_form="uniform", sampler="gaussian")]
     ['trig-sincos', 'trig-offset']
+    >>> [e.name for e in ka.estimators(closed_form="uniform")]  # orthogonal rows: no uniform bound
+    []
     """
     if random is not None:
         check_bool("random", random)
@@ -523,7 +556,8 @@ def estimators(
             continue
         if keep is not None and est.name not in keep:
             continue
-        if closed_form is not None and closed_form not in est.closed_forms(sampler or "gaussian"):
+        law = DEFAULT_SAMPLER if sampler is None else sampler
+        if closed_form is not None and closed_form not in est.closed_forms(law):
             continue
         out.append(est)
     return out

@@ -60,7 +60,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data  # type: ign
 
 from ._logdomain import _sqnorm_half
 from .maps.spec import resolve_feature_map
-from .registry import Estimator, estimators, get_estimator
+from .registry import DEFAULT_SAMPLER, Estimator, estimators, get_estimator
 from .samplers import SAMPLERS, Sampler, get_sampler
 
 __all__ = ["RandomFeatures", "supported_estimators"]
@@ -149,7 +149,8 @@ class RandomFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         their variance grows with $\|x + y\|$.
     sampler : str or Sampler, default="orthogonal"
         How the rows $w_i$ are drawn: ``"gaussian"`` (iid, as ``RBFSampler``),
-        ``"orthogonal"`` (block-orthogonal with $\chi_d$ norms, unbiased), ``"structured"``
+        ``"orthogonal"`` (block-orthogonal with $\chi_d$ norms, unbiased; the library's
+        ``DEFAULT_SAMPLER``), ``"structured"``
         (SORF, slightly biased), ``"qmc"`` (scrambled Sobol'), ``"simplex"``, ``"simplex+"``
         (need ``n_features >= 2``), or a `kernelapprox.samplers.Sampler`.
     n_components : int, default=100
@@ -239,7 +240,7 @@ class RandomFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEsti
         *,
         kernel: str = "rbf",
         estimator: str | None = None,
-        sampler: str | Sampler = "orthogonal",
+        sampler: str | Sampler = DEFAULT_SAMPLER,
         n_components: int = 100,
         gamma: float | str = 1.0,
         random_state: Any = None,

@@ -80,7 +80,8 @@ __all__ = [
     "feature_map_checks",
 ]
 
-#: What the battery accepts: a registered estimator, a map (rebuilt from ``get_params()``), or a
+#: What the battery accepts: a registered estimator (built with iid rows, ``sampler="gaussian"``,
+#: when it is random), a map (rebuilt from ``get_params()``), or a
 #: factory ``factory(**kwargs) -> FeatureMap`` accepting ``seed``, ``batch_shape`` and ``dtype``.
 Subject = Estimator | FeatureMap | Callable[..., FeatureMap]
 
@@ -94,7 +95,10 @@ class _Builder:
     def __init__(self, subject: Subject) -> None:
         if isinstance(subject, Estimator):
             self.name = subject.name
-            self._build: Callable[..., FeatureMap] = lambda **kw: subject.build(_DIM, _R, **kw)
+            # iid rows, the reference the checks are written for (`Estimator.build` would draw
+            # the library's default, orthogonal rows)
+            iid: dict[str, Any] = {"sampler": "gaussian"} if subject.is_random else {}
+            self._build: Callable[..., FeatureMap] = lambda **kw: subject.build(_DIM, _R, **{**iid, **kw})
         elif isinstance(subject, FeatureMap):
             params = subject.get_params()
             self.name = type(subject).__name__

@@ -40,6 +40,7 @@ each estimator is accurate.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -122,6 +123,15 @@ def randn(*shape, seed: int, dtype=F64, scale: float = 1.0) -> torch.Tensor:
 
 def with_norm(x: torch.Tensor, norm: float) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True) * norm
+
+
+def warns_unfitted(fm):
+    """The data-dependent maps (Nyström, FAVOR++, FAVOR#) warn once when used before ``fit(q, k)``:
+    a test that uses one unfitted on purpose wraps its first use in this (``pytest.warns``),
+    a no-op for every other map."""
+    if getattr(fm, "fitted", True) is False:
+        return pytest.warns(UserWarning, match="used before fit")
+    return contextlib.nullcontext()
 
 
 def softmax_attn_ref(q, k, v, causal: bool) -> torch.Tensor:

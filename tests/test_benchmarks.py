@@ -49,13 +49,13 @@ def test_unknown_name_is_a_usage_error(capsys) -> None:
 
 
 def test_mc_smoke_run_at_a_small_size(capsys) -> None:
-    """One case of the Monte Carlo benchmark, quick (2 000 draws of a 64 x 64 kernel, one pair):
+    """One case of the Monte Carlo benchmark, quick (500 draws of a 64 x 64 kernel, one pair):
     about 2 s. ``main`` returns its results as a dict, which `benchmarks.run` turns into status 0."""
     assert benchmarks.run("mc", ["--quick", "--repeats", "1", "--only", "kernel_error d16"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.strip().startswith("kernel_error")]
     assert len(rows) == 1, out
-    m = re.search(r"kernel_error d16 r64 n64 S2000\s+([0-9.]+)x\s+\(\s*([0-9.]+) ms\)", rows[0])
+    m = re.search(r"kernel_error d16 r64 n64 S500\s+([0-9.]+)x\s+\(\s*([0-9.]+) ms\)", rows[0])
     assert m is not None, rows[0]
     assert float(m.group(1)) > 0 and float(m.group(2)) > 0
 
@@ -127,8 +127,8 @@ def test_core_reports_a_failing_group_and_runs_the_others(monkeypatch, capsys) -
 
 @pytest.mark.slow
 def test_core_quick_runs_every_group(capsys) -> None:
-    """``python -m benchmarks core --quick``: every group at its quick size, none failing (about a
-    minute of CPU on 2 cores)."""
+    """``python -m benchmarks core --quick``: every group at its quick size, none failing (about 20 s
+    on one thread of a loaded 2-core machine)."""
     from benchmarks import core
 
     res = core.main(["--quick", "--threads", "1"])

@@ -258,11 +258,12 @@ def test_predicted_attention_error_matches_monte_carlo_where_the_delta_method_ho
 
 
 def test_default_samplers_are_the_documented_ones():
-    """``Estimator.build`` draws iid rows (the closed forms' reference); what builds a map for a model
-    by name draws orthogonal rows; `diagnose` names the sampler it assumed in each row."""
+    """``Estimator.build`` and what builds a map for a model by name draw the one default,
+    orthogonal rows; a map class keeps its iid constructor default; `diagnose` names the sampler it
+    assumed in each row (tests/test_registry.py checks every entry point)."""
     from kernelapprox.maps.spec import DEFAULT_SAMPLER, resolve_feature_map
 
-    assert ka.get_estimator("positive").build(8, 16, seed=0).sampler.name == "gaussian"
+    assert ka.get_estimator("positive").build(8, 16, seed=0).sampler.name == DEFAULT_SAMPLER
     assert ka.PositiveRF(8, 16, seed=0).sampler.name == "gaussian"
     assert DEFAULT_SAMPLER == "orthogonal"
     assert resolve_feature_map("positive", dim=8, num_features=16, seed=0).sampler.name == "orthogonal"

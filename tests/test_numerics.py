@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import F64, randn, with_norm
+from conftest import F64, randn, warns_unfitted, with_norm
 
 import kernelapprox as ka
 
@@ -119,14 +119,15 @@ def attn_inputs(norm, n=64, dtype=torch.float32):
 def test_linear_attention_float32_finite(name, norm, causal):
     fm = ALL_MAPS[name]()
     q, k, v = attn_inputs(norm)
-    out = ka.linear_attention(q, k, v, fm, causal=causal, chunk_size=16)
-    assert out.dtype == torch.float32 and out.shape == v.shape
-    assert torch.isfinite(out).all()
-    if fm.is_random and fm.positive:
-        # a convex combination of v with weights accurate to ~1e-5 relative: same as float64
-        fm64 = type(fm).from_projection(fm.weight.double())
-        ref = ka.linear_attention(q.double(), k.double(), v.double(), fm64, causal=causal)
-        assert (out.double() - ref).abs().max() <= 1e-4 * v.abs().max()
+    with warns_unfitted(fm):  # data-dependent maps: unfitted (data-free parameters) here
+        out = ka.linear_attention(q, k, v, fm, causal=causal, chunk_size=16)
+        assert out.dtype == torch.float32 and out.shape == v.shape
+        assert torch.isfinite(out).all()
+        if fm.is_random and fm.positive:
+            # a convex combination of v with weights accurate to ~1e-5 relative: same as float64
+            fm64 = type(fm).from_projection(fm.weight.double())
+            ref = ka.linear_attention(q.double(), k.double(), v.double(), fm64, causal=causal)
+            assert (out.double() - ref).abs().max() <= 1e-4 * v.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -137,24 +138,27 @@ def test_linear_attention_16bit(name, causal, dtype):
     evaluation on the same rounded inputs up to 16-bit output rounding."""
     fm = ALL_MAPS[name]()
     norms = [1.0] if not ka.get_estimator(name).positive else [1.0, 10.0]  # signed denominators: small norms only
-    for norm in norms:
-        q, k, v = attn_inputs(norm, dtype=dtype)
-        out = ka.linear_attention(q, k, v, fm, causal=causal, chunk_size=16)
-        assert out.dtype == dtype and torch.isfinite(out).all()
-        if fm.positive and name != "relu":
-            fm64 = type(fm).from_projection(fm.weight.double()) if fm.is_random else fm
-            ref = ka.linear_attention(q.double(), k.double(), v.double(), fm64, causal=causal)
-            # Internals are float32 (error ~1e-6 relative), so the only sizeable error is the final
-            # cast: half an ulp of |out| <= max|v|, i.e. eps(dtype)/2 * max|v|; allow one full eps.
-            tol = torch.finfo(dtype).eps * v.abs().max().double()
-            assert (out.double() - ref).abs().max() <= tol
+    with warns_unfitted(fm):  # data-dependent maps: unfitted (data-free parameters) here
+        for norm in norms:
+            q, k, v = attn_inputs(norm, dtype=dtype)
+            out = ka.linear_attention(q, k, v, fm, causal=causal, chunk_size=16)
+            assert out.dtype == dtype and torch.isfinite(out).all()
+            if fm.positive and name != "relu":
+                fm64 = type(fm).from_projection(fm.weight.double()) if fm.is_random else fm
+                ref = ka.linear_attention(q.double(), k.double(), v.double(), fm64, causal=causal)
+                # Internals are float32 (error ~1e-6 relative), so the only sizeable error is the final
+                # cast: half an ulp of |out| <= max|v|, i.e. eps(dtype)/2 * max|v|; allow one full eps.
+                tol = torch.finfo(dtype).eps * v.abs().max().double()
+                assert (out.double() - ref).abs().max() <= tol
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_feature_maps_16bit_dtype(dtype):
     x = randn(3, 10, D, seed=0, scale=0.25).to(dtype)
     for name, make in ALL_MAPS.items():
-        out = make()(x)
+        fm = make()
+        with warns_unfitted(fm):
+            out = fm(x)
         assert out.dtype == dtype, name
         assert torch.isfinite(out).all(), name
 
@@ -216,7 +220,8 @@ def leaf(*shape, seed, scale=0.5):
 def test_gradcheck_features_and_kernel(name):
     fm = small_map(name)
     x = leaf(2, 4, 3, seed=0)
-    assert torch.autograd.gradcheck(fm, (x,))
+    with warns_unfitted(fm):
+        assert torch.autograd.gradcheck(fm, (x,))
     q, k = leaf(4, 3, seed=1), leaf(5, 3, seed=2)
     assert torch.autograd.gradcheck(fm.kernel, (q, k))
 
@@ -235,7 +240,8 @@ def test_gradcheck_linear_attention(name, causal):
 
     # fast_mode: checks v^T J u for random u, v against finite differences (a wrong gradient fails
     # with probability 1); the full Jacobian check of every entry is done for the feature maps above.
-    assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
+    with warns_unfitted(fm):
+        assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
     assert torch.autograd.gradcheck(f, (q, k, v.detach()))  # full Jacobian w.r.t. q and k
 
 

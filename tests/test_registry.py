@@ -84,6 +84,94 @@ def test_closed_forms_follow_the_sampler():
         "elu", "relu", "taylor", "nystrom", "hedgehog", "hedgehog-lolcats"}
 
 
+# ------------------------------------------------------------------------------- default sampler
+
+
+def _sampler_of_registry_build(name: str) -> str:
+    return ka.get_estimator(name).build(6, 8, seed=0).sampler.name
+
+
+def _sampler_of_spec_resolver(name: str) -> str:
+    from kernelapprox.maps.spec import resolve_feature_map
+
+    return resolve_feature_map(name, dim=6, heads=2, num_features=8, seed=0).sampler.name
+
+
+def _sampler_of_nn_layers(name: str) -> str:
+    heads = ka.nn.LinearAttentionHeads(6, heads=2, feature_map=name, num_features=8, seed=0)
+    layer = ka.nn.LinearAttention(12, heads=2, feature_map=name, num_features=8, seed=0)
+    mha = ka.nn.MultiheadLinearAttention(12, 2, feature_map=name, num_features=8, seed=0)
+    names = {m.feature_map.sampler.name for m in (heads, layer, mha.layer)}
+    assert len(names) == 1, names
+    return names.pop()
+
+
+def _sampler_of_sklearn(name: str) -> str:
+    pytest.importorskip("sklearn")
+    from kernelapprox.sklearn import RandomFeatures
+
+    tf = RandomFeatures(kernel="softmax", estimator=name, n_components=8, random_state=0)
+    tf.fit(randn(20, 6, seed=3, scale=0.3).numpy())
+    assert tf.sampler == tf.feature_map_.sampler.name
+    return tf.feature_map_.sampler.name
+
+
+def _sampler_of_diagnose(name: str) -> str:
+    q, k = randn(24, 6, seed=4, scale=0.3), randn(24, 6, seed=5, scale=0.3)
+    rows = {r["estimator"]: r["sampler"] for r in ka.diagnose(q, k, num_features=8).rows}
+    return rows[name]
+
+
+ENTRY_POINTS = {
+    "registry build": _sampler_of_registry_build,
+    "spec resolver": _sampler_of_spec_resolver,
+    "nn layers": _sampler_of_nn_layers,
+    "sklearn": _sampler_of_sklearn,
+    "diagnose": _sampler_of_diagnose,
+}
+
+
+def test_default_sampler_is_one_named_constant():
+    from kernelapprox import registry
+    from kernelapprox.maps import spec
+
+    assert ka.DEFAULT_SAMPLER == registry.DEFAULT_SAMPLER == spec.DEFAULT_SAMPLER == "orthogonal"
+    assert ka.get_sampler(ka.DEFAULT_SAMPLER).row_law == "orthogonal-chi"  # chi norms: unbiased
+    # the map classes themselves keep their constructor default, iid rows
+    assert ka.PositiveRF(6, 8, seed=0).sampler.name == "gaussian"
+    # None stands for the default; an explicit sampler is kept
+    pos = ka.get_estimator("positive")
+    assert pos.build(6, 8, sampler=None, seed=0).sampler.name == ka.DEFAULT_SAMPLER
+    assert pos.build(6, 8, sampler="gaussian", seed=0).sampler.row_law == "iid"
+    # the filter by closed form refers to the same default rows
+    assert [e.name for e in ka.estimators(closed_form="uniform")] == []
+    assert [e.name for e in ka.estimators(closed_form="uniform", sampler="gaussian")] == [
+        "trig-sincos", "trig-offset"]
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize("name", ["positive", "trig-sincos"])
+def test_every_entry_point_draws_the_default_sampler(entry, name):
+    """Registry build, the spec resolver, the nn layers, scikit-learn's RandomFeatures and diagnose
+    all draw ``ka.DEFAULT_SAMPLER`` rows when no sampler is given (estimators whose closed forms
+    cover orthogonal rows, for diagnose)."""
+    assert ka.get_estimator(name).closed_forms(ka.DEFAULT_SAMPLER) >= {"moments"}
+    assert ENTRY_POINTS[entry](name) == ka.DEFAULT_SAMPLER
+
+
+def test_registry_build_and_the_resolver_draw_the_same_projection():
+    """Same seed, same default sampler: the registry's map and the resolver's (hence the layers')
+    have the same projection, for every random estimator."""
+    from kernelapprox.maps.spec import resolve_feature_map
+
+    for est in ka.estimators(random=True):
+        a = est.build(6, 8, seed=3, batch_shape=(2,))
+        b = resolve_feature_map(est.name, dim=6, heads=2, num_features=8, seed=3)
+        assert a.sampler.name == b.sampler.name == ka.DEFAULT_SAMPLER, est.name
+        for (ka_, ta), (kb, tb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+            assert ka_ == kb and torch.equal(ta, tb), (est.name, ka_)
+
+
 def test_sampler_row_laws():
     laws = {name: cls().row_law for name, cls in SAMPLERS.items()}
     assert laws == {"gaussian": "iid", "orthogonal": "orthogonal-chi", "structured": None, "qmc": None,
@@ -157,8 +245,8 @@ def test_no_dispatch_on_class_names():
 
 
 def test_user_estimator_enters_theory_and_monte_carlo(user_estimator):
-    fm = user_estimator.build(4, 16, seed=0, dtype=F64)
-    ref = ka.PositiveRF(4, 16, seed=0, dtype=F64)
+    fm = user_estimator.build(4, 16, sampler="gaussian", seed=0, dtype=F64)
+    ref = ka.PositiveRF(4, 16, seed=0, dtype=F64)  # the class's own default: iid rows
     x, y = randn(3, 4, seed=1, scale=0.4), randn(5, 4, seed=2, scale=0.4)
     torch.testing.assert_close(ka.theory.mse(fm, x, y), ka.theory.mse(ref, x, y), rtol=0, atol=0)
     res = ka.montecarlo.kernel_error(fm, x, y, draws=200, quantiles=(0.5,))

@@ -79,7 +79,7 @@ def make(kind: str, d: int, r: int, **kw):
         return ka.PositiveRF(d, r, seed=0, **kw)
     if kind == "hyperbolic":
         return ka.HyperbolicRF(d, r, seed=0, **kw)
-    return ka.get_estimator(kind).build(d, r, seed=0, **kw)
+    return ka.get_estimator(kind).build(d, r, sampler="gaussian", seed=0, **kw)  # iid: the theory's rows
 
 
 KINDS = ["positive", "hyperbolic", "trig-sincos", "trig-offset"]

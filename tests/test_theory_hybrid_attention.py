@@ -68,7 +68,8 @@ def scaled_inputs(d: int, n: int, dv: int, rho: float, seed: int):
 
 
 def make(kind: str, d: int, r: int):
-    return ka.get_estimator(kind).build(d, r, seed=0, dtype=F64)
+    """The map of ``kind`` on iid rows (the delta-method theory's rows; random maps only)."""
+    return ka.get_estimator(kind).build(d, r, sampler="gaussian", seed=0, dtype=F64)
 
 
 def kernel_draws(fm, q, k, draws: int, stream: int) -> torch.Tensor:

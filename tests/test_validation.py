@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import warns_unfitted
 
 import kernelapprox as ka
 
@@ -112,17 +113,18 @@ def test_softmax_references_reject_integer_inputs():
 @pytest.mark.parametrize("name", list(RANDOM_MAPS))
 def test_batch_shape_not_broadcasting(name):
     fm = RANDOM_MAPS[name](4, 8, seed=0, batch_shape=(3,))
-    x = torch.randn(2, 5, 4)  # leading (2,) vs batch_shape (3,)
-    with pytest.raises(ValueError, match=r"batch_shape") as info:
-        fm(x)
-    assert "(3,)" in str(info.value) and "(2,)" in str(info.value)
-    with pytest.raises(ValueError, match=r"batch_shape"):
-        fm.kernel(x, x)
-    with pytest.raises(ValueError, match=r"batch_shape"):
-        ka.linear_attention(x, x, torch.randn(2, 5, 2), fm)
-    # broadcasting shapes are fine
-    assert fm(torch.randn(5, 4)).shape[0] == 3
-    assert fm(torch.randn(2, 1, 5, 4)).shape[:2] == (2, 3)
+    with warns_unfitted(fm):  # data-dependent maps are used unfitted here
+        x = torch.randn(2, 5, 4)  # leading (2,) vs batch_shape (3,)
+        with pytest.raises(ValueError, match=r"batch_shape") as info:
+            fm(x)
+        assert "(3,)" in str(info.value) and "(2,)" in str(info.value)
+        with pytest.raises(ValueError, match=r"batch_shape"):
+            fm.kernel(x, x)
+        with pytest.raises(ValueError, match=r"batch_shape"):
+            ka.linear_attention(x, x, torch.randn(2, 5, 2), fm)
+        # broadcasting shapes are fine
+        assert fm(torch.randn(5, 4)).shape[0] == 3
+        assert fm(torch.randn(2, 1, 5, 4)).shape[:2] == (2, 3)
 
 
 def test_bad_batch_shape_values():

@@ -11,7 +11,8 @@ A map is given as
 * a **mapping** layer -> `FeatureMap` (per-layer maps, where the caller has layers).
 
 Defaults of a map built by name: ``num_features`` $= \lfloor d \ln d\rfloor$ projections for a
-random map (performer-pytorch's ``nb_features``), the ``"orthogonal"`` sampler [Cho21]_, one
+random map (performer-pytorch's ``nb_features``), the library's one default sampler,
+``DEFAULT_SAMPLER = "orthogonal"`` [Cho21]_ (`kernelapprox.registry.DEFAULT_SAMPLER`), one
 draw (or one learned weight) per head (``batch_shape=(heads,)``), ``seed`` as given (layer
 ``l`` of a model: ``seed * 1000003 + l``). ``options`` override them.
 
@@ -29,13 +30,10 @@ from typing import Any
 import torch
 
 from .._validation import check_positive_int
-from ..registry import get_estimator
+from ..registry import DEFAULT_SAMPLER, get_estimator
 from .base import FeatureMap
 
 __all__ = ["default_num_features", "resolve_feature_map", "DEFAULT_SAMPLER", "layer_seed"]
-
-#: The projection sampler of every map built by name (orthogonal rows [Cho21]_).
-DEFAULT_SAMPLER = "orthogonal"
 
 
 def default_num_features(dim_head: int) -> int:
@@ -110,7 +108,7 @@ def resolve_feature_map(
         Projections of a map built by name (default: `default_num_features` for a random map,
         the estimator's own otherwise).
     sampler : str or Sampler, optional
-        Projection sampler of a map built by name (default: ``DEFAULT_SAMPLER``).
+        Projection sampler of a map built by name (default: ``DEFAULT_SAMPLER``, the registry's).
     seed : int, optional
     options : mapping, optional
         Further constructor arguments of a map built by name (they override the defaults).

@@ -597,4 +597,4 @@ def _variant(kind: Any) -> str:
 def _uniform_estimators() -> list:
     from kernelapprox.registry import estimators
 
-    return estimators(closed_form="uniform")
+    return estimators(closed_form="uniform", sampler="gaussian")  # the bounds are for iid rows

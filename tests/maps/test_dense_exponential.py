@@ -30,7 +30,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import F64, Z_MAX, orthonormal, randn, seed, zscores
+from conftest import F64, Z_MAX, orthonormal, randn, seed, warns_unfitted, zscores
 from scipy.optimize import minimize_scalar
 from scipy.stats import mannwhitneyu
 
@@ -119,7 +119,8 @@ def test_unfitted_and_A0_are_favor_plus():
     pos = ka.PositiveRF(5, 16, seed=3, dtype=F64)
     for fm in (ka.OptimalPositiveRF(5, 16, seed=3, dtype=F64), ka.OptimalPositiveRF(5, 16, A=0.0, seed=3, dtype=F64),
                ka.SADERF(5, 16, seed=3, dtype=F64), ka.SDERF(5, 16, seed=3, dtype=F64)):
-        assert torch.allclose(fm(x), pos(x), rtol=1e-12, atol=0)
+        with warns_unfitted(fm):  # A = 0 given: fitted; the others warn that they are not
+            assert torch.allclose(fm(x), pos(x), rtol=1e-12, atol=0)
         assert torch.allclose(fm.key_features(x), pos(x), rtol=1e-12, atol=0)
 
 
@@ -171,7 +172,8 @@ def test_linear_attention_fit_equals_fit_then_call():
         a = ka.linear_attention(q, k, v, cls(16, 32, seed=1), fit=True)
         b = ka.linear_attention(q, k, v, cls(16, 32, seed=1).fit(q, k))
         assert torch.equal(a, b)
-        c = ka.linear_attention(q, k, v, cls(16, 32, seed=1))  # unfitted: FAVOR+
+        with pytest.warns(UserWarning, match="used before fit"):
+            c = ka.linear_attention(q, k, v, cls(16, 32, seed=1))  # unfitted: FAVOR+
         assert not torch.equal(a, c)
     with pytest.raises(TypeError, match="fit must be a bool"):
         ka.linear_attention(q, k, v, ka.PositiveRF(16, 8, seed=0), fit=1)  # type: ignore[arg-type]
