@@ -37,7 +37,9 @@ For positive maps, the non-causal forms shift each feature by its own maximum
 (`kernelapprox.attention.hybrid.logfeatures`), and the causal forms recompute the rows whose
 denominator under $m_i$ falls below `kernelapprox.attention._common.den_floor` with every feature
 at its own scale (`kernelapprox.attention.hybrid.rescue`; on the CPU, one host read), so that no
-row underflows at any norm; their states, and the decoding step's, keep one scale per feature.
+row underflows at any norm; on an accelerator the causal calls, with or without a state, take the
+per-feature path of `kernelapprox.attention.hybrid.flex` instead (no host read). Their states, and
+the decoding step's, keep one scale per feature.
 Signed maps warn where the ``eps`` guard changes a row (`kernelapprox.attention.hybrid.rescue`).
 
 References
@@ -1203,7 +1205,10 @@ def chunk_hybrid_attention(
     number) are recomputed, in the sequences that hold one, with every feature at its own scale
     in the log domain (`kernelapprox.attention.hybrid.rescue`; denominator $\ge 1$,
     differentiable). One host read per call; the other rows are unchanged, bitwise. On other
-    devices and under ``torch.compile`` the check is skipped (no host read). With
+    devices and under ``torch.compile`` the check is skipped (no host read); on an accelerator
+    `hybrid_attention` sends the causal calls of positive maps, with or without a state, to
+    `kernelapprox.attention.hybrid.flex.flex_hybrid_attention` instead (per feature at every norm;
+    `kernelapprox.backends.hybrid_path`), while this form compiled on the CPU is not rescued. With
     ``return_state``, a positive map's linear state is returned at per-feature scales
     (``log_scale`` (..., F, 1); one more product of the keys), so that a continuation or a
     decoder reads every feature. Signed maps: a `kernelapprox.KernelApproxWarning` where the
@@ -1325,13 +1330,15 @@ def hybrid_attention(
 
     Non-causal: `parallel_hybrid_attention`; causal: `chunk_hybrid_attention`; decoding one token
     at a time: `kernelapprox.attention.hybrid.recurrent.RecurrentHybridAttention`. On an
-    accelerator with ``flex_attention``, a positive map with ``window >= 1`` and no state takes
-    `kernelapprox.attention.hybrid.flex.flex_hybrid_attention` (the same result; the choice is
+    accelerator with ``flex_attention``, a positive map with ``window >= 1`` (causal: ``>= 0``)
+    takes `kernelapprox.attention.hybrid.flex.flex_hybrid_attention`, causal token windows with
+    their ``initial_state``/``return_state`` too (the same result; the choice is
     `kernelapprox.backends.hybrid_path`'s). 16-bit inputs are computed in float32, the output is cast back.
 
     No silently wrong row: for positive maps the remainder of the non-causal forms is shifted per
-    feature, and the causal forms on the CPU recompute per feature the rows whose normaliser
-    underflows (`chunk_hybrid_attention`); for signed maps a `kernelapprox.KernelApproxWarning`
+    feature, the causal forms on the CPU recompute per feature the rows whose normaliser
+    underflows (`chunk_hybrid_attention`), and the accelerator's flex path is per feature
+    throughout, with or without a state; for signed maps a `kernelapprox.KernelApproxWarning`
     names the rows the ``eps`` guard changes or (non-causal) whose global-minus-window remainder
     cancels beyond the compute dtype (`kernelapprox.attention.hybrid.rescue`).
 

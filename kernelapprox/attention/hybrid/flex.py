@@ -27,10 +27,12 @@ The shifts carry no gradient (they cancel). On CPU, eager ``flex_attention`` has
 no backward: the path is taken on accelerators (`kernelapprox.backends.hybrid_path`) or when
 forced.
 
-`per_feature_causal` is the same merge with the window in plain torch, for a causal segment that
-may continue a state (a preceding window buffer, sinks before it, a linear state at per-feature
-scales): the causal CPU forms recompute with it the rows whose normaliser underflows
-(`kernelapprox.attention.hybrid.rescue`).
+`per_feature_causal` is the same merge for a causal segment that may continue a state (a
+preceding window buffer, sinks before it, a linear state at per-feature scales, one more part of
+the merge), with the window by ``flex_attention`` or in plain torch: `flex_hybrid_attention`
+computes with it the causal calls given ``initial_state`` or ``return_state`` (and ``window = 0``),
+so the accelerator's path carries a state with no host read; the causal CPU forms recompute with
+it the rows whose normaliser underflows (`kernelapprox.attention.hybrid.rescue`).
 """
 
 from __future__ import annotations
