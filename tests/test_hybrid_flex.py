@@ -17,7 +17,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernelapprox as ka
 from kernelapprox import backends
-from kernelapprox.attention.hybrid import exact_set_mask, hybrid_attention, naive_hybrid_attention
+from kernelapprox.attention.hybrid import (
+    chunk_hybrid_attention,
+    exact_set_mask,
+    hybrid_attention,
+    naive_hybrid_attention,
+)
 from kernelapprox.attention.hybrid.flex import flex_hybrid_attention
 from kernelapprox.attention.hybrid.logfeatures import log_features_pair
 
@@ -47,7 +52,7 @@ def test_flex_merge_equals_the_dense_hybrid_in_float64(n, causal, mode, forced_f
     q, k, v = _qkv(n=n)
     sink_sets = [0, 3, [4, 9]] + ([] if causal else [[-1, 2]])
     worst = 0.0
-    for w in (1, 5, 16, n - 1):
+    for w in (0, 1, 5, 16, n - 1):  # causal window 0: the remainder alone, per feature
         for sinks in sink_sets:
             ref = naive_hybrid_attention(q, k, v, fm, window=w, sinks=sinks, causal=causal, window_mode=mode)
             out = hybrid_attention(q, k, v, fm, window=w, sinks=sinks, causal=causal, window_mode=mode)
@@ -204,9 +209,24 @@ def test_dispatch_takes_flex_only_where_it_applies(monkeypatch):
         e.name for e in ka.estimators()] else None
     if trig is not None:  # signed maps keep the torch forms
         hybrid_attention(q, k, v, trig, window=3, causal=True)
-    hybrid_attention(q, k, v, pos, window=0, causal=True)  # no window: linear attention
-    hybrid_attention(q, k, v, pos, window=3, causal=True, return_state=True)  # a state: the chunked form
+    hybrid_attention(q, k, v, pos, window=0)  # non-causal, no window: the parallel form (per-feature shifts)
     assert len(calls) == 1
+    # a causal token-window segment with a state takes it too, and a causal call without a window (the
+    # remainder per feature, the sinks exact); the calls it cannot take raise in the torch forms
+    _, st = hybrid_attention(q, k, v, pos, window=3, causal=True, return_state=True)
+    hybrid_attention(q, k, v, pos, window=3, causal=True, initial_state=st)
+    assert len(calls) == 3 and calls[1]["return_state"] and calls[2]["initial_state"] is st
+    hybrid_attention(q, k, v, pos, window=0, sinks=1, causal=True)
+    assert len(calls) == 4
+    calls.clear()
+    with pytest.raises(ValueError, match="causal=True"):
+        hybrid_attention(q, k, v, pos, window=3, return_state=True)
+    with pytest.raises(ValueError, match="block"):
+        hybrid_attention(q, k, v, pos, window=3, causal=True, window_mode="block", initial_state=st)
+    with pytest.raises(ValueError, match="padded"):
+        hybrid_attention(q, k, v, pos, window=3, causal=True, return_state=True,
+                         key_padding_mask=torch.zeros(2, 20, dtype=torch.bool))
+    assert calls == []
 
 
 def test_flex_refuses_what_it_cannot_compute():
@@ -269,3 +289,274 @@ def test_torch_window_term_has_no_wrong_causal_rows_at_large_norms(name):
                 if n_bad:
                     bad[(norm, mode, str(dt))] = n_bad
     assert bad == {}
+
+
+@pytest.mark.parametrize("name", ["oprf", "saderf", "sderf"])
+def test_flex_causal_remainder_alone_has_no_wrong_rows_at_large_norms(name, forced_flex, monkeypatch):
+    # window = 0 (linear attention with exact sinks) on the accelerator's path, no host read as on a
+    # device: per feature, as with a window (the shared-scale chunked form it took before, unrescued
+    # there, lost 7 to 48 rows of 48 of the fitted maps here)
+    from kernelapprox.attention.hybrid import core
+
+    monkeypatch.setattr(core, "_host_checks", lambda q: False)
+    g = torch.Generator().manual_seed(0)
+    fm = ka.get_estimator(name).build(4, 16, seed=0)
+    dirs = torch.randn(2, 2, 24, 4, generator=g)
+    dirs = dirs / dirs.norm(dim=-1, keepdim=True)
+    v = torch.randn(2, 24, 3, generator=g)
+    bad = {}
+    for norm in (16.0, 128.0):
+        q, k = (norm * dirs).unbind(0)
+        fm.fit(q, k)
+        for dt in (torch.float32, torch.bfloat16):
+            for sinks in (0, 1):
+                ref = _log_reference(q.to(dt), k.to(dt), v.to(dt), fm, 0, sinks, "token", True)
+                out = hybrid_attention(q.to(dt), k.to(dt), v.to(dt), fm, window=0, sinks=sinks, causal=True)
+                err = (out.double() - ref).abs().amax(-1)
+                if not bool((err <= 0.5).all()):
+                    bad[(norm, str(dt), sinks)] = int((~(err <= 0.5)).sum())
+    assert bad == {}
+
+
+# ------------------------------------------------------------------------------ segments with a state
+def _segments(q, k, v, fm, cuts, window_term="flex", **kw):
+    """The flex form over the segments ``[0, c1), [c1, c2), ..., [c_last, n)``, the state carried;
+    the outputs concatenated and the last state."""
+    outs, st, prev = [], None, 0
+    for c in [*cuts, q.shape[-2]]:
+        sl = slice(prev, c)
+        out, st = flex_hybrid_attention(q[..., sl, :], k[..., sl, :], v[..., sl, :], fm, causal=True,
+                                        initial_state=st, return_state=True, window_term=window_term, **kw)
+        outs.append(out)
+        prev = c
+    return torch.cat(outs, dim=-2), st
+
+
+@pytest.mark.parametrize("window_term", ["flex", "torch"])
+def test_flex_segments_equal_the_dense_hybrid_and_the_chunked_state_in_float64(window_term):
+    # windows shorter and longer than a segment (10**12: the buffer follows the tokens seen), sinks
+    # inside a segment, inside the carried window buffer and before it; cuts at 1 token and near the end
+    fm = ka.PositiveRF(6, 16, seed=0, dtype=F64)
+    q, k, v = _qkv(n=41)
+    worst = worst_state = 0.0
+    for w in (0, 1, 3, 8, 10**12):
+        for sinks in (0, 2, [0, 3, 9, 20, 33]):
+            ref = naive_hybrid_attention(q, k, v, fm, window=w, sinks=sinks, causal=True)
+            _, ref_st = chunk_hybrid_attention(q, k, v, fm, window=w, sinks=sinks, return_state=True)
+            for cuts in ((1,), (17,), (3, 9, 30), (40,)):
+                out, st = _segments(q, k, v, fm, cuts, window_term, window=w, sinks=sinks)
+                worst = max(worst, float((out - ref).abs().max()))
+                a, b = st.kv * st.log_scale.exp(), ref_st.kv * ref_st.log_scale.exp()
+                worst_state = max(worst_state, float((a - b).abs().max() / b.abs().max()))
+                assert st.log_scale.shape == (2, 16, 1) and st.position == 41 and st.keys.shape[-2] == min(w, 41)
+                assert torch.equal(st.keys, ref_st.keys) and torch.equal(st.values, ref_st.values)
+                assert st.sink_positions == ref_st.sink_positions and torch.equal(st.sink_keys, ref_st.sink_keys)
+    assert worst < 1e-10 and worst_state < 1e-10
+
+
+def test_flex_segment_with_padding_broadcast_a_shared_scale_state_and_a_decoder():
+    fm = ka.PositiveRF(6, 16, seed=1, dtype=F64)
+    g = torch.Generator().manual_seed(3)
+    q = 0.5 * torch.randn(2, 3, 29, 6, generator=g, dtype=F64)
+    k = 0.5 * torch.randn(2, 1, 29, 6, generator=g, dtype=F64)
+    v = torch.randn(2, 3, 29, 4, generator=g, dtype=F64)
+    pad = torch.zeros(2, 1, 29, dtype=torch.bool)
+    pad[1, :, 24:] = True
+    kw = dict(window=4, sinks=1, causal=True)
+    ref = naive_hybrid_attention(q, k, v, fm, key_padding_mask=pad, **kw)
+    a, st = flex_hybrid_attention(q[..., :10, :], k[..., :10, :], v[..., :10, :], fm, return_state=True, **kw)
+    b = flex_hybrid_attention(q[..., 10:, :], k[..., 10:, :], v[..., 10:, :], fm, initial_state=st,
+                              key_padding_mask=pad[..., 10:], **kw)
+    real = ~pad[..., None].expand(2, 3, 29, 4)
+    assert float((torch.cat([a, b], dim=-2) - ref)[real].abs().max()) < 1e-10
+    # a state at one scale (an older checkpoint), and decoding from the flex form's state
+    ref = naive_hybrid_attention(q, k, v, fm, **kw)[..., 10:, :]
+    G = st.log_scale.amax(dim=-2, keepdim=True)
+    shared = ka.attention.hybrid.HybridAttentionState(st.kv * (st.log_scale - G).exp(), G, st.keys, st.values,
+                                                       st.sink_keys, st.sink_values, st.sink_positions,
+                                                       st.position, st.window)
+    b = flex_hybrid_attention(q[..., 10:, :], k[..., 10:, :], v[..., 10:, :], fm, initial_state=shared, **kw)
+    assert float((b - ref).abs().max()) < 1e-10
+    rnn = ka.attention.hybrid.RecurrentHybridAttention(fm, window=4, sinks=1, state=st)
+    dec = torch.stack([rnn.step(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(10, 29)], dim=-2)
+    assert float((dec - ref).abs().max()) < 1e-10
+
+
+def test_flex_segment_gradients_equal_the_dense_hybrid():
+    # the torch window term (a backward on the CPU; flex_attention's backward runs on accelerators)
+    fm = ka.PositiveRF(6, 16, seed=0, dtype=F64)
+    q, k, v = _qkv(n=30)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    kw = dict(window=4, sinks=[0, 7], causal=True, window_term="torch")
+    a, st = flex_hybrid_attention(*(t[:, :11] for t in leaves), fm, return_state=True, **kw)
+    b, st = flex_hybrid_attention(*(t[:, 11:] for t in leaves), fm, initial_state=st, return_state=True, **kw)
+    ref_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = naive_hybrid_attention(*ref_leaves, fm, window=4, sinks=[0, 7], causal=True)
+    _, ref_st = chunk_hybrid_attention(*ref_leaves, fm, window=4, sinks=[0, 7], return_state=True)
+    g = torch.randn_like(ref)
+    gs = torch.randn_like(ref_st.kv)
+    loss = (torch.cat([a, b], dim=1) * g).sum() + (st.kv * st.log_scale.exp() * gs).sum()
+    ref_loss = (ref * g).sum() + (ref_st.kv * ref_st.log_scale.exp() * gs).sum()
+    for x, y in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(ref_loss, ref_leaves), strict=True):
+        assert float((x - y).abs().max()) < 1e-9
+
+
+def test_flex_refuses_states_it_cannot_carry():
+    fm = ka.PositiveRF(6, 16, seed=0, dtype=F64)
+    q, k, v = _qkv(n=12)
+    _, st = flex_hybrid_attention(q, k, v, fm, window=3, causal=True, return_state=True)
+    with pytest.raises(ValueError, match="causal=True"):
+        flex_hybrid_attention(q, k, v, fm, window=3, initial_state=st)
+    with pytest.raises(ValueError, match="block"):
+        flex_hybrid_attention(q, k, v, fm, window=3, causal=True, window_mode="block", return_state=True)
+    with pytest.raises(ValueError, match="padded"):
+        flex_hybrid_attention(q, k, v, fm, window=3, causal=True, return_state=True,
+                              key_padding_mask=torch.zeros(2, 12, dtype=torch.bool))
+    with pytest.raises(TypeError, match="return_state"):
+        flex_hybrid_attention(q, k, v, fm, window=3, causal=True, return_state=1)
+    with pytest.raises(ValueError, match="window=3"):
+        flex_hybrid_attention(q, k, v, fm, window=4, causal=True, initial_state=st)
+
+
+def test_flex_segment_op_count_does_not_grow_with_n(forced_flex, monkeypatch):
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import kernelapprox.attention.hybrid.flex as flex_mod
+
+    fm = ka.PositiveRF(8, 16, seed=0)
+    q, k, v = (t[None] for t in _qkv(b=1, n=40, d=8, dv=8, dtype=torch.float32))
+    _, st = hybrid_attention(q, k, v, fm, window=16, sinks=[0, 30], causal=True, return_state=True)
+    real = flex_mod._window_term
+
+    def window_term(*a, **kw):
+        probe.count += 1
+        with _disable_current_modes():
+            return real(*a, **kw)
+
+    monkeypatch.setattr(flex_mod, "_window_term", window_term)
+    counts = []
+    for n in (256, 2048):
+        q, k, v = (t[None] for t in _qkv(b=1, n=n, d=8, dv=8, dtype=torch.float32))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with _OpCount() as probe:
+                hybrid_attention(q, k, v, fm, window=16, sinks=[0, 30], causal=True, initial_state=st,
+                                 return_state=True)
+        counts.append(probe.count)
+    assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("name", ["sderf", pytest.param("oprf", marks=pytest.mark.slow)])  # a compile: ~4 s a dtype
+def test_compiled_flex_segments_have_no_wrong_rows_at_large_norms(name, forced_flex):
+    # torch.compile(fullgraph=True): the segmented prefill and its state in one graph, no host read
+    # (the chunked form it took before does not compile with fullgraph, and unrescued it returned
+    # wrong rows of the fitted maps at these norms)
+    from kernelapprox.attention.hybrid.naive import exact_hybrid_attention
+
+    g = torch.Generator().manual_seed(0)
+    dirs = torch.randn(2, 2, 24, 4, generator=g)
+    dirs = dirs / dirs.norm(dim=-1, keepdim=True)
+    v = torch.randn(2, 24, 3, generator=g)
+    fm = ka.get_estimator(name).build(4, 16, seed=0)
+    kw = dict(window=4, sinks=1, causal=True, chunk_size=4)
+
+    def segmented(q, k, v):
+        a, st = hybrid_attention(q[:, :9], k[:, :9], v[:, :9], fm, return_state=True, **kw)
+        b = hybrid_attention(q[:, 9:], k[:, 9:], v[:, 9:], fm, initial_state=st, **kw)
+        return torch.cat([a, b], dim=1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(segmented, fullgraph=True, backend="aot_eager")
+    bad = {}
+    for norm in (16.0, 128.0):
+        q, k = (norm * dirs).unbind(0)
+        fm.fit(q, k)
+        for dt in (torch.float32, torch.bfloat16):
+            qq, kk, vv = q.to(dt), k.to(dt), v.to(dt)
+            ref = exact_hybrid_attention(qq, kk, vv, fm, window=4, sinks=1, causal=True)
+            with torch.no_grad():
+                out = compiled(qq, kk, vv)
+            err = (out.double() - ref).abs().amax(-1)
+            if not bool((err <= 0.5).all()):
+                bad[(norm, str(dt))] = int((~(err <= 0.5)).sum())
+    torch._dynamo.reset()
+    assert bad == {}
+
+
+@pytest.mark.parametrize("sinks", [0, [0, 5, 37]])
+@pytest.mark.parametrize("grad", [False, True])
+def test_flex_segments_do_not_sync(sinks, grad, forced_flex, monkeypatch):
+    # a causal call with a state on the accelerator's path: the state's window buffer, its sinks and its
+    # per-feature linear part read on the device, the next state built there, no value read into Python
+    # (tests/test_host_sync_hybrid.py's rule: the ops of tests/_sync.py and the data-dependent shapes).
+    # flex_attention itself runs outside the counter (a dispatch mode cannot enter its higher-order
+    # operator); with a gradient the CPU takes the torch window term, counted whole.
+    from _sync import HostSyncCounter
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import kernelapprox.attention.hybrid.flex as flex_mod
+
+    data_dependent = {"aten::nonzero", "aten::masked_select", "aten::unique_dim", "aten::_unique2"}
+
+    class Counter(HostSyncCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            if func._schema.name in data_dependent:
+                self.syncs[func._schema.name] += 1
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    real = flex_mod._window_term
+
+    def window_term(*a, **kw):
+        with _disable_current_modes():
+            return real(*a, **kw)
+
+    monkeypatch.setattr(flex_mod, "_window_term", window_term)
+    fm = ka.PositiveRF(8, 16, seed=0)
+    q, k, v = _qkv(b=2, n=40, d=8, dv=8, dtype=torch.float32)
+    kw = dict(window=4, sinks=sinks, causal=True)
+    _, st = hybrid_attention(q[:, :13], k[:, :13], v[:, :13], fm, return_state=True, **kw)
+    q, k, v = (t[:, 13:].clone().requires_grad_(grad) for t in (q, k, v))
+    with Counter() as c:
+        if grad:
+            out, st = flex_hybrid_attention(q, k, v, fm, initial_state=st, return_state=True, window_term="torch", **kw)
+            (out.sum() + st.kv.sum()).backward()
+        else:
+            hybrid_attention(q, k, v, fm, initial_state=st, return_state=True, **kw)
+    assert dict(c.syncs) == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", ["oprf", "sderf"])
+def test_flex_segments_on_the_device_at_large_norms(name, dtype):
+    # a segmented prefill on the device (no host read, so no rescue: the flex form carries the state)
+    # against the float64 log-domain reference, and its gradients at |q| = |k| = 16
+    from kernelapprox.attention.hybrid.naive import exact_hybrid_attention
+
+    g = torch.Generator().manual_seed(0)
+    dirs = torch.randn(2, 2, 96, 8, generator=g)
+    dirs = dirs / dirs.norm(dim=-1, keepdim=True)
+    v = torch.randn(2, 96, 4, generator=g)
+    fm = ka.get_estimator(name).build(8, 32, seed=0)
+    kw = dict(window=8, sinks=1, causal=True)
+    for norm in (16.0, 128.0):
+        q, k = (norm * dirs).unbind(0)
+        fm.fit(q, k)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+        ref = exact_hybrid_attention(*leaves, fm, **kw)
+        w_out = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+        ref_grads = torch.autograd.grad((ref * w_out).sum(), leaves)
+        fm_d = copy.deepcopy(fm).cuda()
+        qd, kd, vd = (t.cuda().requires_grad_(True) for t in (q, k, v))
+        a, st = hybrid_attention(qd[:, :37], kd[:, :37], vd[:, :37], fm_d, return_state=True, **kw)
+        b = hybrid_attention(qd[:, 37:], kd[:, 37:], vd[:, 37:], fm_d, initial_state=st, **kw)
+        out = torch.cat([a, b], dim=1)
+        assert bool(((out.double().cpu() - ref.detach()).abs().amax(-1) <= 0.5).all())
+        if norm > 16:  # the gradients where every weight is still a normal number in float32
+            continue
+        grads = torch.autograd.grad((out.double() * w_out.cuda()).sum(), (qd, kd, vd))
+        for gd, gr in zip(grads, ref_grads, strict=True):
+            assert torch.isfinite(gd).all()
+            assert float((gd.double().cpu() - gr).abs().max()) <= 1e-2 * max(1.0, float(gr.abs().max()))

@@ -1,18 +1,24 @@
 """No form of hybrid attention returns a silently wrong row: a survey of every registered map x
 form x norm x dtype against the float64 log-domain reference (`exact_hybrid_attention`), the rows
 whose normaliser underflows recomputed per feature (`kernelapprox.attention.hybrid.rescue`) with
-gradients equal to the reference's, per-feature decoding states, and a warning wherever a signed
-map's eps guard changes a row."""
+gradients equal to the reference's, per-feature decoding states, the accelerator's path (no host
+read, so no rescue: the per-feature flex form, with and without a state) and a warning wherever a
+signed map's eps guard changes a row."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import warnings
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
 
 import kernelapprox as ka
+from kernelapprox import backends
 from kernelapprox.attention.hybrid import (
     HybridAttentionState,
     RecurrentHybridAttention,
@@ -45,6 +51,15 @@ def _survey_inputs(norm, seed):
 def _decode(fm, q, k, v, state=None):
     rnn = RecurrentHybridAttention(fm, window=_W, sinks=_SINKS, state=state)
     return torch.stack([rnn.step(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(q.shape[-2])], dim=-2)
+
+
+@contextlib.contextmanager
+def _accelerator() -> Iterator[None]:
+    """The accelerator's dispatch on the CPU: the flex path for calls without a gradient
+    (``KERNELAPPROX_BACKEND=accelerator``) and no host read (as on a device: no CPU rescue)."""
+    with mock.patch.dict(os.environ, {backends.ENV_VAR: "accelerator"}), \
+            mock.patch.object(core, "_host_checks", lambda q: False):
+        yield
 
 
 def _forms(fm, q, k, v):
@@ -82,14 +97,26 @@ def _forms(fm, q, k, v):
              for mode in ("token", "block") for c in (True, False) for g in (False, True)}
     forms.update({"recurrent": (recurrent, True, "token"), "segmented": (segmented, True, "token"),
                   "prefill+decode": (prefill_decode, True, "token")})
+    if fm.positive:  # the accelerator's path (signed maps keep the torch forms there)
+        def on_accelerator(fn):
+            def run():
+                with _accelerator():
+                    return fn()
+            return run
+
+        forms.update({"token-causal-accel": (on_accelerator(call(True, "token", False)), True, "token"),
+                      "segmented-accel": (on_accelerator(segmented), True, "token"),
+                      "prefill+decode-accel": (on_accelerator(prefill_decode), True, "token")})
     return forms
 
 
-def _survey(name):
+def _survey(name, only=None, norms=_NORMS):
     bad = []
     est = ka.get_estimator(name)
     fm = est.build(dim=_D, num_features=16, seed=0)
     for i, norm in enumerate(_NORMS):
+        if norm not in norms:
+            continue
         q, k, v = _survey_inputs(norm, i)
         if fm.data_dependent:
             fm.fit(q, k)
@@ -108,6 +135,8 @@ def _survey(name):
                         keep[c, mode] = ((A.abs().sum(-1) / A.sum(-1).abs() < 1e3)
                                          & ((as_evaluated - ref).abs().amax(-1) <= 0.25))
             for form, (fn, c, mode) in _forms(fm, qq, kk, vv).items():
+                if only is not None and form not in only:
+                    continue
                 with warnings.catch_warnings(record=True) as rec:
                     warnings.simplefilter("always")
                     out = fn()
@@ -129,6 +158,26 @@ def test_survey_every_map_form_norm_dtype(name):
     # token and block windows, decoding, segmented; up to 14 rows of 24 off by up to 2.6), and 40
     # silently near-zero cells of Nystrom (the eps guard, or a denominator underflowed to 0)
     assert _survey(name) == []
+
+
+_ACCEL = ("token-causal-accel", "segmented-accel", "prefill+decode-accel")
+
+
+@pytest.mark.parametrize("name", ["oprf", "saderf", "sderf"])
+def test_accelerator_forms_have_no_wrong_rows(name):
+    # the accelerator's causal forms at the norms where a shared scale underflows (fast; the slow
+    # survey above runs them for every positive map at every norm). A segmented prefill used to leave
+    # the flex path for the chunked form, which on a device (no host read) is not rescued: 1 to 17
+    # rows of 24 off by up to 3.4 for the fitted maps at |q| = |k| = 16 and 128
+    assert _survey(name, only=_ACCEL, norms=(16.0, 128.0)) == []
+
+
+@pytest.mark.parametrize("name", ["oprf", "sderf"])
+def test_unrescued_chunked_segments_are_what_the_accelerator_forms_avoid(name, monkeypatch):
+    # the chunked form without the host read (what a segmented call on a device took before): wrong rows
+    monkeypatch.setattr(core, "_flex_eligible", lambda *a: False)
+    bad = _survey(name, only=("segmented-accel",), norms=(128.0,))
+    assert len(bad) == 2 and all(rows >= 5 for *_, rows, _ in bad), bad
 
 
 # ------------------------------------------------------------------------------ the rescue

@@ -37,7 +37,9 @@ For positive maps, the non-causal forms shift each feature by its own maximum
 (`kernelapprox.attention.hybrid.logfeatures`), and the causal forms recompute the rows whose
 denominator under $m_i$ falls below `kernelapprox.attention._common.den_floor` with every feature
 at its own scale (`kernelapprox.attention.hybrid.rescue`; on the CPU, one host read), so that no
-row underflows at any norm; their states, and the decoding step's, keep one scale per feature.
+row underflows at any norm; on an accelerator the causal calls, with or without a state, take the
+per-feature path of `kernelapprox.attention.hybrid.flex` instead (no host read). Their states, and
+the decoding step's, keep one scale per feature.
 Signed maps warn where the ``eps`` guard changes a row (`kernelapprox.attention.hybrid.rescue`).
 
 References
@@ -1008,7 +1010,6 @@ def _causal_core(
     if not return_state:
         return res
     # the state after the last token: keys <= t_end - w in the linear state, the last w in the buffer
-    t_end = t0 + n
     G_last = G_end[..., -1:].unsqueeze(-1)  # (..., 1, 1)
     kv = S
     if feature_map.positive:
@@ -1022,7 +1023,22 @@ def _causal_core(
             with torch.no_grad():
                 redo = bool((S[..., dv] < den_floor(S.dtype)).any())  # the host read
         if redo:
-            kv, G_last = _per_feature_state(feature_map, k, v1, s_rem, ne - w, initial_state, cdt)
+            kv, G_last = per_feature_state(feature_map, k, v1, s_rem, ne - w, initial_state, cdt)
+    return res, finish_state(kv, G_last, k, v, t0, b, n, w, sink_idx, initial_state, cdt)
+
+
+def finish_state(
+    kv: torch.Tensor, log_scale: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t0: int, b: int, n: int, w: int,
+    sink_idx: tuple[int, ...], initial_state: HybridAttentionState | None, cdt: torch.dtype,
+) -> HybridAttentionState:
+    r"""The state after a causal segment of ``n`` tokens from position ``t0``: the linear part
+    ``kv`` at ``log_scale``, the ring buffer of the last $\min(w, t_0 + n)$ keys and values of
+    the extended sequence ``k`` (*lead, b + n, d), ``v`` (*lead, b + n, dv) (``b`` buffered keys
+    before the new ones; the key of position $p$ in slot $p \bmod w$, one gather), and the sinks:
+    the state's and the new ones among ``sink_idx`` (absolute positions)."""
+    lead, d, dv = k.shape[:-2], k.shape[-1], v.shape[-1]
+    dev = k.device
+    t_end = t0 + n
     # the ring buffer holds the last min(w, t_end) keys, the key of position p in slot p mod w
     # (sized by the tokens seen, not by the window); one gather, no loop
     size = min(w, t_end)
@@ -1042,8 +1058,7 @@ def _causal_core(
         pos_all += new
     sink_k = torch.cat(sk_list, dim=-2) if sk_list else k.new_zeros(*lead, 0, d)
     sink_v = torch.cat(sv_list, dim=-2) if sv_list else v.new_zeros(*lead, 0, dv)
-    state = HybridAttentionState(kv, G_last, keys, vals, sink_k, sink_v, tuple(pos_all), t_end, w)
-    return res, state
+    return HybridAttentionState(kv, log_scale, keys, vals, sink_k, sink_v, tuple(pos_all), t_end, w)
 
 
 def _host_checks(q: torch.Tensor) -> bool:
@@ -1069,22 +1084,24 @@ def _per_feature_from_shared(S: torch.Tensor, G: torch.Tensor) -> tuple[torch.Te
     return (S.double() * inv.unsqueeze(-1)).to(S.dtype), X.unsqueeze(-1)
 
 
-def _per_feature_state(
+def per_feature_state(
     fm: FeatureMap, k: torch.Tensor, v1: torch.Tensor, s_rem: torch.Tensor, upto: int,
-    initial_state: HybridAttentionState | None, cdt: torch.dtype,
+    initial_state: HybridAttentionState | None, cdt: torch.dtype, key_logs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The linear state of the keys ``k[..., :upto, :]`` (..., ne, d) outside the sinks and padding
     (``s_rem`` (..., ne) ``-inf`` there) and of ``initial_state``, at per-feature scales:
     ``kv`` (..., F, dv + 1) $= \sum_j e^{\log\psi_f(k_j) - t_f}[v_j, 1]$ plus the state's part,
     and ``log_scale`` (..., F, 1) $= t_f$, the largest $\log\psi_f$ (float64, 0 where no key
-    reached the feature)."""
+    reached the feature). ``key_logs`` (..., ne, F): the keys' natural-log features
+    (`key_log_features`) where the caller has them, else computed here."""
     m = max(upto, 0)
     lead, dv1 = v1.shape[:-2], v1.shape[-1]
     st = None if initial_state is None else per_feature_scales(initial_state, cdt)
     t = torch.full((*lead, fm.feature_dim), _NEG_INF, dtype=torch.float64, device=k.device)
     lk = None
     if m:
-        lk = key_log_features(fm, k[..., :m, :]).to(cdt)  # (..., m, F)
+        lk = key_log_features(fm, k[..., :m, :]) if key_logs is None else key_logs[..., :m, :]
+        lk = lk.to(cdt)  # (..., m, F)
         lk = lk.masked_fill((s_rem[..., :m] == _NEG_INF).unsqueeze(-1), _NEG_INF)
         t = torch.maximum(t, lk.detach().amax(dim=-2).double())
     if st is not None:
@@ -1188,7 +1205,10 @@ def chunk_hybrid_attention(
     number) are recomputed, in the sequences that hold one, with every feature at its own scale
     in the log domain (`kernelapprox.attention.hybrid.rescue`; denominator $\ge 1$,
     differentiable). One host read per call; the other rows are unchanged, bitwise. On other
-    devices and under ``torch.compile`` the check is skipped (no host read). With
+    devices and under ``torch.compile`` the check is skipped (no host read); on an accelerator
+    `hybrid_attention` sends the causal calls of positive maps, with or without a state, to
+    `kernelapprox.attention.hybrid.flex.flex_hybrid_attention` instead (per feature at every norm;
+    `kernelapprox.backends.hybrid_path`), while this form compiled on the CPU is not rescued. With
     ``return_state``, a positive map's linear state is returned at per-feature scales
     (``log_scale`` (..., F, 1); one more product of the keys), so that a continuation or a
     decoder reads every feature. Signed maps: a `kernelapprox.KernelApproxWarning` where the
@@ -1256,13 +1276,21 @@ def chunk_hybrid_attention(
 
 
 @no_autocast
-def _flex_eligible(q, k, v, feature_map, window, initial_state, return_state) -> bool:
+def _flex_eligible(q, k, v, feature_map, window, causal, window_mode, initial_state, return_state,
+                   key_padding_mask) -> bool:
     """Whether a call takes `kernelapprox.backends.hybrid_path`'s ``"flex"`` path: a positive map,
-    ``window >= 1``, no state, and the dispatch choosing it (inputs are checked by the form)."""
+    ``window >= 1`` (causal: ``>= 0``), a state only in a causal token-window call (``return_state``
+    without padding), and the dispatch choosing it (inputs are checked by the form; a call the flex
+    form would refuse goes to the torch forms, which name the argument)."""
     w = _as_int(window)
-    if not (isinstance(feature_map, FeatureMap) and feature_map.positive and w is not None and w >= 1
-            and initial_state is None and return_state is False
+    if not (isinstance(feature_map, FeatureMap) and feature_map.positive and w is not None
+            and w >= (0 if causal is True else 1)
             and all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v))):
+        return False
+    if (initial_state is not None or return_state is not False) and not (
+            causal is True and (window_mode == "token" or w == 0) and isinstance(return_state, bool)
+            and (initial_state is None or isinstance(initial_state, HybridAttentionState))
+            and not (return_state and key_padding_mask is not None)):
         return False
     grad = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v))
                                         or any(p.requires_grad for p in feature_map.parameters()))
@@ -1302,13 +1330,15 @@ def hybrid_attention(
 
     Non-causal: `parallel_hybrid_attention`; causal: `chunk_hybrid_attention`; decoding one token
     at a time: `kernelapprox.attention.hybrid.recurrent.RecurrentHybridAttention`. On an
-    accelerator with ``flex_attention``, a positive map with ``window >= 1`` and no state takes
-    `kernelapprox.attention.hybrid.flex.flex_hybrid_attention` (the same result; the choice is
+    accelerator with ``flex_attention``, a positive map with ``window >= 1`` (causal: ``>= 0``)
+    takes `kernelapprox.attention.hybrid.flex.flex_hybrid_attention`, causal token windows with
+    their ``initial_state``/``return_state`` too (the same result; the choice is
     `kernelapprox.backends.hybrid_path`'s). 16-bit inputs are computed in float32, the output is cast back.
 
     No silently wrong row: for positive maps the remainder of the non-causal forms is shifted per
-    feature, and the causal forms on the CPU recompute per feature the rows whose normaliser
-    underflows (`chunk_hybrid_attention`); for signed maps a `kernelapprox.KernelApproxWarning`
+    feature, the causal forms on the CPU recompute per feature the rows whose normaliser
+    underflows (`chunk_hybrid_attention`), and the accelerator's flex path is per feature
+    throughout, with or without a state; for signed maps a `kernelapprox.KernelApproxWarning`
     names the rows the ``eps`` guard changes or (non-causal) whose global-minus-window remainder
     cancels beyond the compute dtype (`kernelapprox.attention.hybrid.rescue`).
 
@@ -1372,12 +1402,14 @@ def hybrid_attention(
     """
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    if _flex_eligible(q, k, v, feature_map, window, initial_state, return_state):
+    if _flex_eligible(q, k, v, feature_map, window, causal, window_mode, initial_state, return_state,
+                      key_padding_mask):
         from .flex import flex_hybrid_attention
 
         check_hybrid_eps(eps)
         return flex_hybrid_attention(q, k, v, feature_map, window=window, sinks=sinks, causal=causal,
-                                     key_padding_mask=key_padding_mask, window_mode=window_mode)
+                                     key_padding_mask=key_padding_mask, window_mode=window_mode,
+                                     initial_state=initial_state, return_state=return_state)
     if check_window_mode(window_mode) == "block" and check_window(window) > 0:
         check_hybrid_eps(eps)
         if initial_state is not None or return_state:

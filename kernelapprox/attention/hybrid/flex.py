@@ -27,10 +27,12 @@ The shifts carry no gradient (they cancel). On CPU, eager ``flex_attention`` has
 no backward: the path is taken on accelerators (`kernelapprox.backends.hybrid_path`) or when
 forced.
 
-`per_feature_causal` is the same merge with the window in plain torch, for a causal segment that
-may continue a state (a preceding window buffer, sinks before it, a linear state at per-feature
-scales): the causal CPU forms recompute with it the rows whose normaliser underflows
-(`kernelapprox.attention.hybrid.rescue`).
+`per_feature_causal` is the same merge for a causal segment that may continue a state (a
+preceding window buffer, sinks before it, a linear state at per-feature scales, one more part of
+the merge), with the window by ``flex_attention`` or in plain torch: `flex_hybrid_attention`
+computes with it the causal calls given ``initial_state`` or ``return_state`` (and ``window = 0``),
+so the accelerator's path carries a state with no host read; the causal CPU forms recompute with
+it the rows whose normaliser underflows (`kernelapprox.attention.hybrid.rescue`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,22 @@ import torch
 import torch.nn.functional as F
 
 from ...maps.base import FeatureMap
+from .._common import with_ones
 from ..linear.chunk_logscan import causal_log_scan
-from .core import check_hybrid_eps, check_window_mode, prepare_hybrid, resolve_sinks, softmax_path
+from .core import (
+    HybridAttentionState,
+    check_hybrid_eps,
+    check_hybrid_state,
+    check_window,
+    check_window_mode,
+    finish_state,
+    per_feature_scales,
+    per_feature_state,
+    prepare_hybrid,
+    resolve_sinks,
+    softmax_path,
+    state_batch,
+)
 from .logfeatures import log_features_pair
 
 __all__ = ["flex_hybrid_attention", "per_feature_causal"]
@@ -87,13 +103,19 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torc
 
 
 def _window_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, sink_pos: torch.Tensor | None,
-                 causal: bool, block: bool, pad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """flex_attention over the exact sets: (out (L, n, dv), lse (L, n))."""
+                 causal: bool, block: bool, pad: torch.Tensor | None, offset: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """flex_attention over the exact sets: (out (L, n, dv), lse (L, n)). The queries ``q`` (L, n, d)
+    are the last ``n`` of the ``offset + n`` keys ``k`` (L, offset + n, d) (``offset`` buffered keys
+    of a preceding segment before them); ``sink_pos`` and ``pad`` index the keys."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     L, n, _ = q.shape
+    ne = k.shape[-2]
 
     def mask_mod(b, h, i, j):
+        if offset:
+            i = i + offset
         if block:
             bd = i // w - j // w
             m = (bd >= 0) & (bd <= 1) & (i >= j) if causal else (bd <= 1) & (bd >= -1)
@@ -105,7 +127,7 @@ def _window_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, sink
             m = m & ~pad[b, j]
         return m
 
-    bm = create_block_mask(mask_mod, L if pad is not None else None, None, n, n, device=q.device)
+    bm = create_block_mask(mask_mod, L if pad is not None else None, None, n, ne, device=q.device)
     try:  # torch >= 2.9 asks for the log-sum-exp through return_aux
         from torch.nn.attention.flex_attention import AuxRequest
     except ImportError:  # pragma: no cover - older torch
@@ -192,7 +214,9 @@ def flex_hybrid_attention(
     window_mode: str = "token",
     chunk_size: int = 16,
     window_term: str = "flex",
-) -> torch.Tensor:
+    initial_state: HybridAttentionState | None = None,
+    return_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, HybridAttentionState]:
     r"""Hybrid attention of a positive map as ``flex_attention`` on the exact sets plus a delayed
     per-feature log-domain scan on the remainder (module docstring), one normaliser.
 
@@ -204,6 +228,17 @@ def flex_hybrid_attention(
     with the exact sets $S_i$ of `kernelapprox.attention.hybrid.exact_set_mask`; the same
     result as `kernelapprox.attention.hybrid.hybrid_attention`.
 
+    A causal token-window call may continue a segment (``initial_state``) and return its state
+    (``return_state``), as `kernelapprox.attention.hybrid.chunk_hybrid_attention` does, with no
+    host read and a fixed number of operations whatever ``n``: the keys are the state's window
+    buffer followed by the new ones, the sinks that left the buffer are exact for every query,
+    and the carried linear state, read at one scale per feature
+    (`kernelapprox.attention.hybrid.core.per_feature_scales`), is one more part of the merge,
+    $e^{\log\varphi_f(q_i) + X_f}\tilde S_f$ under the row's largest exponent
+    (`per_feature_causal`). The returned state holds the linear part at per-feature scales
+    (``log_scale`` (..., F, 1), from the keys' log-features), so that a later segment or a
+    decoder reads every feature. No row's normaliser underflows, with or without a state.
+
     Parameters
     ----------
     q, k : Tensor, shape (..., n, d)
@@ -211,7 +246,7 @@ def flex_hybrid_attention(
     feature_map : FeatureMap
         A positive map (``feature_map.positive``).
     window : int
-        ``w >= 1``.
+        ``w >= 1`` (causal: ``w >= 0``; ``0`` is the remainder alone, the sinks exact).
     sinks : int or sequence of int, default 0
     causal : bool, default False
     key_padding_mask : Tensor, shape (batch, n), optional
@@ -221,10 +256,17 @@ def flex_hybrid_attention(
     window_term : {"flex", "torch"}, default "flex"
         ``"flex"``: the window and sinks by ``flex_attention``; ``"torch"``: by a masked band of
         keys in plain torch (a backward on the CPU too; the causal torch path of positive maps).
+    initial_state : HybridAttentionState, optional
+        Causal token window only: the state after a preceding segment (one scale or one per
+        feature), built with the same ``window`` and sinks; ``sinks`` positions continue its count.
+    return_state : bool, default False
+        Causal token window only, not with ``key_padding_mask``: also return the state after the
+        last token.
 
     Returns
     -------
-    Tensor, shape (..., n, dv), dtype ``promote(q, k, v)``.
+    out : Tensor, shape (..., n, dv), dtype ``promote(q, k, v)``
+    state : HybridAttentionState, if ``return_state``
 
     Examples
     --------
@@ -235,17 +277,49 @@ def flex_hybrid_attention(
     >>> ref = ka.attention.hybrid.naive_hybrid_attention(q, k, v, fm, window=5, sinks=1, causal=True)
     >>> bool((out - ref).abs().max() < 1e-10)
     True
+
+    A prefill in two segments, the state carried between them:
+
+    >>> a, st = flex_hybrid_attention(q[:, :17], k[:, :17], v[:, :17], fm, window=5, sinks=1, causal=True,
+    ...                               return_state=True)
+    >>> b = flex_hybrid_attention(q[:, 17:], k[:, 17:], v[:, 17:], fm, window=5, sinks=1, causal=True,
+    ...                           initial_state=st)
+    >>> bool((torch.cat([a, b], dim=1) - ref).abs().max() < 1e-10), st.log_scale.shape
+    (True, torch.Size([2, 16, 1]))
     """
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
+    if not isinstance(return_state, bool):
+        raise TypeError(f"return_state must be a bool, got {return_state!r}")
     mode = check_window_mode(window_mode)
     check_hybrid_eps(1e-6)
+    stateful = initial_state is not None or return_state
+    if stateful and not causal:
+        raise ValueError(
+            "initial_state and return_state need causal=True (a non-causal window has no state to carry), "
+            f"got initial_state={type(initial_state).__name__}, return_state={return_state!r}"
+        )
+    if stateful and mode == "block" and check_window(window) > 0:
+        raise ValueError(
+            "window_mode='block' has no state to carry (the recurrent form slides its window): use "
+            f"window_mode='token', got initial_state={type(initial_state).__name__}, return_state={return_state!r}"
+        )
+    if window_term not in ("flex", "torch"):
+        raise ValueError(f"window_term must be 'flex' or 'torch', got {window_term!r}")
     q, k, v, out_dtype, cdt, w, C, kpad = prepare_hybrid(q, k, v, feature_map, window, sinks, chunk_size, causal,
                                                    key_padding_mask)
     if not feature_map.positive:
         raise ValueError(f"flex_hybrid_attention needs a positive feature map, got {type(feature_map).__name__}")
-    if w < 1:
-        raise ValueError(f"flex_hybrid_attention needs window >= 1, got {w}")
+    if w < (0 if causal else 1):
+        raise ValueError(f"flex_hybrid_attention needs window >= 1 (causal: >= 0), got {w}")
+    if stateful or w == 0:  # a segment with a state, or the causal remainder alone (sinks exact)
+        if return_state and kpad is not None:
+            raise ValueError(
+                "return_state=True with a key_padding_mask: the state's window buffer would hold padded keys; "
+                "decode unpadded sequences (or drop return_state)"
+            )
+        return _segment(q, k, v, feature_map, w, sinks, kpad, initial_state, return_state, window_term, cdt,
+                        out_dtype)
     n = q.shape[-2]
     if w >= n:
         return softmax_path(q, k, v, feature_map, causal, kpad, out_dtype)
@@ -306,6 +380,74 @@ def flex_hybrid_attention(
     return out.reshape(*lead, n, dv).to(out_dtype)
 
 
+def _segment(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fm: FeatureMap, w: int, sinks: int | Sequence[int],
+    kpad: torch.Tensor | None, st: HybridAttentionState | None, return_state: bool, window_term: str,
+    cdt: torch.dtype, out_dtype: torch.dtype,
+) -> torch.Tensor | tuple[torch.Tensor, HybridAttentionState]:
+    """A causal token-window segment that continues ``st`` and/or returns its state
+    (`flex_hybrid_attention`): `per_feature_causal` on [the state's window buffer, the new keys]."""
+    from .sinks import CausalSinks
+
+    spec = CausalSinks(sinks)
+    n, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], fm.batch_shape)
+    t0 = b = 0
+    ext_sinks: list[int] = []  # sink positions among the extended keys (buffer, then the new keys)
+    old = carried = None
+    if st is not None:
+        check_hybrid_state(st, fm, w, d, dv, spec)
+        state_batch(st, lead)
+        t0 = st.position
+        b = min(w, t0)
+        if b:  # the buffered keys in order of position: the key of position p is in slot p mod w
+            slots = [p % w for p in range(t0 - b, t0)]
+            k = torch.cat((st.keys[..., slots, :].to(cdt).expand(*lead, b, d), k.expand(*lead, n, d)), dim=-2)
+            v = torch.cat((st.values[..., slots, :].to(cdt).expand(*lead, b, dv), v.expand(*lead, n, dv)), dim=-2)
+        gone = [u for u, p in enumerate(st.sink_positions) if p < t0 - b]  # sinks before the buffer
+        ext_sinks += [p - (t0 - b) for p in st.sink_positions if p >= t0 - b]
+        if gone:
+            old = (st.sink_keys[..., gone, :].to(cdt), st.sink_values[..., gone, :].to(cdt))
+        carried = per_feature_scales(st, cdt)
+    sink_idx = spec.within(t0, t0 + n)
+    ext_sinks += [p - t0 + b for p in sink_idx]
+    ne = b + n
+    k, v = k.expand(*lead, ne, d), v.expand(*lead, ne, dv)
+    Lb = math.prod(lead)
+    if Lb == 0:  # an empty batch: the chunked form (nothing to compute)
+        from .core import chunk_hybrid_attention
+
+        return chunk_hybrid_attention(q, k[..., b:, :], v[..., b:, :], fm, window=w, sinks=sinks,
+                                      initial_state=st, return_state=return_state, key_padding_mask=kpad)
+    lq, lk = log_features_pair(fm, q, k)
+    lq, lk = lq.to(cdt), lk.to(cdt)
+    Fd = lq.shape[-1]
+
+    def flat(x: torch.Tensor, *shape: int) -> torch.Tensor:
+        return x.expand(*lead, *shape).reshape(Lb, *shape)
+
+    pad = None if kpad is None else flat(F.pad(kpad.expand(*lead, n), (b, 0), value=False), ne)
+    old_f = None
+    if old is not None:
+        ns = old[0].shape[-2]
+        old_f = (flat(old[0], ns, d), flat(old[1], ns, dv))
+    state_f = None if carried is None else (flat(carried[0], Fd, dv + 1), flat(carried[1], Fd))
+    out = per_feature_causal(flat(q, n, d), flat(k, ne, d), flat(v, ne, dv), flat(lq, n, Fd), flat(lk, ne, Fd),
+                             window=w, block=False, sinks=tuple(ext_sinks), pad=pad, old_sinks=old_f, state=state_f,
+                             window_term=window_term)
+    out = out.reshape(*lead, n, dv).to(out_dtype)
+    if not return_state:
+        return out
+    # the linear part after the last token: the keys e <= ne - 1 - w outside the sinks, and the
+    # carried state, at per-feature scales (from the keys' log-features: no host read)
+    rem = torch.zeros(ne, dtype=torch.float64, device=q.device)
+    if ext_sinks:
+        rem[ext_sinks] = float("-inf")
+    kv, log_scale = per_feature_state(fm, k, with_ones(v), rem.expand(*lead, ne), ne - w, st, cdt,
+                                       key_logs=lk.expand(*lead, ne, Fd))
+    return out, finish_state(kv, log_scale, k, v, t0, b, n, w, sink_idx, st, cdt)
+
+
 _RESCUE_CHUNK = 16  # tokens per chunk of the delayed scan in `per_feature_causal`
 
 
@@ -324,6 +466,7 @@ def per_feature_causal(
     block: bool, sinks: tuple[int, ...], pad: torch.Tensor | None,
     old_sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
     state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window_term: str = "torch",
 ) -> torch.Tensor:
     r"""Causal hybrid attention of a positive map in the log domain, no scale shared between features.
 
@@ -366,6 +509,9 @@ def per_feature_causal(
     old_sinks : (Tensor (L, s, d), Tensor (L, s, dv)), optional
     state : (Tensor (L, F, dv + 1), Tensor (L, F)), optional
         $\tilde S$ and $X$ ($-\infty$ or any value where $\tilde S_f = 0$).
+    window_term : {"torch", "flex"}, default "torch"
+        The window and sinks in plain torch (a backward on every device), or by one
+        ``flex_attention`` call (the accelerator's path); the same result.
 
     Returns
     -------
@@ -374,7 +520,7 @@ def per_feature_causal(
     L, n, d = q.shape
     ne = k.shape[-2]
     b = ne - n
-    w = window
+    w = window if block else min(window, ne)  # a token window longer than the keys is all of them
     dev = q.device
     drop = torch.zeros(ne, dtype=torch.bool, device=dev)
     if sinks:
@@ -383,7 +529,14 @@ def per_feature_causal(
     lkm = lk.masked_fill(drop.unsqueeze(-1), _NEG).clamp(min=_NEG)
     lqe = F.pad(lq.clamp(min=_NEG), (0, 0, b, 0), value=_NEG)
     parts = []
-    if w >= 1:
+    if w >= 1 and window_term == "flex":
+        sink_pos = None
+        if sinks:
+            sink_pos = torch.zeros(ne, dtype=torch.bool, device=dev)
+            sink_pos[list(sinks)] = True
+        out_w, lse = _window_term(q, k, v, w, sink_pos, True, block, pad, offset=b)
+        parts.append((out_w.to(q.dtype), torch.ones_like(lse), lse))
+    elif w >= 1:
         out_w, lse = _torch_window_term(F.pad(q, (0, 0, b, 0)), k, v, w, sinks, True, block, pad)
         parts.append((out_w[:, b:], torch.ones_like(lse[:, b:]), lse[:, b:]))
     elif sinks:  # no window: the sinks e' <= e are the exact part

@@ -10,7 +10,9 @@ the whole row -- the window's terms and the remainder's -- underflows, and $\hat
 of rounding errors (or $0/0$). With every weight $\le 1$, a row whose denominator under $m_i$ is
 at least `kernelapprox.attention._common.den_floor` ($2.3\cdot10^{-13}$ in float32) has lost only
 terms below the smallest normal number (relative error $\le nF t^{2/3}$), so that floor tells the
-rows to redo; one host read per call (CPU only).
+rows to redo; one host read per call (CPU only). Where no host read is allowed (an accelerator),
+the causal calls take the flex path instead (`kernelapprox.attention.hybrid.flex`), per feature
+throughout, with or without a state, so they have no row to redo.
 
 Those rows are recomputed here, for the sequences that hold one, in the log domain with no shared
 scale (`kernelapprox.attention.hybrid.flex.per_feature_causal`): the window and sinks with their
