@@ -91,8 +91,6 @@ __all__ = ["CHUNK", "GROUP", "causal_row_scan", "row_scores", "row_setup", "weig
 
 #: Tokens per chunk (default).
 CHUNK = 64
-
-
 #: Chunk states per group of `weighted_prefix` (the exact weight matrix within a group).
 GROUP = 16
 
@@ -360,7 +358,7 @@ def causal_row_scan(
     shift = M.reshape(L, nc * C)[:, :n].reshape(*lead, n)
     state = None
     if return_state:
-        g_last = _finite0(G[:, -1:])
+        g_last = G[:, -1:]  # 0 where no key was seen (or a non-finite one)
         g_last = torch.where(torch.isfinite(g_last), g_last, torch.zeros_like(g_last))
         state = LinearAttentionState(states[:, -1].reshape(*lead, Fd, P), g_last.reshape(*lead, 1, 1))
     return ScanResult(num, den, shift, state)
