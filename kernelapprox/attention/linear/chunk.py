@@ -4,8 +4,8 @@
 `chunk_runmax.running_max_attention` (each query at its running maximum), one per module; and
 `per_feature_attention`, which recomputes the rows whose denominator underflows with every
 feature at its own causal scale. On accelerators, positive maps with log2 features go to
-`chunk_logscan` (the log-domain scan) or, for short calls, `quadratic`
-(`kernelapprox.backends.attention_plan` decides).
+`chunk_logscan` (the log-domain scan) and every other map to `chunk_rowscan` (the row-scale scan),
+or, for short calls, to the forms of `quadratic` (`kernelapprox.backends.attention_plan` decides).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ from .._common import (
 from ..state import LinearAttentionState
 from . import chunk_runmax, chunk_shared
 from .chunk_logscan import causal_log_scan
+from .chunk_rowscan import causal_row_scan
 from .parallel import _GEMM_COLUMNS
-from .quadratic import quadratic_log_attention
+from .quadratic import quadratic_log_attention, quadratic_row_attention
 
 _PATHS = ("auto", "shared", "runmax")
 
@@ -225,7 +226,7 @@ def chunk_linear_attention(
       30 nats above its group's reference.
     - `kernelapprox.attention.linear.chunk_runmax`: each query at the running maximum of the key scales,
       the carried state rescaled chunk by chunk, in training under activation checkpointing of
-      runs of 8 chunks. Everything else: ``torch.compile``, other devices, signed maps (their
+      runs of 8 chunks. Everything else on the CPU: ``torch.compile``, signed maps (their
       denominators can nearly cancel, and this path keeps one order of operations in eager and
       compiled code), and the rows a sequence's shared-scale prefix does not cover.
 
@@ -243,8 +244,14 @@ def chunk_linear_attention(
     `kernelapprox.backends.SHORT_CALL_N` the quadratic form
     (`kernelapprox.attention.linear.quadratic.quadratic_log_attention`), longer ones the chunked
     log-domain scan (`kernelapprox.attention.linear.chunk_logscan.causal_log_scan`, chunks of
-    ``chunk_size`` tokens). There a non-finite input reaches every row of its chunk (of the call,
-    in the quadratic form) and the later ones. The returned state has one log scale per feature.
+    ``chunk_size`` tokens). Every other map (signed maps, elu+1, ReLU) takes the row-scale forms
+    there, each key's log-scale a scalar gate and each query at the running maximum of the key
+    scales (the rows of the running-maximum path, to rounding), also a fixed number of
+    operations and no host read: `kernelapprox.attention.linear.quadratic.quadratic_row_attention`
+    for short calls, `kernelapprox.attention.linear.chunk_rowscan.causal_row_scan` otherwise. There
+    a non-finite input reaches every row of its chunk (of the call, in the quadratic forms) and the
+    later ones. The returned state has one log scale per feature (log2 maps) or one per sequence
+    (the other maps), as on the CPU.
 
     On the shared-scale and running-maximum paths, output $i$ depends on positions $\le i$ only,
     also for non-finite inputs: a NaN or Inf at position $j$ reaches rows $\ge j$ (as in the
@@ -328,6 +335,7 @@ def chunk_linear_attention(
             or any(p.requires_grad for p in feature_map.parameters()))
         plan = backends.attention_plan(q.device, q.dtype, n=q.shape[-2], gated=log2, grad=grad)
         device_path = plan.path != "cpu"
+    lq = lk = None
     if device_path and log2 and plan is not None:
         # Accelerators (and the forced accelerator path): every feature at its own causal scale, a
         # fixed number of operations for any n, no host read, no rescue needed: the quadratic form
@@ -347,6 +355,24 @@ def chunk_linear_attention(
                 assert res.state is not None
                 return out, res.state
             return out
+    if device_path and plan is not None and (lq is None or lk is None):
+        # Every other map on accelerators: one log-scale per key row, each query at the running
+        # maximum of the key scales, a fixed number of operations for any n, no host read.
+        kp, vp = apply_padding(pad, k, v)
+        with inputs_validated():
+            fq = feature_map.query_features(q)
+            fk, s = feature_map.key_log_features(kp)
+        if plan.path == "quadratic":
+            res = quadratic_row_attention(fq, fk, s, vp, key_padding_mask=pad, initial_state=initial_state,
+                                          return_state=return_state)
+        else:
+            res = causal_row_scan(fq, fk, s, vp, key_padding_mask=pad, initial_state=initial_state,
+                                  return_state=return_state, chunk=chunk_size)
+        out = normalise(res.num, res.den.unsqueeze(-1), feature_map.positive, eps).to(out_dtype)
+        if return_state:
+            assert res.state is not None
+            return out, res.state
+        return out
     k, v = apply_padding(pad, k, v)
     with inputs_validated():
         fq = feature_map.query_features(q)  # the per-query scale cancels

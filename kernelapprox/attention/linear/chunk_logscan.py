@@ -101,9 +101,11 @@ class ScanResult(NamedTuple):
 
 
 def _safe_log(x: torch.Tensor) -> torch.Tensor:
-    """``log(x)`` for ``x > 0``, `NEG` elsewhere (the gradient at those entries is 0, not NaN)."""
+    """``log(x)`` for ``x > 0``, `NEG` for ``x <= 0`` (the gradient at those entries is 0, not
+    NaN), NaN for NaN (a NaN value reaches the later chunks through the state, not dropped)."""
     pos = x > 0
-    return torch.where(pos, torch.where(pos, x, torch.ones_like(x)).log(), torch.full_like(x, NEG))
+    low = torch.where(x.isnan(), x, torch.full_like(x, NEG))
+    return torch.where(pos, torch.where(pos, x, torch.ones_like(x)).log(), low)
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

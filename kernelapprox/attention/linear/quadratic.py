@@ -27,6 +27,12 @@ so no fallback has to be evaluated beside it (without a host read, a fallback is
 Cost per sequence: time $O(n F (n + c) + n^2 d_v)$; memory under autograd $n F (n/c + c + 3) + n^2$
 elements (the between-tile query factors, the exact tile scores, the key and state factors, the
 score matrix): for short calls.
+
+The maps with one log-scale per key row (signed maps, and positive maps without log2 features)
+have their short form too, `quadratic_row_attention`: the whole call one chunk of
+`kernelapprox.attention.linear.chunk_rowscan` (one score GEMM with the gates
+$e^{s_j - M_i}$, one value GEMM, the initial state through one more), without the scan across
+chunks.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ import torch.nn.functional as F
 
 from ..state import LinearAttentionState
 from .chunk_logscan import ScanResult, sizes, tile_scores
+from .chunk_rowscan import row_scores, row_setup
 
-__all__ = ["QUADRATIC_TILE", "quadratic_log_attention"]
+__all__ = ["QUADRATIC_TILE", "quadratic_log_attention", "quadratic_row_attention"]
 
 #: Tokens per tile of exact scores of the quadratic form.
 QUADRATIC_TILE = 8
@@ -148,4 +155,79 @@ def quadratic_log_attention(
         if kv0 is not None and X is not None:
             kv = kv + exp(X - t0).unsqueeze(-1) * kv0
         state = LinearAttentionState(kv.reshape(*lead, Fd, dv + 1), (t0.double() * to_nat).reshape(*lead, Fd, 1))
+    return ScanResult(num, den, shift, state)
+
+
+def quadratic_row_attention(
+    fq: torch.Tensor,
+    fk: torch.Tensor,
+    s: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: LinearAttentionState | None = None,
+    return_state: bool = False,
+) -> ScanResult:
+    r"""Causal linear attention of a map with one log-scale per key row for short calls: one
+    score GEMM, one value GEMM (module docstring).
+
+    $$
+    [\text{num}, \text{den}]_i = \sum_{j \le i} \varphi(q_i)^\top f_j\, e^{s_j - M_i} [v_j, 1]
+        + e^{G_0 - M_i}\,\varphi(q_i)^\top S_0, \qquad M_i = \max(G_0, \max_{j \le i} s_j),
+    $$
+
+    as `kernelapprox.attention.linear.chunk_rowscan.causal_row_scan` with one chunk.
+
+    Parameters
+    ----------
+    fq : Tensor, shape (..., n, F)
+        $\varphi(q_i)$ up to a positive factor per row.
+    fk : Tensor, shape (..., n, F)
+        Bounded key features.
+    s : Tensor, shape (..., n)
+        Natural key log-scales.
+    v : Tensor, shape (..., n, dv)
+    key_padding_mask : Tensor, shape broadcasting with (..., n), bool, optional
+        ``True`` = padded key.
+    initial_state : LinearAttentionState, optional
+        ``kv`` (..., F, dv + 1) at one natural ``log_scale`` (..., 1, 1) per sequence.
+    return_state : bool, default False
+
+    Returns
+    -------
+    ScanResult
+        As `kernelapprox.attention.linear.chunk_rowscan.causal_row_scan`.
+
+    Examples
+    --------
+    >>> fq = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    >>> fk = torch.tensor([[1.0, -2.0], [1.0, 0.5]])
+    >>> r = quadratic_row_attention(fq, fk, torch.tensor([400.0, 400.0]), torch.tensor([[1.0], [3.0]]))
+    >>> r.num[:, 0] / r.den
+    tensor([1., 7.])
+    """
+    n, Fd, dv = fq.shape[-2], fq.shape[-1], v.shape[-1]
+    lead, fq, fk, s, v1, kv0, G0 = row_setup(fq, fk, s, v, key_padding_mask, initial_state)
+    cdt = fq.dtype
+    ninf = float("-inf")
+    with torch.no_grad():
+        M = torch.maximum(torch.cummax(s.detach(), dim=-1).values, G0)  # (L, n)
+        M0 = torch.where(M == ninf, torch.zeros_like(M), M)
+    out = row_scores(fq, fk, v1, s, M0, cdt)  # (L, n, dv + 1)
+    if kv0 is not None:
+        gate = torch.where(G0 == ninf, torch.zeros_like(M0), torch.exp(G0 - M0)).to(cdt)
+        out = out + torch.matmul(fq, kv0) * gate.unsqueeze(-1)
+    num = out[..., :dv].reshape(*lead, n, dv)
+    den = out[..., dv].reshape(*lead, n)
+    shift = M.reshape(*lead, n)
+    state = None
+    if return_state:
+        with torch.no_grad():
+            g = torch.maximum(s.detach().amax(dim=-1, keepdim=True), G0)  # (L, 1)
+            g = torch.where(torch.isfinite(g), g, torch.zeros_like(g))
+        w = torch.where(s == ninf, torch.zeros_like(s), torch.exp(s - g)).to(cdt)
+        kv = torch.matmul(fk.mT, v1 * w.unsqueeze(-1))
+        if kv0 is not None:
+            kv = kv + kv0 * torch.where(G0 == ninf, torch.zeros_like(G0), torch.exp(G0 - g)).to(cdt).unsqueeze(-1)
+        state = LinearAttentionState(kv.reshape(*lead, Fd, dv + 1), g.reshape(*lead, 1, 1))
     return ScanResult(num, den, shift, state)
