@@ -197,7 +197,9 @@ def test_the_row_maps_take_the_row_forms(monkeypatch):
         for n in (N - 1, N):
             q, k, v = (randn(1, n, 8, seed=s, dtype=torch.float32) * 0.5 for s in (1, 2, 3))
             ka.linear_attention(q, k, v, fm, causal=True)
-    assert called == ["quadratic_row_attention", "causal_row_scan"] * 2 + ["quadratic_log_attention", "causal_log_scan"]
+    # a signed map (trig) runs its form twice: the call, then its magnitude bound (lost rows)
+    assert called == (["quadratic_row_attention"] * 2 + ["causal_row_scan"] * 2
+                      + ["quadratic_row_attention", "causal_row_scan", "quadratic_log_attention", "causal_log_scan"])
     assert set(ROW_MAPS) == {"trig-sincos", "trig-offset", "taylor", "nystrom", "elu", "relu", "hybrid"}
 
 
@@ -370,7 +372,8 @@ def test_causal_call_has_the_same_op_count_at_n_256_and_4096(name):
             out.sum().backward()
         counts.append(probe.ops)
     assert counts[0] == counts[1], (counts[0] - counts[1]) + (counts[1] - counts[0])
-    assert sum(counts[0].values()) < 450  # 334 (elu+1) to 405 (Nystrom) today, views included
+    # 334 (elu+1) to 617 (Nystrom: signed, its form run twice for the lost-row bound), views included
+    assert sum(counts[0].values()) < 700
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -156,7 +156,16 @@ def test_nystrom_rows_lost_to_underflow_warn(form, norm, seed, lost):
     assert acc_counts == []
     nan = acc.isnan().any(-1)
     assert int(nan.sum()) == lost and bool(acc[nan].isnan().all())
-    assert torch.equal(acc[~nan], out[~nan])
+    # the accelerator's row-scale scan is another algorithm: on the other rows it is as close to
+    # the float64 answer as the CPU's (both 0.082 off at |x| = 16, from the map's float32
+    # features; the two differ by 4.5e-4)
+    ref = exact_linear_attention(q, k, v, fm, causal=True) if form == "causal" else None
+    if ref is not None:
+        err_acc = (acc.double() - ref)[~nan].abs().max()
+        err_cpu = (out.double() - ref)[~nan].abs().max()
+        assert err_acc <= err_cpu + 1e-3, (float(err_acc), float(err_cpu))
+    else:
+        assert torch.equal(acc[~nan], out[~nan])
     # the non-causal form reaches every key: nothing is lost
     assert _run(_form, "parallel", fm, q, k, v)[1] == []
 

@@ -267,7 +267,11 @@ class HybridRF(RandomFeatureMap):
         h = torch.exp(pm - m.unsqueeze(-1)) if _grad(pm) else pm.sub_(m.unsqueeze(-1)).exp_()
         trig = torch.cat((torch.sin(u), torch.cos(u)), dim=-1)
         sg = torch.sign(torch.matmul(xc, self.angular.to(xc.dtype).mT))
-        half = _sqnorm_half(xc)
+        # |x|^2/2 accumulated in float64 for lower-precision inputs: the sin/cos block's scale
+        # multiplies signed terms that cancel in attention (as for `TrigRF`, whose float32
+        # accumulation at |x| = 128 moved a cancelled row by 6)
+        half = (_sqnorm_half(xc) if xc.dtype == torch.float64
+                else 0.5 * torch.linalg.vector_norm(xc, dim=-1, dtype=torch.float64).square())
         lA = m.double() - half - 0.5 * math.log(2 * r)
         lB = (half - 0.5 * math.log(r)).expand(lA.shape)
         lead = torch.broadcast_shapes(h.shape[:-1], sg.shape[:-1])

@@ -368,7 +368,11 @@ def chunk_linear_attention(
         else:
             res = causal_row_scan(fq, fk, s, vp, key_padding_mask=pad, initial_state=initial_state,
                                   return_state=return_state, chunk=chunk_size)
-        out = normalise(res.num, res.den.unsqueeze(-1), feature_map.positive, eps).to(out_dtype)
+        lost = None
+        if not feature_map.positive:
+            lost = _row_scan_lost(res.den.unsqueeze(-1), fq, fk, s, pad, initial_state, plan.path,
+                                  chunk_size, v.shape[-1])
+        out = normalise(res.num, res.den.unsqueeze(-1), feature_map.positive, eps, lost, host=False).to(out_dtype)
         if return_state:
             assert res.state is not None
             return out, res.state
@@ -443,6 +447,35 @@ def chunk_linear_attention(
 
 #: Candidate rows whose exact bound `_exact_bound_lost` forms at once ((rows, n) products).
 _EXACT_ROWS = 256
+
+
+def _row_scan_lost(
+    den: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor, s: torch.Tensor, pad: torch.Tensor | None,
+    initial_state: LinearAttentionState | None, path: str, chunk: int, dv: int,
+) -> torch.Tensor:
+    r"""The lost rows (*lead, n, 1) bool of a signed map on the accelerator's row-scale forms
+    (`kernelapprox.attention._common.signed_lost`): the magnitude bound
+    $B_i = \sum_{j \le i}|\varphi(q_i)|^\top|f_j|\,e^{s_j - M_i}$ (plus the initial state's
+    $|z_0|$) is the same form run on $|\varphi(Q)|$, $|f|$ and a value column of ones, so it is in
+    the units of ``den`` (both at the row's shift $M_i$). No host read; constant for autograd.
+    """
+    with torch.no_grad():
+        fq, fk, s = fq.detach().abs(), fk.detach().abs(), s.detach()
+        ones = torch.ones_like(s, dtype=fk.dtype).unsqueeze(-1)
+        has_key = torch.ones((), dtype=torch.bool, device=den.device)
+        if pad is not None:
+            ones = ones.masked_fill(pad.unsqueeze(-1), 0.0)
+            has_key = (torch.cumsum(~pad, dim=-1) > 0).unsqueeze(-1)
+        st = None
+        if initial_state is not None:
+            z0 = state_abs_mass(initial_state, dv).to(fk.dtype)
+            st = LinearAttentionState(torch.cat([z0, z0], dim=-1), initial_state.log_scale.detach())
+            has_key = has_key | (z0 > 0).any(dim=-2, keepdim=True)
+        if path == "quadratic":
+            b = quadratic_row_attention(fq, fk, s, ones, key_padding_mask=pad, initial_state=st)
+        else:
+            b = causal_row_scan(fq, fk, s, ones, key_padding_mask=pad, initial_state=st, chunk=chunk)
+        return signed_lost(den, b.den.unsqueeze(-1), has_key)
 
 
 def _signed_lost_rows(
