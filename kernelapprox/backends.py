@@ -592,7 +592,9 @@ def hybrid_path(device: torch.device | str, dtype: torch.dtype, requires_grad: b
     ``"flex"``: the window and sinks by `torch.nn.attention.flex_attention` (returning its
     log-sum-exp), the remainder by a delayed per-feature log-domain scan
     (`kernelapprox.attention.hybrid.flex`), taken on accelerators where flex_attention is
-    importable. ``"torch"``: the library's chunked, parallel and block forms, taken on the CPU
+    importable, and under ``torch.compile`` on the CPU (there with its window term in plain torch:
+    no host read can rescue the chunked forms' underflowed rows in a compiled graph; 3-7x their
+    cost). ``"torch"``: the library's chunked, parallel and block forms, taken on the CPU
     (eager flex_attention has a forward but no backward there, and compiled flex on the CPU cannot
     return the log-sum-exp) and whenever ``KERNELAPPROX_BACKEND=torch``.
     ``KERNELAPPROX_BACKEND=accelerator`` takes ``"flex"`` on the CPU too for calls without a
@@ -620,6 +622,11 @@ def hybrid_path(device: torch.device | str, dtype: torch.dtype, requires_grad: b
     env = forced_backend()
     if env == "torch" or not has_flex_attention():
         return "torch"
+    if torch.compiler.is_compiling() and not is_accelerator(device) and dtype.is_floating_point:
+        # compiled on the CPU: no host read can rescue the chunked forms' underflowed rows, so the
+        # per-feature log-domain path (its window term in plain torch: compiled flex_attention on
+        # the CPU returns no log-sum-exp)
+        return "flex"
     if env == "accelerator" and not requires_grad:  # the accelerator's path, on the CPU too (forward)
         return "flex" if dtype.is_floating_point else "torch"
     if not is_accelerator(device):

@@ -12,8 +12,8 @@ import torch
 from _sync import host_syncs
 
 import kernelapprox as ka
-from kernelapprox.attention.linear.naive_gated import exact_linear_attention
 from kernelapprox import backends
+from kernelapprox.attention.linear.naive_gated import exact_linear_attention
 
 MAPS = ["positive", "oprf", "hedgehog", "elu", "trig-sincos"]
 

@@ -1208,7 +1208,8 @@ def chunk_hybrid_attention(
     devices and under ``torch.compile`` the check is skipped (no host read); on an accelerator
     `hybrid_attention` sends the causal calls of positive maps, with or without a state, to
     `kernelapprox.attention.hybrid.flex.flex_hybrid_attention` instead (per feature at every norm;
-    `kernelapprox.backends.hybrid_path`), while this form compiled on the CPU is not rescued. With
+    `kernelapprox.backends.hybrid_path`), and so does ``torch.compile`` on the CPU (its window
+    term in plain torch). With
     ``return_state``, a positive map's linear state is returned at per-feature scales
     (``log_scale`` (..., F, 1); one more product of the keys), so that a continuation or a
     decoder reads every feature. Signed maps: a `kernelapprox.KernelApproxWarning` where the
@@ -1407,9 +1408,13 @@ def hybrid_attention(
         from .flex import flex_hybrid_attention
 
         check_hybrid_eps(eps)
+        # off accelerators (compiled on the CPU, or forced) the window term in plain torch when
+        # compiling: compiled flex_attention on the CPU returns no log-sum-exp
+        term = "torch" if torch.compiler.is_compiling() and not backends.is_accelerator(q.device) else "flex"
         return flex_hybrid_attention(q, k, v, feature_map, window=window, sinks=sinks, causal=causal,
                                      key_padding_mask=key_padding_mask, window_mode=window_mode,
-                                     initial_state=initial_state, return_state=return_state)
+                                     initial_state=initial_state, return_state=return_state,
+                                     window_term=term)
     if check_window_mode(window_mode) == "block" and check_window(window) > 0:
         check_hybrid_eps(eps)
         if initial_state is not None or return_state:

@@ -216,7 +216,7 @@ class RecurrentLinearAttention:
         self._commit(kv, g.expand(*kv.shape[:-2], 1, 1))
         raw = torch.matmul(fq, kv)
         lost = None
-        if zabs is not None:
+        if zabs is not None and self.state is not None:  # `_commit` has set the state
             self._zabs = (self.state, zabs)
             with torch.no_grad():
                 lost = signed_lost(raw[..., -1:], torch.matmul(fq.detach().abs(), zabs),
