@@ -215,6 +215,23 @@ def _state_logs(state: LinearAttentionState, dv: int, dtype: torch.dtype) -> tor
     return (_safe_log(parts.double()) + ls).clamp(min=NEG).to(dtype)
 
 
+def padded_keys(
+    lq: torch.Tensor, lk: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    initial_state: LinearAttentionState | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int]:
+    """The log-domain forms' common start: padded keys at $-\\infty$ (``lk`` (..., n, F)) with zero
+    values (``v`` (..., n, dv)), and the broadcast batch shape ``lead`` of ``lq``, ``lk``, ``v`` and
+    the state, with its size ``L``."""
+    if key_padding_mask is not None:
+        lk = lk.masked_fill(key_padding_mask.unsqueeze(-1), float("-inf"))
+        v = v.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
+    shapes = [lq.shape[:-2], lk.shape[:-2], v.shape[:-2]]
+    if initial_state is not None:
+        shapes.append(initial_state.kv.shape[:-2])
+    lead = torch.broadcast_shapes(*shapes)
+    return lk, v, lead, math.prod(lead)
+
+
 def causal_log_scan(
     lq: torch.Tensor,
     lk: torch.Tensor,
@@ -291,14 +308,7 @@ def causal_log_scan(
     exp = torch.exp2 if log2 else torch.exp
     to_nat = _LN2 if log2 else 1.0
     ninf = float("-inf")
-    if key_padding_mask is not None:
-        lk = lk.masked_fill(key_padding_mask.unsqueeze(-1), ninf)
-        v = v.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
-    shapes = [lq.shape[:-2], lk.shape[:-2], v.shape[:-2]]
-    if initial_state is not None:
-        shapes.append(initial_state.kv.shape[:-2])
-    lead = torch.broadcast_shapes(*shapes)
-    L = math.prod(lead)
+    lk, v, lead, L = padded_keys(lq, lk, v, key_padding_mask, initial_state)
     lq, lk, v = _flatten(lq, lead, L), _flatten(lk, lead, L), _flatten(v, lead, L)
     if block:
         C = c = block

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..state import LinearAttentionState
-from .chunk_logscan import ScanResult, sizes, tile_scores
+from .chunk_logscan import ScanResult, padded_keys, sizes, tile_scores
 from .chunk_rowscan import row_scores, row_setup
 
 __all__ = ["QUADRATIC_TILE", "quadratic_log_attention", "quadratic_row_attention"]
@@ -106,14 +106,7 @@ def quadratic_log_attention(
     exp = torch.exp2 if log2 else torch.exp
     to_nat = _LN2 if log2 else 1.0
     ninf = float("-inf")
-    if key_padding_mask is not None:
-        lk = lk.masked_fill(key_padding_mask.unsqueeze(-1), ninf)
-        v = v.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
-    shapes = [lq.shape[:-2], lk.shape[:-2], v.shape[:-2]]
-    if initial_state is not None:
-        shapes.append(initial_state.kv.shape[:-2])
-    lead = torch.broadcast_shapes(*shapes)
-    L = math.prod(lead)
+    lk, v, lead, L = padded_keys(lq, lk, v, key_padding_mask, initial_state)
     c, _ = sizes(n, tile, tile)
     C = -(-n // c) * c
     tail = C - n
