@@ -78,7 +78,7 @@ def test_processes_give_the_same_bytes_and_record_the_executor(sequential: bytes
     assert "dtype search float32, evaluation float64 (--dtype float64)" in summary
     # the cache the workers' cells filled serves the default executor: nothing recomputed
     run_study(toy.STUDY, out=tmp_path, progress=False)
-    assert last_run(tmp_path, toy.FIGURE_STUDY)["n_cells_from_cache"] == toy.N_CELLS
+    assert last_run(tmp_path, toy.STUDY)["n_cells_from_cache"] == toy.N_CELLS
     assert (tmp_path / CSV).read_bytes() == sequential
 
 
