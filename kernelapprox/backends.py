@@ -355,13 +355,15 @@ def attention_capabilities(device: torch.device | str) -> AttentionCapabilities:
 _WARNED: set[str] = set()
 
 
-def _warn_once(reason: str) -> None:
-    if reason in _WARNED:
+def _warn_once(reason: str, fallback: str = "linear attention falls back to the torch path") -> None:
+    """Announce a fallback once per (fallback, reason) with a `KernelApproxWarning`."""
+    key = f"{fallback}: {reason}"
+    if key in _WARNED:
         return
-    _WARNED.add(reason)
+    _WARNED.add(key)
     from ._validation import KernelApproxWarning
 
-    warnings.warn(f"linear attention falls back to the torch path: {reason}", KernelApproxWarning, stacklevel=4)
+    warnings.warn(key, KernelApproxWarning, stacklevel=4)
 
 
 def attention_plan(
@@ -469,16 +471,6 @@ def _decode_capabilities(device: torch.device) -> AttentionCapabilities:
     return caps
 
 
-def _warn_decode_once(reason: str) -> None:
-    key = "decode: " + reason
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    from ._validation import KernelApproxWarning
-
-    warnings.warn(f"decoding falls back to the torch step: {reason}", KernelApproxWarning, stacklevel=4)
-
-
 def decode_plan(
     device: torch.device | str,
     dtype: torch.dtype,
@@ -544,7 +536,7 @@ def decode_plan(
     if mode is None:
         no_form = "the feature map has no fla form (trigonometric, Nystrom and HybridRF features)"
         if warn and env == "fla":
-            _warn_decode_once(no_form)
+            _warn_once(no_form, "decoding falls back to the torch step")
         return AttentionPlan("torch", no_form)
     if caps is None:
         caps = _decode_capabilities(dev)
@@ -562,7 +554,7 @@ def decode_plan(
     if reason is None:
         return AttentionPlan("fla")
     if warn:
-        _warn_decode_once(reason)
+        _warn_once(reason, "decoding falls back to the torch step")
     return AttentionPlan("torch", reason)
 
 
