@@ -558,7 +558,18 @@ def decode_plan(
     return AttentionPlan("torch", reason)
 
 
-@functools.cache
+def _flex_attention_importable() -> bool:
+    try:
+        return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    except ModuleNotFoundError:  # pragma: no cover - older torch without torch.nn.attention
+        return False
+
+
+#: Whether flex_attention is importable, decided once at import (a plain constant, so that a
+#: compiled graph reads it without tracing a cached function).
+_HAS_FLEX_ATTENTION = _flex_attention_importable()
+
+
 def has_flex_attention() -> bool:
     """Whether ``torch.nn.attention.flex_attention`` is importable (torch >= 2.5).
 
@@ -571,11 +582,7 @@ def has_flex_attention() -> bool:
     >>> isinstance(has_flex_attention(), bool)
     True
     """
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-    except ImportError:  # pragma: no cover - older torch
-        return False
-    return True
+    return _HAS_FLEX_ATTENTION
 
 
 def hybrid_path(device: torch.device | str, dtype: torch.dtype, requires_grad: bool) -> str:

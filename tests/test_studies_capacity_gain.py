@@ -67,12 +67,12 @@ def test_orf_trig_mse_below_iid_far_from_diagonal_at_d6() -> None:
     x[0, 0] = math.sqrt(s) / 2
     y = -x
     iid = ka.theory.trig_sincos_mse(x, y, d)[0, 0]
-    orf = ka.theory.trig_sincos_mse(x, y, d, orthogonal="chi")[0, 0]
+    orf = ka.theory.trig_sincos_mse(x, y, d, row_law="orthogonal-chi")[0, 0]
     c2 = math.exp(2 * (s / 4))
     assert orf < iid  # ORF is *better* than iid here (the old docstring claimed the opposite)
     assert (orf - iid) == pytest.approx(30 / 36 * c2 * _bracket(d, np.array([s]))[0], rel=1e-6)
     x4, y4 = x[:, :4], y[:, :4]  # d = 4: the opposite sign
-    assert (ka.theory.trig_sincos_mse(x4, y4, 4, orthogonal="chi")[0, 0]
+    assert (ka.theory.trig_sincos_mse(x4, y4, 4, row_law="orthogonal-chi")[0, 0]
             > ka.theory.trig_sincos_mse(x4, y4, 4)[0, 0])
 
 

@@ -218,7 +218,7 @@ def run_study(
             write_atomic(cache_dir / f"{key}.json", text)
             recs[key] = json.loads(text)
             bar.set_postfix_str(_short(rec["cell"]), refresh=False)
-            bar.update(share[key])
+            bar.update(max(0.0, min(share[key], bar.total - bar.n)))  # the shares' rounding never passes 100 %
 
         asked = f"dask({scheduler})" if scheduler else f"processes({jobs})" if jobs > 1 else "sequential"
         try:
