@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from unittest import mock
@@ -174,10 +175,64 @@ def test_accelerator_forms_have_no_wrong_rows(name):
 
 @pytest.mark.parametrize("name", ["oprf", "sderf"])
 def test_unrescued_chunked_segments_are_what_the_accelerator_forms_avoid(name, monkeypatch):
-    # the chunked form without the host read (what a segmented call on a device took before): wrong rows
+    # the chunked form without the host read (what a segmented call on a device took before): its
+    # underflowed rows come back NaN (the survey counts them), and without that, wrong
     monkeypatch.setattr(core, "_flex_eligible", lambda *a: False)
     bad = _survey(name, only=("segmented-accel",), norms=(128.0,))
-    assert len(bad) == 2 and all(rows >= 5 for *_, rows, _ in bad), bad
+    assert len(bad) == 2 and all(rows >= 5 and err != err for *_, rows, err in bad), bad
+    monkeypatch.setattr(core, "lost_rows_to_nan", lambda res, *a, **kw: res)
+    bad = _survey(name, only=("segmented-accel",), norms=(128.0,))
+    assert len(bad) == 2 and all(rows >= 5 and err > 0.5 for *_, rows, err in bad), bad
+
+
+def _no_host_read_rows(fm, q, k, v, form):
+    """(wrong, nan) row counts of ``form`` called as on an accelerator under
+    ``KERNELAPPROX_BACKEND=torch`` (the torch forms, no host read), against the float64 reference;
+    a row is wrong when finite and off by more than 0.5."""
+    fn, c, mode = _forms(fm, q, k, v)[form]
+    with mock.patch.dict(os.environ, {backends.ENV_VAR: "torch"}), \
+            mock.patch.object(core, "_host_checks", lambda q: False), \
+            mock.patch("kernelapprox.attention.hybrid.rescue.warn_signed_rows", lambda *a, **kw: None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ka.KernelApproxWarning)  # no host read, so no warning either
+            out = fn()
+    ref = exact_hybrid_attention(q, k, v, fm, window=_W, sinks=_SINKS, causal=c, window_mode=mode)
+    nan = out.isnan().any(-1)
+    wrong = ((out.double() - ref).abs().amax(-1) > 0.5) & ~nan
+    return int(wrong.sum()), int(nan.sum())
+
+
+@pytest.mark.parametrize("form", ["token-causal", "block-causal"])
+def test_torch_forms_without_a_host_read_return_nan_not_wrong_rows(form, monkeypatch):
+    # KERNELAPPROX_BACKEND=torch on an accelerator: the positive map's underflowed rows (the fitted
+    # SDERF map at |q| = 128, 5 or more wrong rows of 48 unrescued) come back NaN, the others right
+    fm, q, k, v = _fitted("sderf", 128.0)
+    wrong, nan = _no_host_read_rows(fm, q, k, v, form)
+    assert wrong == 0 and nan >= 5, (wrong, nan)
+    monkeypatch.setattr(core, "lost_rows_to_nan", lambda res, *a, **kw: res)
+    assert _no_host_read_rows(fm, q, k, v, form)[0] >= 5
+
+
+@pytest.mark.parametrize("form", ["token", "token-causal", "block", "block-causal", "recurrent"])
+def test_signed_rows_without_a_host_read_are_nan(form, monkeypatch):
+    # Nystrom at |q| = |k| = 128 (the guard case of the test below) as on an accelerator: the rows
+    # the CPU warns about are NaN there, not the eps guard's near-zero rows
+    q, k, v = _survey_inputs(128.0, 2)
+    fm = ka.get_estimator("nystrom").build(dim=_D, num_features=16, seed=0)
+    fm.fit(q, k)
+    wrong, nan = _no_host_read_rows(fm, q, k, v, form)
+    with warnings.catch_warnings(record=True) as rec:  # on the CPU: the same rows, counted in a warning
+        warnings.simplefilter("always")
+        _forms(fm, q, k, v)[form][0]()
+    warned = sum(int(x) for w in rec if issubclass(w.category, ka.KernelApproxWarning)
+                 for x in re.findall(r"(\d+) have a", str(w.message)))
+    assert wrong == 0 and nan == warned >= 1, (wrong, nan, warned)
+    if form != "recurrent":  # (the decoding step's guarded rows are off by less than 0.5)
+        monkeypatch.setattr(core, "lost_rows_to_nan", lambda res, *a, **kw: res)
+        assert _no_host_read_rows(fm, q, k, v, form)[0] >= 1
+    # a well-conditioned call keeps every row
+    q, k, v = _survey_inputs(1.0, 0)
+    assert _no_host_read_rows(ka.TrigRF(_D, 64, seed=0), q, k, v, form) == (0, 0)
 
 
 # ------------------------------------------------------------------------------ the rescue

@@ -40,7 +40,9 @@ at its own scale (`kernelapprox.attention.hybrid.rescue`; on the CPU, one host r
 row underflows at any norm; on an accelerator the causal calls, with or without a state, take the
 per-feature path of `kernelapprox.attention.hybrid.flex` instead (no host read). Their states, and
 the decoding step's, keep one scale per feature.
-Signed maps warn where the ``eps`` guard changes a row (`kernelapprox.attention.hybrid.rescue`).
+Signed maps warn where the ``eps`` guard changes a row (`kernelapprox.attention.hybrid.rescue`);
+without a host read (accelerators, ``torch.compile``) those rows, and a positive map's causal rows
+that the CPU would recompute, are NaN (`kernelapprox.attention.hybrid.rescue.lost_rows_to_nan`).
 
 References
 ----------
@@ -68,7 +70,7 @@ from ..._validation import _as_int, check_finite_float, check_tensor_fields, inp
 from ...maps.base import FeatureMap
 from .._common import apply_padding, den_floor, normalise, padding_mask, prepare, with_ones
 from .logfeatures import key_log_features, log_features_pair, shift_per_feature
-from .rescue import rescue_rows, underflowed_rows, warn_signed_rows
+from .rescue import lost_rows_to_nan, rescue_rows, underflowed_rows, warn_signed_rows
 from .sinks import CausalSinks, check_sinks
 from .softmax import softmax_limit
 
@@ -611,15 +613,19 @@ def parallel_hybrid_attention(
         out = out + torch.matmul(A, windows(v1)).reshape(*lead, nb * Cb, dv + 1)[..., :n, :]
     if sink_idx:
         out = out + torch.matmul(torch.exp(slog - m.unsqueeze(-1).to(cdt)), v1[..., sidx, :])
-    if not feature_map.positive and _host_checks(q):
+    res = normalise(out[..., :dv], out[..., dv:], feature_map.positive, eps)
+    if not feature_map.positive:
         # the magnitudes that cancel in the global sum minus the window's feature terms
         bound = None
         if not (full or h < 0):
             with torch.no_grad():
                 bound = torch.matmul(fqa.abs(), fkw_all.abs().sum(dim=-2).unsqueeze(-1))[..., 0]
-        warn_signed_rows(out[..., dv], eps, feature_map, "non-causal",
-                         None if kpad is None else (~kpad).any(dim=-1, keepdim=True), bound)
-    return normalise(out[..., :dv], out[..., dv:], feature_map.positive, eps).to(out_dtype)
+        reached = None if kpad is None else (~kpad).any(dim=-1, keepdim=True)
+        if _host_checks(q):
+            warn_signed_rows(out[..., dv], eps, feature_map, "non-causal", reached, bound)
+        else:
+            res = lost_rows_to_nan(res, out[..., dv], feature_map, eps, causal=False, reached=reached, bound=bound)
+    return res.to(out_dtype)
 
 
 def _block_core(
@@ -765,13 +771,14 @@ def _block_core(
     reached = None
     if kpad is not None:  # rows without a valid key: 0 / 0, not an underflow
         reached = torch.cumsum((~kpad).to(torch.int32), dim=-1) > 0 if causal else (~kpad).any(dim=-1, keepdim=True)
+    bound = None
+    if not feature_map.positive and not causal and R is not None:
+        # the magnitudes that cancel in the global sum minus three blocks
+        with torch.no_grad():
+            zabs = (aligned(fk).abs() * wk).sum(dim=(-3, -2))[..., None, :, None]  # (*lead, 1, F, 1)
+            bound = torch.matmul(aligned(fq).abs(), zabs)[..., 0] * exp_diff(base, m, cdt)
+            bound = bound.reshape(*lead, N)[..., :n]
     if not feature_map.positive and _host_checks(q):
-        bound = None
-        if not causal and R is not None:  # the magnitudes that cancel in the global sum minus three blocks
-            with torch.no_grad():
-                zabs = (aligned(fk).abs() * wk).sum(dim=(-3, -2))[..., None, :, None]  # (*lead, 1, F, 1)
-                bound = torch.matmul(aligned(fq).abs(), zabs)[..., 0] * exp_diff(base, m, cdt)
-                bound = bound.reshape(*lead, N)[..., :n]
         warn_signed_rows(out[..., dv], eps, feature_map, "causal block window" if causal else "block window",
                          reached, bound)
     res = normalise(num, out[..., dv:], feature_map.positive, eps)
@@ -781,6 +788,8 @@ def _block_core(
         if fixed is not res and poison is not None:
             fixed = fixed.masked_fill(poison, float("nan"))
         res = fixed
+    elif not _host_checks(q):  # no host read: the rows it would rescue or warn about are NaN
+        res = lost_rows_to_nan(res, out[..., dv], feature_map, eps, causal=causal, reached=reached, bound=bound)
     return res.to(out_dtype)
 
 
@@ -996,7 +1005,9 @@ def _causal_core(
     if not feature_map.positive and _host_checks(q):
         warn_signed_rows(out[..., dv], eps, feature_map, "causal", reached)
     res = normalise(num, out[..., dv:], feature_map.positive, eps)
-    if _rescue_on(feature_map, q):
+    if not _host_checks(q):  # no host read: the rows it would rescue or warn about are NaN
+        res = lost_rows_to_nan(res, out[..., dv], feature_map, eps, causal=True, reached=reached)
+    elif _rescue_on(feature_map, q):
         rows = underflowed_rows(out[..., dv], reached)
         fixed = rescue_rows(
             res, rows, lead, feature_map, q, k, v.masked_fill(v_bad, 0.0), window=w, block=False,
@@ -1205,7 +1216,8 @@ def chunk_hybrid_attention(
     number) are recomputed, in the sequences that hold one, with every feature at its own scale
     in the log domain (`kernelapprox.attention.hybrid.rescue`; denominator $\ge 1$,
     differentiable). One host read per call; the other rows are unchanged, bitwise. On other
-    devices and under ``torch.compile`` the check is skipped (no host read); on an accelerator
+    devices and under ``torch.compile`` there is no host read: the torch forms return those rows
+    NaN (`kernelapprox.attention.hybrid.rescue.lost_rows_to_nan`), and on an accelerator
     `hybrid_attention` sends the causal calls of positive maps, with or without a state, to
     `kernelapprox.attention.hybrid.flex.flex_hybrid_attention` instead (per feature at every norm;
     `kernelapprox.backends.hybrid_path`), and so does ``torch.compile`` on the CPU (its window

@@ -15,6 +15,7 @@ import torch
 from ..._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
 from ...maps.base import FeatureMap
 from .._common import check_feature_map, normalise, with_ones
+from . import core as _core
 from .core import (
     HybridAttentionState,
     check_hybrid_eps,
@@ -26,7 +27,7 @@ from .core import (
     state_batch,
 )
 from .logfeatures import key_log_features, query_log_features
-from .rescue import warn_signed_rows
+from .rescue import lost_rows_to_nan, warn_signed_rows
 from .sinks import CausalSinks
 
 __all__ = ["RecurrentHybridAttention"]
@@ -279,6 +280,11 @@ class RecurrentHybridAttention:
             out = torch.matmul(fq, kv) * exp_diff(base, m, cdt)
         if parts_k:
             out = out + torch.matmul(torch.exp(logits - m.to(cdt)), ev)
-        warn_signed_rows(out[..., dv], self.eps, fm, "decoding step")
+        den = out[..., dv]
         out = normalise(out[..., :dv], out[..., dv:], fm.positive, self.eps)
+        if not fm.positive:  # a positive map's state is per feature: its normaliser never underflows
+            if _core._host_checks(q):
+                warn_signed_rows(den, self.eps, fm, "decoding step")
+            else:  # no host read: NaN, not a wrong row
+                out = lost_rows_to_nan(out, den, fm, self.eps, causal=True)
         return out.squeeze(-2).to(out_dtype)

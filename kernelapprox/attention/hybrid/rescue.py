@@ -32,6 +32,11 @@ its mass by more than $\log(1/\varepsilon)$, down to an underflow to 0); nor is 
 whose remainder, the global feature sum minus the window's feature terms, cancels beyond the
 compute dtype. `warn_signed_rows` says so with a `kernelapprox.KernelApproxWarning` (one host
 read, CPU in eager mode) rather than returning such rows silently.
+
+Where a call may not read the host (accelerators, ``torch.compile``) and still runs a torch form
+(signed maps; positive maps only under ``KERNELAPPROX_BACKEND=torch``), `lost_rows_to_nan`
+returns the rows that would have been recomputed or warned about as NaN: the same rows, found by
+the same comparisons (`underflowed_rows`, `signed_lost_rows`), with no host read.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from ...maps.base import FeatureMap
 from .._common import den_floor
 from .logfeatures import log_features_pair
 
-__all__ = ["rescue_rows", "underflowed_rows", "warn_signed_rows"]
+__all__ = ["lost_rows_to_nan", "rescue_rows", "signed_lost_rows", "underflowed_rows", "warn_signed_rows"]
 
 def underflowed_rows(den: torch.Tensor, reached: torch.Tensor | None) -> torch.Tensor:
     """Rows whose denominator (under the fast forms' shift, every weight ``<= 1``) is below
@@ -119,6 +124,61 @@ def _user_stacklevel() -> int:
 CANCELLATION_TOL = 1e-2
 
 
+def signed_lost_rows(den: torch.Tensor, eps: float, reached: torch.Tensor | None = None,
+                     bound: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The rows of a signed map that are not the estimator's, as two bool tensors shaped as ``den``
+    (..., n): ``guarded`` ($|\hat D_i| \le \varepsilon$, the ``eps`` guard changes the row) and
+    ``cancelled`` (with ``bound``: $u B_i >$ `CANCELLATION_TOL` $\cdot|\hat D_i|$), both only in
+    rows that reach a key (``reached``). No host read. See `warn_signed_rows`.
+
+    Examples
+    --------
+    >>> g, c = signed_lost_rows(torch.tensor([1.0, 1e-9, 1.0]), 1e-6, bound=torch.tensor([1.0, 1.0, 1e8]))
+    >>> g.tolist(), c.tolist()
+    ([False, True, False], [False, False, True])
+    """
+    guarded = den.abs() <= eps
+    cancelled = torch.zeros_like(guarded)
+    if bound is not None:
+        u = torch.finfo(den.dtype).eps / 2
+        cancelled = (u * bound.to(den.dtype) > CANCELLATION_TOL * den.abs()) & ~guarded
+    if reached is not None:
+        guarded, cancelled = guarded & reached, cancelled & reached
+    return guarded, cancelled
+
+
+def lost_rows_to_nan(res: torch.Tensor, den: torch.Tensor, feature_map: FeatureMap, eps: float, *,
+                     causal: bool, reached: torch.Tensor | None = None,
+                     bound: torch.Tensor | None = None) -> torch.Tensor:
+    r"""``res`` (..., n, dv) with NaN in the rows that a host read would rescue or warn about, for
+    the calls that make none (accelerators under ``KERNELAPPROX_BACKEND=torch``, signed maps on
+    accelerators, ``torch.compile``): never a silently wrong row.
+
+    Positive maps, causal forms: the rows whose denominator under the shared scale underflows
+    (`underflowed_rows`; on the CPU they are recomputed by `rescue_rows`). Signed maps: the rows of
+    `signed_lost_rows` (on the CPU, `warn_signed_rows` warns). ``den`` (..., n) is the stabilised
+    denominator, ``reached`` and ``bound`` as in `signed_lost_rows`. No host read.
+
+    Examples
+    --------
+    >>> import kernelapprox as ka
+    >>> res = torch.ones(3, 2)
+    >>> lost_rows_to_nan(res, torch.tensor([1.0, 1e-9, 2.0]), ka.TrigRF(4, 8, seed=0), 1e-6, causal=True)
+    tensor([[1., 1.],
+            [nan, nan],
+            [1., 1.]])
+    """
+    with torch.no_grad():
+        if feature_map.positive:
+            if not causal:  # the non-causal forms shift per feature: their normaliser is >= 1
+                return res
+            lost = underflowed_rows(den, reached)
+        else:
+            guarded, cancelled = signed_lost_rows(den, eps, reached, bound)
+            lost = guarded | cancelled
+    return res.masked_fill(lost.unsqueeze(-1), float("nan"))
+
+
 def warn_signed_rows(den: torch.Tensor, eps: float, feature_map: FeatureMap, form: str,
                      reached: torch.Tensor | None = None, bound: torch.Tensor | None = None) -> None:
     r"""A `kernelapprox.KernelApproxWarning` for the rows of a signed map that are not the estimator's.
@@ -132,7 +192,8 @@ def warn_signed_rows(den: torch.Tensor, eps: float, feature_map: FeatureMap, for
       $\cdot|\hat D_i|$, with $B_i = |\tilde\varphi(q_i)|^\top\sum_j|\tilde\psi(k_j)|$ (the
       magnitudes of the terms that cancel, under the row's shift) and $u$ the unit roundoff.
 
-    Positive maps, devices other than the CPU and ``torch.compile``: nothing (no host read). One
+    Positive maps, devices other than the CPU and ``torch.compile``: nothing (no host read; the
+    callers mark the rows NaN there, `lost_rows_to_nan`). One
     host read otherwise.
 
     Examples
@@ -147,13 +208,7 @@ def warn_signed_rows(den: torch.Tensor, eps: float, feature_map: FeatureMap, for
     if feature_map.positive or den.device.type != "cpu" or torch.compiler.is_compiling():
         return
     with torch.no_grad():
-        guarded = den.abs() <= eps
-        cancelled = torch.zeros_like(guarded)
-        if bound is not None:
-            u = torch.finfo(den.dtype).eps / 2
-            cancelled = (u * bound.to(den.dtype) > CANCELLATION_TOL * den.abs()) & ~guarded
-        if reached is not None:
-            guarded, cancelled = guarded & reached, cancelled & reached
+        guarded, cancelled = signed_lost_rows(den, eps, reached, bound)
         n_guard, n_cancel = torch.stack([guarded.sum(), cancelled.sum()]).tolist()  # the host read
     reasons = []
     if n_guard:
