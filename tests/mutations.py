@@ -190,7 +190,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "return num",
         "shared normalisation of linear attention returns num instead of num / den",
     ),
-    # 8. the stronger estimators (issue: FAVOR++, FAVOR#, simplex, hybrid): the published defects
+    # 8. the stronger estimators (FAVOR++, FAVOR#, simplex, hybrid): the published defects
     Mutant(
         "sderf-constant-D-dropped", "kernelapprox/maps/dense_exponential.py",
         "logc = 0.25 * torch.log(one4).sum(-1) - 0.5 * math.log(self.num_features)",
@@ -251,6 +251,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "half = math.log(dlnd_growth(d0, d1))",
         "dlogd's growth verdict with the margin reaching d·ln d's prediction instead of half way "
         "(d·ln d data can no longer differ)",
+    ),
+    Mutant(
+        "hybrid-lost-rows-kept", "kernelapprox/attention/hybrid/rescue.py",
+        'return res.masked_fill(lost.unsqueeze(-1), float("nan"))',
+        "return res",
+        "hybrid attention without a host read returns the rows it cannot resolve as computed, not NaN",
     ),
 )
 
