@@ -38,7 +38,7 @@ per independent draw of the features.
 
 Two presets (`PRESETS`): ``dlogd`` (the default, within 10 minutes on one core: 16 draws, the
 r grids bracket the crossings only, the search budget swept to 4x) and ``dlogd-converged``
-(32 draws, wider r grids, d to 512, the budget swept to 64x; hours).  Both give every
+(32 draws, wider r grids, d to 512, the budget swept to 64x; 45 minutes of compute).  Both give every
 convergence cell 8 draws at the r where the crossings sit (`CONV_R_OVER_D`).
 
 r*(ε, δ) = the smallest r whose sup error is ≤ ε in at least 1 − δ of the draws (log-log
@@ -157,7 +157,7 @@ DEFAULT = Preset(
                (POS, 1.0): [1, 4, 32]},
     ext_cells={}, draws=16, budgets=tuple(BUDGETS_DEFAULT), conv_draws=8,
     pointwise_draws=1024, pointwise_specs=tuple(ESTIMATORS))
-#: The converged preset (``python -m studies run dlogd-converged``, hours): wider r grids,
+#: The converged preset (``python -m studies run dlogd-converged``, 45 CPU-minutes): wider r grids,
 #: d = 256 and 512 for trig-orthogonal at R = 0.5, 32 draws, the budget swept to 64x.
 CONVERGED = Preset(
     dims=tuple(DIMS),
@@ -1931,4 +1931,4 @@ STUDY = _study("dlogd", "Default preset: d ≤ 128, 16 draws, search budget swep
 #: The converged preset (``python -m studies run dlogd-converged``), registered by
 #: ``studies.dlogd_converged``.
 STUDY_CONVERGED = _study("dlogd-converged", "Converged preset: d to 512 (trig-orthogonal, "
-                         "R = 0.5), 32 draws, search budget swept to 64×; hours on 2 cores.")
+                         "R = 0.5), 32 draws, search budget swept to 64×; 26 minutes with --jobs 2 on 2 cores.")
