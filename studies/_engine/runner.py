@@ -200,7 +200,7 @@ def run_study(
         share = {k: 0.0 for k in keys}
         for k, c in zip(keys, costs, strict=True):
             share[k] += 100.0 * c / sum(costs)
-        bar = tqdm(total=100.0, initial=sum(share[k] for k in set(keys) if k in recs), desc=study.name,
+        bar = tqdm(total=100.0, initial=min(100.0, sum(share[k] for k in set(keys) if k in recs)), desc=study.name,
                    unit="%", disable=not progress, dynamic_ncols=True,
                    bar_format="{l_bar}{bar}| {n:.1f}/{total:.0f}% [{elapsed}<{remaining}{postfix}]")
 
