@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._validation import broadcast_shapes
+
 if TYPE_CHECKING:  # pragma: no cover
     from .samplers import Projection
 
@@ -64,7 +66,7 @@ def _gemm(W: torch.Tensor, x: torch.Tensor, gemm: torch.dtype | None = None) -> 
     if W.dim() == 2:
         u = torch.mm(xg.reshape(-1, d), Wg.mT, out_dtype=x.dtype)
         return u.view(*x.shape[:-1], r)
-    lead = torch.broadcast_shapes(x.shape[:-2], W.shape[:-2])
+    lead = broadcast_shapes(x.shape[:-2], W.shape[:-2])
     xb = xg.expand(*lead, n, d).reshape(-1, n, d)
     Wb = Wg.expand(*lead, r, d).reshape(-1, r, d)
     return torch.bmm(xb, Wb.mT, out_dtype=x.dtype).view(*lead, n, r)
@@ -76,7 +78,7 @@ def _dense_apply(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # Many draws, one input (the Monte Carlo layout): one (S r, d) x (d, n) GEMM instead of
         # S tiny batched products.
         n, d = x.shape[-2:]
-        lead = torch.broadcast_shapes(x.shape[:-2], W.shape[:-2])
+        lead = broadcast_shapes(x.shape[:-2], W.shape[:-2])
         u = torch.matmul(W.reshape(-1, d), x.reshape(n, d).mT)  # (S r, n)
         return u.reshape(*W.shape[:-2], W.shape[-2], n).mT.reshape(*lead, n, W.shape[-2])
     return torch.matmul(x, W.mT)

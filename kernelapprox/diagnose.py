@@ -88,6 +88,7 @@ import torch
 from ._validation import (
     KernelApproxWarning,  # noqa: F401  (its public home is here and ka)
     _as_int,
+    broadcast_shapes,
     check_finite_float,
     check_floating,
     check_last_dim,
@@ -664,7 +665,7 @@ def _checkable(fm: Any, q: object, k: object) -> bool:
             and k.shape[-1] == fm.dim and q.numel() > 0 and k.numel() > 0):
         return False  # an empty batch (B = 0) or sequence: nothing to check
     try:
-        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+        broadcast_shapes(q.shape[:-2], k.shape[:-2])
     except RuntimeError:
         return False
     return q.device.type != "meta"

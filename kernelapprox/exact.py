@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_bool, check_floating, check_last_dim, compute_dtype, no_autocast
+from ._validation import (
+    broadcast_shapes,
+    check_bool,
+    check_floating,
+    check_last_dim,
+    compute_dtype,
+    no_autocast,
+)
 
 __all__ = ["softmax_kernel", "softmax_attention", "check_qkv"]
 
@@ -40,7 +47,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *
         )
     shapes = [q.shape[:-2], k.shape[:-2]] + ([v.shape[:-2]] if v is not None else [])
     try:
-        torch.broadcast_shapes(*shapes)
+        broadcast_shapes(*shapes)
     except RuntimeError:
         raise ValueError(
             "leading (batch) dimensions of q, k" + (", v" if v is not None else "")
@@ -94,7 +101,7 @@ def padding_mask(
     if mask.dim() == 2 and nk > 2:  # (B, m): broadcast over the heads (and any dims before the keys)
         mask = mask.reshape(mask.shape[0], *([1] * (nk - 2)), m)
     try:
-        torch.broadcast_shapes(mask.shape, tuple(k_shape[:-1]), *(() if lead is None else (tuple(lead),)))
+        broadcast_shapes(mask.shape, tuple(k_shape[:-1]), *(() if lead is None else (tuple(lead),)))
     except RuntimeError:
         extra = "" if lead is None else f", and the batch shape {tuple(lead)} of q, k, v"
         raise ValueError(f"{name} has shape {given}; expected {want}{extra}") from None

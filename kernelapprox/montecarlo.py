@@ -47,6 +47,8 @@ from kernelapprox._validation import (
     check_seed,
 )
 
+from ._validation import broadcast_shapes
+
 if TYPE_CHECKING:  # pragma: no cover
     from kernelapprox.maps.base import FeatureMap
 
@@ -76,7 +78,7 @@ def _pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> tuple[t
     check_floating(name_a, a)
     check_floating(name_b, b)
     try:
-        torch.broadcast_shapes(a.shape, b.shape)
+        broadcast_shapes(a.shape, b.shape)
     except RuntimeError:
         raise ValueError(
             f"{name_a} {tuple(a.shape)} and {name_b} {tuple(b.shape)} do not broadcast"
@@ -738,7 +740,7 @@ def _estimate(copy: FeatureMap, q: torch.Tensor, k: torch.Tensor) -> torch.Tenso
     fk, sk = copy.key_log_features(k, shared=True)
     G = fq @ fk.mT
     scale = torch.exp(sq[..., :, None] + sk[..., None, :])
-    if torch.broadcast_shapes(G.shape, scale.shape) != G.shape:  # pragma: no cover - defensive
+    if broadcast_shapes(G.shape, scale.shape) != G.shape:  # pragma: no cover - defensive
         return G * scale
     out = G.to(torch.promote_types(G.dtype, scale.dtype))
     return out.mul_(scale)
@@ -951,7 +953,7 @@ def kernel_error(
     exact = softmax_kernel(q, k)
     extra = max(q.dim(), k.dim()) - 2
     n, m = q.shape[-2], k.shape[-2]
-    lead = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+    lead = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2]))
 
     acc = _PowerSums(exact)
     per_draw: dict[str, list[np.ndarray]] = {
@@ -1084,7 +1086,7 @@ def attention_error(
     v = v.detach().to(dtype)
     n, m, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     extra = max(q.dim(), k.dim(), v.dim()) - 2
-    lead = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    lead = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     exact = softmax_attention(q, k, v, causal=causal)
     logits = q @ k.mT
     mask = None

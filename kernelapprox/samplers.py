@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ._logdomain import _dense_apply
-from ._validation import as_batch_shape, check_positive_int, check_seed
+from ._validation import as_batch_shape, broadcast_shapes, check_positive_int, check_seed
 
 __all__ = [
     "Projection",
@@ -290,7 +290,7 @@ class Projection(nn.Module):
             u = u.add_(row_bias.unsqueeze(-1)) if inplace else u + row_bias.unsqueeze(-1)
         if col_bias is not None:
             b = col_bias.to(u.dtype).unsqueeze(-2)
-            u = u.add_(b) if inplace and u.shape == torch.broadcast_shapes(u.shape, b.shape) else u + b
+            u = u.add_(b) if inplace and u.shape == broadcast_shapes(u.shape, b.shape) else u + b
         return u
 
 

@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from ._validation import broadcast_shapes
 from .maps.base import FeatureMap, RandomFeatureMap
 from .registry import Estimator, estimators
 
@@ -343,7 +344,7 @@ def check_batch_shape(subject: Subject) -> None:
     fm = _fitted(b.build(seed=0, batch_shape=(3, 1), dtype=torch.float64), x, x)
     with torch.no_grad():
         out = fm(x)
-    lead = torch.broadcast_shapes(x.shape[:-2], fm.batch_shape)
+    lead = broadcast_shapes(x.shape[:-2], fm.batch_shape)
     assert out.shape == (*lead, 8, fm.feature_dim), f"{b.name}: features of shape {tuple(out.shape)}"
     if fm.data_dependent:
         return  # fitted per input row: the rows are different maps
@@ -381,7 +382,7 @@ def check_empty_batch(subject: Subject) -> None:
     fm = _fitted(b.build(seed=0, dtype=torch.float32), q, k)
     x = torch.zeros(0, 2, 20, _DIM)
     v = torch.zeros(0, 2, 20, 3)
-    lead = torch.broadcast_shapes(x.shape[:-2], fm.batch_shape)
+    lead = broadcast_shapes(x.shape[:-2], fm.batch_shape)
     assert fm(x).shape == (*lead, 20, fm.feature_dim), f"{b.name}: empty features of wrong shape"
     assert fm.kernel(x, x).shape == (*lead, 20, 20), f"{b.name}: empty kernel of wrong shape"
     for causal in (False, True):

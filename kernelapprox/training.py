@@ -24,7 +24,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ._validation import check_floating, check_last_dim, check_positive_int, inputs_validated, no_autocast
+from ._validation import (
+    broadcast_shapes,
+    check_floating,
+    check_last_dim,
+    check_positive_int,
+    inputs_validated,
+    no_autocast,
+)
 from .attention.hybrid import check_window, exact_set_mask
 from .attention.padded import attention_log_weights, check_window_sinks
 from .maps.base import FeatureMap
@@ -70,7 +77,7 @@ def _validate(fm: object, q: object, k: object, causal: object, scale: object) -
             f"causal distillation needs as many queries as keys, got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
     try:
-        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], fm.batch_shape)
+        broadcast_shapes(q.shape[:-2], k.shape[:-2], fm.batch_shape)
     except RuntimeError:
         raise ValueError(
             f"leading dimensions of q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])} and the feature "
@@ -481,7 +488,7 @@ def fit_gain(
         log_hat = log_hat - 2 * gain.detach().double().unsqueeze(-1)  # the gain-free kernel mass
         p = torch.sigmoid(log_ds - log_dr)
         a = log_ds - log_hat  # p_hat(g) = sigmoid(a - 2g); a = -inf where S_i is empty
-        lead = torch.broadcast_shapes(a.shape, p.shape)
+        lead = broadcast_shapes(a.shape, p.shape)
         a, p = a.expand(lead), p.expand(lead)
         bs = tuple(gain.shape)
 

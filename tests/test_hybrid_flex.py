@@ -560,3 +560,86 @@ def test_flex_segments_on_the_device_at_large_norms(name, dtype):
         for gd, gr in zip(grads, ref_grads, strict=True):
             assert torch.isfinite(gd).all()
             assert float((gd.double().cpu() - gr).abs().max()) <= 1e-2 * max(1.0, float(gr.abs().max()))
+
+
+# ------------------------------------------------------------------------------ block masks
+def _window_cases():
+    # (n, offset, w, causal, block, sinks, padded): tiles of 128, windows inside a tile and across
+    # several, a segment after buffered keys, sinks in the first and in a later tile
+    for n, off in ((100, 0), (300, 0), (513, 0), (200, 77), (260, 300)):
+        for w in (1, 16, 130, 300):
+            for causal in (True, False):
+                for block in (False, True):
+                    if off and not causal:
+                        continue
+                    yield n, off, w, causal, block, (0, 5, 140), off == 0 and n == 300
+
+
+@pytest.mark.parametrize("case", list(_window_cases()))
+def test_window_block_mask_covers_every_exact_pair(case):
+    """The structural block mask lists a superset of the tiles `create_block_mask` finds (every
+    tile holding a pair of the exact sets), and eager flex_attention over it gives the same output
+    and log-sum-exp in float64."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from kernelapprox.attention.hybrid.flex import _window_term, window_block_mask
+
+    n, off, w, causal, block, sinks, padded = case
+    ne = off + n
+    g = torch.Generator().manual_seed(n + w)
+    L = 2
+    q = torch.randn(L, n, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(L, ne, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(L, ne, 4, generator=g, dtype=torch.float64)
+    sink_pos = torch.zeros(ne, dtype=torch.bool)
+    sink_pos[[s for s in sinks if s < ne]] = True
+    pad = None
+    if padded:
+        pad = torch.zeros(L, ne, dtype=torch.bool)
+        pad[1, 150:170] = True
+
+    def mask_mod(b, h, i, j):
+        i = i + off
+        if block:
+            bd = i // w - j // w
+            m = (bd >= 0) & (bd <= 1) & (i >= j) if causal else (bd <= 1) & (bd >= -1)
+        else:
+            m = ((i - j >= 0) & (i - j < w)) if causal else ((i - j < w) & (j - i < w))
+        m = m | (sink_pos[j] & (i >= j)) if causal else m | sink_pos[j]
+        if pad is not None:
+            m = m & ~pad[b, j]
+        return m
+
+    ref = create_block_mask(mask_mod, L if pad is not None else None, None, n, ne, device="cpu")
+    ours = window_block_mask(mask_mod, n, ne, w, causal, block, off, sink_pos, torch.device("cpu"))
+    theirs = ref.to_dense().any(0).any(0)  # (q tiles, kv tiles): tiles with a pair of the exact sets
+    mine = ours.to_dense()[0, 0].bool()
+    assert mine.shape == theirs.shape
+    assert not (theirs.bool() & ~mine).any(), "a tile with exact pairs is missing"
+    # and flex_attention over it: the window term equals the dense one
+    out, lse = _window_term(q, k, v, w, sink_pos, causal, block, pad, offset=off)
+    A = torch.full((L, n, ne), float("-inf"), dtype=torch.float64)
+    i = torch.arange(n).view(n, 1)
+    j = torch.arange(ne).view(1, ne)
+    keep = torch.stack([mask_mod(torch.tensor(b), 0, i, j).expand(n, ne) for b in range(L)])
+    A = torch.where(keep, q @ k.mT, A)
+    lse_ref = torch.logsumexp(A, -1)
+    out_ref = torch.nan_to_num(torch.softmax(A, -1)) @ v
+    seen = torch.isfinite(lse_ref)
+    assert torch.allclose(out[seen], out_ref[seen], atol=1e-12, rtol=1e-10)
+    assert torch.allclose(lse[seen], lse_ref[seen].to(lse.dtype), atol=1e-10)
+
+
+def test_flex_attention_is_compiled_on_accelerators():
+    """On an accelerator (a meta tensor stands in) the window term calls a compiled flex_attention,
+    made once (the eager one materialises the n x n scores); on the CPU, for float64 and inside
+    torch.compile, the eager one."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from kernelapprox.attention.hybrid import flex as fx
+
+    dev = fx._flex_attention(torch.empty(1, device="meta"))
+    assert dev is not flex_attention and fx._flex_attention(torch.empty(1, device="meta")) is dev
+    assert fx._flex_attention(torch.empty(1, device="meta", dtype=torch.bfloat16)) is dev
+    assert fx._flex_attention(torch.empty(1)) is flex_attention
+    assert fx._flex_attention(torch.empty(1, device="meta", dtype=torch.float64)) is flex_attention

@@ -186,3 +186,29 @@ def test_initial_state_mismatch():
     _, st = ka.linear_attention(x, x, torch.randn(5, 3), fm, causal=True, return_state=True)
     with pytest.raises(ValueError, match=r"initial_state"):
         ka.linear_attention(x, x, torch.randn(5, 2), fm, causal=True, initial_state=st)  # dv 2 vs 3
+
+
+def test_broadcast_shapes_is_torchs():
+    """The library's plain-Python `broadcast_shapes` gives torch's result, and torch's error, on
+    20000 random shape tuples (sizes 0 to 3, up to 4 dimensions, 1 to 4 shapes; seeded)."""
+    import random
+
+    from kernelapprox._validation import broadcast_shapes
+
+    rng = random.Random(0)
+    n_errors = 0
+    for _ in range(20000):
+        shapes = [tuple(rng.choice([0, 1, 1, 2, 3]) for _ in range(rng.randint(0, 4)))
+                  for _ in range(rng.randint(1, 4))]
+        try:
+            want = torch.broadcast_shapes(*shapes)
+        except RuntimeError:
+            n_errors += 1
+            with pytest.raises(RuntimeError):
+                broadcast_shapes(*shapes)
+            continue
+        got = broadcast_shapes(*shapes)
+        assert got == want and isinstance(got, torch.Size), shapes
+    assert 2000 < n_errors < 18000  # both outcomes are exercised
+    with pytest.raises(ValueError, match="negative"):  # as torch's
+        broadcast_shapes((-1,), (2,))

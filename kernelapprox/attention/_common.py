@@ -11,7 +11,14 @@ import warnings
 import torch
 
 from .. import backends
-from .._validation import KernelApproxWarning, broadcast_batch, check_bool, check_finite_float, compute_dtype
+from .._validation import (
+    KernelApproxWarning,
+    broadcast_batch,
+    broadcast_shapes,
+    check_bool,
+    check_finite_float,
+    compute_dtype,
+)
 from ..exact import check_qkv, padding_mask  # noqa: F401 (padding_mask: imported from here by the forms)
 from ..maps.base import FeatureMap
 from .state import LinearAttentionState
@@ -84,7 +91,7 @@ def prepare(
     if initial_state is not None:
         if not isinstance(initial_state, LinearAttentionState):
             raise TypeError(f"initial_state must be a LinearAttentionState, got {type(initial_state).__name__}")
-        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         check_state(initial_state, feature_map.feature_dim, v.shape[-1], "initial_state", tuple(batch))
     out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     cdt = compute_dtype(out_dtype, feature_map.param_dtype)
@@ -104,7 +111,7 @@ def check_state(
     if batch is not None:
         state_batch = tuple(state.kv.shape[:-2])
         try:
-            torch.broadcast_shapes(state_batch, batch)
+            broadcast_shapes(state_batch, batch)
         except RuntimeError:
             raise ValueError(
                 f"{name} has batch shape {state_batch} (kv of shape {tuple(state.kv.shape)}), which does not "
@@ -159,12 +166,12 @@ def key_side(
     dv = v.shape[-1]
     pad_cols = -(dv + 1) % multiple
     if torch.is_grad_enabled() and (v.requires_grad or w.requires_grad) or torch.compiler.is_compiling():
-        parts = [v * w, w.expand(*torch.broadcast_shapes(v.shape[:-1], w.shape[:-1]), 1)]
+        parts = [v * w, w.expand(*broadcast_shapes(v.shape[:-1], w.shape[:-1]), 1)]
         if pad_cols:
             parts.append(w.new_zeros(*parts[1].shape[:-1], pad_cols))
         v1 = torch.cat(parts, dim=-1)
     else:
-        lead = torch.broadcast_shapes(v.shape[:-1], w.shape[:-1])
+        lead = broadcast_shapes(v.shape[:-1], w.shape[:-1])
         v1 = v.new_empty(*lead, dv + 1 + pad_cols)
         torch.mul(v, w, out=v1[..., :dv])
         v1[..., dv:dv + 1] = w

@@ -47,6 +47,7 @@ from .. import backends
 from .._validation import (
     as_batch_shape,
     broadcast_batch,
+    broadcast_shapes,
     check_device,
     check_dtype,
     check_floating,
@@ -294,7 +295,7 @@ class FeatureMap(nn.Module):
         if q.device != k.device:
             raise ValueError(f"q and k must be on one device, got q on {q.device} and k on {k.device}")
         try:
-            torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], self.batch_shape)
+            broadcast_shapes(q.shape[:-2], k.shape[:-2], self.batch_shape)
         except RuntimeError:
             raise ValueError(
                 f"leading dimensions of q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])} and the "

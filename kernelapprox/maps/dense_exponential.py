@@ -60,7 +60,7 @@ import warnings
 import torch
 
 from .._logdomain import LOG2E, _exp_shifted, _gemm, _grad, _log2e_operands, _mean_stats, _sqnorm_half
-from .._validation import check_floating, check_last_dim
+from .._validation import broadcast_shapes, check_floating, check_last_dim
 from ..registry import register_estimator
 from .base import RandomFeatureMap
 
@@ -120,7 +120,7 @@ def _check_qk(fm: RandomFeatureMap, q: object, k: object) -> tuple[torch.Tensor,
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         raise ValueError(f"fit needs at least one query and one key, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     try:
-        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+        broadcast_shapes(q.shape[:-2], k.shape[:-2])
     except RuntimeError:
         raise ValueError(
             f"leading dimensions of q {tuple(q.shape[:-2])} and k {tuple(k.shape[:-2])} do not broadcast"
@@ -257,7 +257,7 @@ class _DenseExponentialRF(RandomFeatureMap):
         inplace = not _grad(u)
         terms = [a.unsqueeze(-2)] + ([] if row is None else [row.to(u.dtype).unsqueeze(-1)])
         for t in terms:
-            u = u.add_(t) if inplace and u.shape == torch.broadcast_shapes(u.shape, t.shape) else u + t
+            u = u.add_(t) if inplace and u.shape == broadcast_shapes(u.shape, t.shape) else u + t
         return u
 
     @classmethod
@@ -291,7 +291,7 @@ class _DenseExponentialRF(RandomFeatureMap):
         with torch.no_grad():
             m = u.amax(dim=-1)
         if c.shape != m.shape:
-            c = c.expand(torch.broadcast_shapes(c.shape, m.shape))
+            c = c.expand(broadcast_shapes(c.shape, m.shape))
             if m.shape != c.shape:
                 m = m.expand(c.shape)
                 u = u.expand(*c.shape, u.shape[-1])
@@ -357,7 +357,7 @@ def _check_fitted_batch(fm: RandomFeatureMap, xc: torch.Tensor, fitted_batch: to
                 UserWarning, stacklevel=8,
             )
     try:
-        torch.broadcast_shapes(xc.shape[:-2], fitted_batch)
+        broadcast_shapes(xc.shape[:-2], fitted_batch)
     except RuntimeError:
         raise ValueError(
             f"x has leading dimensions {tuple(xc.shape[:-2])} which do not broadcast with the batch "
@@ -548,7 +548,7 @@ class SADERF(_DenseExponentialRF):
         if self.scaling == "reciprocal":
             ratio = 1.0 / ratio
         psi = ratio ** 0.25
-        lead = torch.broadcast_shapes(qd.shape[:-2], kd.shape[:-2])
+        lead = broadcast_shapes(qd.shape[:-2], kd.shape[:-2])
         psi = psi.expand(*lead, self.dim)
         self.psi_ = psi.contiguous()
         # t_bar of (Psi q, Psi^-1 k) from the statistics: sum_l psi_l^2 E x_l^2 + E y_l^2 / psi_l^2

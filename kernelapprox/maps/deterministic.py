@@ -38,6 +38,7 @@ from .._logdomain import _op_into
 from .._validation import (
     as_batch_shape,
     broadcast_batch,
+    broadcast_shapes,
     check_device,
     check_dtype,
     check_floating,
@@ -504,7 +505,7 @@ class NystromFeatures(FeatureMap):
             lead = tuple(L.shape[:-2])
             ok = L.dim() >= 2 and tuple(L.shape[-2:]) == tuple(self.landmarks_.shape[-2:])
             try:
-                ok = ok and torch.broadcast_shapes(lead, self._built_batch_shape) == torch.Size(lead)
+                ok = ok and broadcast_shapes(lead, self._built_batch_shape) == torch.Size(lead)
             except RuntimeError:
                 ok = False
             if not ok:

@@ -22,6 +22,7 @@ from .._logdomain import (
     _project2,
     _sqnorm_half,
 )
+from .._validation import broadcast_shapes
 from ..registry import register_estimator
 from .base import RandomFeatureMap
 
@@ -119,7 +120,7 @@ class PositiveRF(RandomFeatureMap):
         xc, _, g = self._prepare_gemm("x", x)
         if not PositiveRF.key_features_recyclable(self) or g != xc.dtype:
             return self.query_features(x)
-        lead = torch.broadcast_shapes(xc.shape[:-2], self.batch_shape)
+        lead = broadcast_shapes(xc.shape[:-2], self.batch_shape)
         shape = (*lead, xc.shape[-2], self.num_features)
         numel = math.prod(shape)
         if (

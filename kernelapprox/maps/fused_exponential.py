@@ -41,6 +41,7 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from .._logdomain import LOG2E
+from .._validation import broadcast_shapes
 
 __all__ = ["ExponentForm", "exponent_form", "log_features", "features", "supported"]
 
@@ -205,7 +206,7 @@ def _launch(form: ExponentForm, x: torch.Tensor, plain: bool) -> tuple[torch.Ten
     W = form.weight
     r, d = W.shape[-2:]
     wb = tuple(W.shape[:-2])
-    lead = torch.broadcast_shapes(tuple(x.shape[:-2]), wb)
+    lead = broadcast_shapes(tuple(x.shape[:-2]), wb)
     n = x.shape[-2]
     xb = x.expand(*lead, n, d).reshape(-1, n, d).contiguous()
     B = xb.shape[0]

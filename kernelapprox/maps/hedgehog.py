@@ -31,6 +31,7 @@ from torch import nn
 from .._logdomain import LOG2E, _grad, _op_into
 from .._validation import (
     as_batch_shape,
+    broadcast_shapes,
     check_device,
     check_dtype,
     check_positive_int,
@@ -227,7 +228,7 @@ class HedgehogFeatures(FeatureMap):
         if self.bias is not None:
             b = self.bias.to(xc.dtype)
             b = (b if scale == 1.0 else b * scale).unsqueeze(-2)
-            z = z.add_(b) if not _grad(z, b) and z.shape == torch.broadcast_shapes(z.shape, b.shape) else z + b
+            z = z.add_(b) if not _grad(z, b) and z.shape == broadcast_shapes(z.shape, b.shape) else z + b
         return z
 
     def _no_grad(self, xc: torch.Tensor) -> bool:

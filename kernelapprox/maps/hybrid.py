@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 
 from .._logdomain import _grad, _sqnorm_half
-from .._validation import check_floating, check_positive_int, inputs_validated
+from .._validation import broadcast_shapes, check_floating, check_positive_int, inputs_validated
 from ..registry import register_estimator
 from ..samplers import Sampler
 from .base import RandomFeatureMap
@@ -274,7 +274,7 @@ class HybridRF(RandomFeatureMap):
                 else 0.5 * torch.linalg.vector_norm(xc, dim=-1, dtype=torch.float64).square())
         lA = m.double() - half - 0.5 * math.log(2 * r)
         lB = (half - 0.5 * math.log(r)).expand(lA.shape)
-        lead = torch.broadcast_shapes(h.shape[:-1], sg.shape[:-1])
+        lead = broadcast_shapes(h.shape[:-1], sg.shape[:-1])
         return h.expand(*lead, h.shape[-1]), trig.expand(*lead, trig.shape[-1]), sg.expand(*lead, sg.shape[-1]), lA, lB
 
     def _stabilised(self, x: torch.Tensor, shared: bool, key: bool) -> tuple[torch.Tensor, torch.Tensor]:

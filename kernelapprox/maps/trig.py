@@ -14,7 +14,7 @@ import math
 import torch
 
 from .._logdomain import _gemm, _grad, _op_into
-from .._validation import check_floating
+from .._validation import broadcast_shapes, check_floating
 from ..registry import register_estimator
 from .base import RandomFeatureMap
 
@@ -137,7 +137,7 @@ class TrigRF(RandomFeatureMap):
                 return torch.cat((torch.sin(u), torch.cos(u)), dim=-1)
             # Write Wx straight into the first half of the output (no separate (n, r) buffer),
             # take its cosine into the second half, then its sine in place.
-            lead = torch.broadcast_shapes(xc.shape[:-2], self.batch_shape)
+            lead = broadcast_shapes(xc.shape[:-2], self.batch_shape)
             f = xc.new_empty(*lead, xc.shape[-2], 2 * r)
             u = self.projection.project_into(xc, f[..., :r])
             _op_into(torch.cos, f[..., r:], u)

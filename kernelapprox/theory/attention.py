@@ -83,6 +83,8 @@ import torch
 
 from kernelapprox._validation import check_floating
 
+from .._validation import broadcast_shapes
+
 if TYPE_CHECKING:  # pragma: no cover
     from kernelapprox.maps.base import FeatureMap
 
@@ -387,7 +389,7 @@ def _delta_quadratic(
     k = k.to(torch.float64)
     normaliser = v is None
     v = torch.ones(m, 1, dtype=torch.float64, device=q.device) if v is None else v.to(torch.float64)
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     q = q.expand(batch + q.shape[-2:])
     k = k.expand(batch + k.shape[-2:])
     v = v.expand(batch + v.shape[-2:])

@@ -70,6 +70,8 @@ from kernelapprox.attention.hybrid import exact_set_mask
 from kernelapprox.maps.base import FeatureMap
 from kernelapprox.theory.attention import check_attention_inputs, pair_terms
 
+from .._validation import broadcast_shapes
+
 __all__ = [
     "exact_mass",
     "hybrid_normaliser_variance",
@@ -154,7 +156,7 @@ def _remainder_quadratic(
     q = q.to(torch.float64)
     k = k.to(torch.float64)
     a = torch.ones(m, 1, dtype=torch.float64, device=q.device) if a is None else a.to(torch.float64)
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], a.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], a.shape[:-2])
     q, k, a = q.expand(batch + q.shape[-2:]), k.expand(batch + k.shape[-2:]), a.expand(batch + a.shape[-2:])
     c_dim = a.shape[-1]
     if terms is None:
@@ -295,7 +297,7 @@ def _remainder_bias(fm, q, k, a, window, sinks, causal) -> torch.Tensor:
     R = att & ~S
     if fm.is_random:
         pair_terms(fm)  # raises where there is no closed form
-        shape = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], a.shape[:-2]) + (n, a.shape[-1])
+        shape = broadcast_shapes(q.shape[:-2], k.shape[:-2], a.shape[:-2]) + (n, a.shape[-1])
         return torch.zeros(shape, dtype=torch.float64, device=q.device)
     err = (fm.kernel(q.double(), k.double()) - torch.exp(q.double() @ k.double().mT)).masked_fill(~R, 0.0)
     return err @ a.double()

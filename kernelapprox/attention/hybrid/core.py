@@ -66,7 +66,14 @@ import torch
 import torch.nn.functional as F
 
 from ... import backends
-from ..._validation import _as_int, check_finite_float, check_tensor_fields, inputs_validated, no_autocast
+from ..._validation import (
+    _as_int,
+    broadcast_shapes,
+    check_finite_float,
+    check_tensor_fields,
+    inputs_validated,
+    no_autocast,
+)
 from ...maps.base import FeatureMap
 from .._common import apply_padding, den_floor, normalise, padding_mask, prepare, with_ones
 from .logfeatures import key_log_features, log_features_pair, shift_per_feature
@@ -394,7 +401,7 @@ def prepare_hybrid(q, k, v, feature_map, window, sinks, chunk_size, causal, key_
 
 def softmax_path(q, k, v, feature_map, causal, kpad, out_dtype):
     """``window >= n``: every key a query attends to is exact (`softmax_limit`)."""
-    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
+    lead = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
     return softmax_limit(q, k, v, lead, causal, kpad, out_dtype)
 
 
@@ -470,7 +477,7 @@ def parallel_hybrid_attention(
         # per-feature log-domain shifts (`shift_per_feature`): the remainder's normaliser cannot
         # underflow, whatever the norms
         lq, lk = log_features_pair(feature_map, q, k)
-        lead = torch.broadcast_shapes(lq.shape[:-2], lk.shape[:-2], v.shape[:-2], q.shape[:-2])
+        lead = broadcast_shapes(lq.shape[:-2], lk.shape[:-2], v.shape[:-2], q.shape[:-2])
         d, Fd = q.shape[-1], lq.shape[-1]
         q = q.expand(*lead, n, d)
         k = k.expand(*lead, n, d)
@@ -492,7 +499,7 @@ def parallel_hybrid_attention(
         with inputs_validated():
             fq, sq = feature_map.log_features(q)
             fk, sk = feature_map.key_log_features(k)
-        lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
+        lead = broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
         d, Fd = q.shape[-1], fq.shape[-1]
         q = q.expand(*lead, n, d)
         k = k.expand(*lead, n, d)
@@ -642,7 +649,7 @@ def _block_core(
     with inputs_validated():
         fq, sq = feature_map.log_features(q)
         fk, sk = feature_map.key_log_features(k)
-    lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
+    lead = broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
     dv1 = dv + 1
     nb = -(-n // c)
     N = nb * c
@@ -847,7 +854,7 @@ def _causal_core(
         st = initial_state
         t0 = st.position
         b = min(w, t0)
-        lead0 = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], st.kv.shape[:-2])
+        lead0 = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], st.kv.shape[:-2])
         if b:
             slots = [p % w for p in range(t0 - b, t0)]
             kb = st.keys[..., slots, :].to(cdt)
@@ -867,7 +874,7 @@ def _causal_core(
     with inputs_validated():
         fq, sq = feature_map.log_features(q)
         fk, sk = feature_map.key_log_features(k)
-    lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
+    lead = broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v.shape[:-2], q.shape[:-2])
     Fd = fq.shape[-1]
     q = q.expand(*lead, n, d)
     k = k.expand(*lead, ne, d)
@@ -1163,7 +1170,7 @@ def state_batch(state: HybridAttentionState, lead: torch.Size, name: str = "init
     for field in ("kv", "keys", "values", "sink_keys", "sink_values"):
         shape = getattr(state, field).shape[:-2]
         try:
-            ok = torch.broadcast_shapes(shape, lead) == lead
+            ok = broadcast_shapes(shape, lead) == lead
         except RuntimeError:
             ok = False
         if not ok:
@@ -1278,7 +1285,7 @@ def chunk_hybrid_attention(
     t0 = 0
     if initial_state is not None:
         check_hybrid_state(initial_state, feature_map, w, q.shape[-1], v.shape[-1], spec)
-        state_batch(initial_state, torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+        state_batch(initial_state, broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
                                                           feature_map.batch_shape))
         t0 = initial_state.position
     sink_idx = spec.within(t0, t0 + q.shape[-2])
@@ -1440,7 +1447,7 @@ def hybrid_attention(
         if w >= n:  # one block (two when causal): every key a query attends to is exact
             return softmax_path(q, k, v, feature_map, causal, kpad, out_dtype)
         sink_idx = CausalSinks(sinks).within(0, n) if causal else resolve_sinks(sinks, n, causal=False)
-        lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
+        lead = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
         if math.prod(lead) == 0:  # an empty batch: the empty output
             return q.new_zeros(*lead, n, v.shape[-1]).to(out_dtype)
         return _block_core(q, k, v, feature_map, w, sink_idx, causal, eps, out_dtype, cdt, kpad)

@@ -38,11 +38,13 @@ it the rows whose normaliser underflows (`kernelapprox.attention.hybrid.rescue`)
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from ..._validation import broadcast_shapes
 from ...maps.base import FeatureMap
 from .._common import with_ones
 from ..linear.chunk_logscan import causal_log_scan
@@ -102,20 +104,102 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torc
     return num / den.unsqueeze(-1)
 
 
+#: Query and key tile of the block masks (flex_attention's default sparse block size).
+FLEX_BLOCK = 128
+_COMPILED_FLEX: list = []  # the compiled flex_attention, made on first use on an accelerator
+
+
+def _flex_attention(q: torch.Tensor):
+    """The flex_attention to call for queries ``q``: compiled (the fused Triton kernel, forward and
+    backward) on accelerators for 16- and 32-bit inputs; the eager one on the CPU (where a compiled
+    flex_attention returns no log-sum-exp), for float64 (verification) and inside a
+    ``torch.compile`` region (which compiles it with the rest of the graph)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type == "cpu" or q.dtype == torch.float64 or torch.compiler.is_compiling():
+        return flex_attention
+    if not _COMPILED_FLEX:
+        _COMPILED_FLEX.append(torch.compile(flex_attention))
+    return _COMPILED_FLEX[0]
+
+
+def window_block_mask(mask_mod, n: int, ne: int, w: int, causal: bool, block: bool, offset: int,
+                      sink_pos: torch.Tensor | None, device: torch.device):
+    r"""The `BlockMask` of the exact sets (window and sinks) built from their structure, without
+    evaluating ``mask_mod`` on the $n \times n_e$ pairs (which `create_block_mask` does, materialising
+    an $n \times n_e$ mask in eager mode: 4 GiB at $n = 65536$).
+
+    Query tile $b$ (queries $i \in [bB, (b+1)B)$, key positions $i + $ ``offset``) lists every key
+    tile that meets its window -- token window: keys $(i - w, i]$ causal, $|i - j| < w$ otherwise;
+    block window of size $w$: key blocks $\lfloor i/w\rfloor - 1 \ldots \lfloor i/w\rfloor$ ($+1$
+    non-causal) -- or holds a sink (causal: at a position $\le$ the tile's last query). Every tile
+    is partial, so ``mask_mod`` decides each pair inside it: the tiles are a superset of the exact
+    sets, and the result equals `create_block_mask`'s. $O((n/B)(n_e/B))$ booleans, no host read.
+
+    Parameters
+    ----------
+    mask_mod : callable
+        ``mask_mod(b, h, i, j)`` of the exact sets (query index ``i`` before ``offset``).
+    n, ne : int
+        Queries and keys (``ne = offset + n``).
+    w : int
+        Window (token) or block size (block).
+    causal, block : bool
+    offset : int
+        Keys before the first query.
+    sink_pos : Tensor of bool, shape (ne,), or None
+    device : torch.device
+
+    Returns
+    -------
+    torch.nn.attention.flex_attention.BlockMask
+        Batch and head dimensions 1 (broadcast over the call's).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B = FLEX_BLOCK
+    nq, nk = -(-n // B), -(-ne // B)
+    qb = torch.arange(nq, device=device)
+    i_lo = qb * B + offset
+    i_hi = torch.clamp((qb + 1) * B, max=n) - 1 + offset
+    if block:
+        ww = max(w, 1)
+        lo = (i_lo // ww - 1) * ww
+        hi = i_hi if causal else (i_hi // ww + 2) * ww - 1
+    else:
+        lo = i_lo - w + 1
+        hi = i_hi if causal else i_hi + w - 1
+    kb = torch.arange(nk, device=device)
+    need = (kb * B <= hi.unsqueeze(-1)) & ((kb + 1) * B - 1 >= lo.unsqueeze(-1))  # (nq, nk)
+    if sink_pos is not None:
+        sink_tile = F.pad(sink_pos, (0, nk * B - ne)).reshape(nk, B)
+        if causal:  # the first sink of a tile must come before the query tile's last query
+            first = torch.where(sink_tile.any(-1), sink_tile.float().argmax(-1) + kb * B, ne)
+            need = need | (first <= i_hi.unsqueeze(-1))
+        else:
+            need = need | sink_tile.any(-1)
+    num = need.sum(-1, dtype=torch.int32)
+    idx = torch.argsort((~need).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # needed tiles first
+    return BlockMask.from_kv_blocks(num[None, None], idx[None, None], BLOCK_SIZE=B, mask_mod=mask_mod,
+                                    seq_lengths=(n, ne))
+
+
 def _window_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, sink_pos: torch.Tensor | None,
                  causal: bool, block: bool, pad: torch.Tensor | None, offset: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """flex_attention over the exact sets: (out (L, n, dv), lse (L, n)). The queries ``q`` (L, n, d)
     are the last ``n`` of the ``offset + n`` keys ``k`` (L, offset + n, d) (``offset`` buffered keys
     of a preceding segment before them); ``sink_pos`` and ``pad`` index the keys."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     L, n, _ = q.shape
     ne = k.shape[-2]
 
+    # the offset as a device tensor: a compiled flex_attention recompiles for each new Python int
+    # it closes over, and a prefill in segments has a new offset per segment
+    off = torch.full((), offset, dtype=torch.int64, device=q.device) if offset else None
+
     def mask_mod(b, h, i, j):
-        if offset:
-            i = i + offset
+        if off is not None:
+            i = i + off
         if block:
             bd = i // w - j // w
             m = (bd >= 0) & (bd <= 1) & (i >= j) if causal else (bd <= 1) & (bd >= -1)
@@ -127,17 +211,21 @@ def _window_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, sink
             m = m & ~pad[b, j]
         return m
 
-    bm = create_block_mask(mask_mod, L if pad is not None else None, None, n, ne, device=q.device)
-    try:  # torch >= 2.9 asks for the log-sum-exp through return_aux
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:  # pragma: no cover - older torch
-        out, lse = flex_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), block_mask=bm, scale=1.0,
-                                  return_lse=True)
-    else:
-        out, aux = flex_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), block_mask=bm, scale=1.0,
-                                  return_aux=AuxRequest(lse=True))
-        assert aux.lse is not None
-        lse = aux.lse
+    bm = window_block_mask(mask_mod, n, ne, w, causal, block, offset, sink_pos, q.device)
+    flex = _flex_attention(q)
+    with warnings.catch_warnings():
+        # the eager (unfused) flex_attention is taken on purpose on the CPU and for float64 only
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        try:  # torch >= 2.9 asks for the log-sum-exp through return_aux
+            from torch.nn.attention.flex_attention import AuxRequest
+        except ImportError:  # pragma: no cover - older torch
+            out, lse = flex(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), block_mask=bm, scale=1.0,
+                            return_lse=True)
+        else:
+            out, aux = flex(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), block_mask=bm, scale=1.0,
+                            return_aux=AuxRequest(lse=True))
+            assert aux.lse is not None
+            lse = aux.lse
     lse = lse.squeeze(1).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
     return out.squeeze(1), lse.clamp(min=_NEG)
 
@@ -323,7 +411,7 @@ def flex_hybrid_attention(
     n = q.shape[-2]
     if w >= n:
         return softmax_path(q, k, v, feature_map, causal, kpad, out_dtype)
-    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
+    lead = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], feature_map.batch_shape)
     if math.prod(lead) == 0:
         return q.new_zeros(*lead, n, v.shape[-1]).to(out_dtype)
     lq, lk = log_features_pair(feature_map, q, k)
@@ -391,7 +479,7 @@ def _segment(
 
     spec = CausalSinks(sinks)
     n, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
-    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], fm.batch_shape)
+    lead = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], fm.batch_shape)
     t0 = b = 0
     ext_sinks: list[int] = []  # sink positions among the extended keys (buffer, then the new keys)
     old = carried = None

@@ -12,7 +12,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ..._validation import broadcast_batch, check_floating, compute_dtype, inputs_validated, no_autocast
+from ..._validation import (
+    broadcast_batch,
+    broadcast_shapes,
+    check_floating,
+    compute_dtype,
+    inputs_validated,
+    no_autocast,
+)
 from ...maps.base import FeatureMap
 from .._common import check_feature_map, normalise, with_ones
 from . import core as _core
@@ -179,7 +186,7 @@ class RecurrentHybridAttention:
         out_dtype = torch.promote_types(torch.promote_types(q_t.dtype, k_t.dtype), v_t.dtype)
         cdt = compute_dtype(out_dtype, fm.param_dtype)
         q, k, v = q_t.to(cdt).unsqueeze(-2), k_t.to(cdt).unsqueeze(-2), v_t.to(cdt).unsqueeze(-2)
-        lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], fm.batch_shape)
+        lead = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], fm.batch_shape)
         st = self.state
         if st is None:
             st = self._empty(lead, d, dv, cdt, q.device)

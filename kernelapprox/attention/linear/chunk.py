@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import backends
-from ..._validation import inputs_validated, no_autocast
+from ..._validation import broadcast_shapes, inputs_validated, no_autocast
 from ...maps.base import FeatureMap
 from .._common import (
     apply_padding,
@@ -394,7 +394,7 @@ def chunk_linear_attention(
     if initial_state is not None and v1.shape[-1] != dv + 1:
         initial_state = LinearAttentionState(
             F.pad(initial_state.kv, (0, v1.shape[-1] - dv - 1)), initial_state.log_scale)
-    lead = torch.broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v1.shape[:-2], s.shape[:-1])
+    lead = broadcast_shapes(fq.shape[:-2], fk.shape[:-2], v1.shape[:-2], s.shape[:-1])
     # A sequence shorter than a chunk is one chunk of its own length (no padding to chunk_size);
     # under torch.compile the length may be symbolic, and the chunk size stays as given.
     C = chunk_size if compiling else min(chunk_size, fq.shape[-2])

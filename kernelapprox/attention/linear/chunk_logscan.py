@@ -64,6 +64,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..._validation import broadcast_shapes
 from ..state import LinearAttentionState
 
 __all__ = ["CHUNK", "TILE", "ScanResult", "causal_log_scan", "tile_scores"]
@@ -228,7 +229,7 @@ def padded_keys(
     shapes = [lq.shape[:-2], lk.shape[:-2], v.shape[:-2]]
     if initial_state is not None:
         shapes.append(initial_state.kv.shape[:-2])
-    lead = torch.broadcast_shapes(*shapes)
+    lead = broadcast_shapes(*shapes)
     return lk, v, lead, math.prod(lead)
 
 

@@ -84,6 +84,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..._validation import broadcast_shapes
 from ..state import LinearAttentionState
 from .chunk_logscan import ScanResult
 
@@ -245,7 +246,7 @@ def row_setup(
     shapes = [fq.shape[:-2], fk.shape[:-2], s.shape[:-1], v.shape[:-2]]
     if initial_state is not None:
         shapes.append(initial_state.kv.shape[:-2])
-    lead = torch.broadcast_shapes(*shapes)
+    lead = broadcast_shapes(*shapes)
     L = math.prod(lead)
     fq = fq.to(cdt).expand(*lead, n, Fd).reshape(L, n, Fd)
     fk = fk.to(cdt).expand(*lead, n, Fd).reshape(L, n, Fd)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..._validation import broadcast_shapes
 from ...maps.base import FeatureMap
 from .._common import feature_state, has_log2_features, log2_state, normalise, signed_lost, with_ones
 from ..state import LinearAttentionState
@@ -404,7 +405,7 @@ def fla_decode_step(
         kk = fk.squeeze(-2).to(acc) * torch.exp(s - G).to(acc)
         kq = fq
         log_scale = G.unsqueeze(-1)  # (..., 1, 1)
-    lead = torch.broadcast_shapes(kq.shape[:-1], kk.shape[:-1], v1.shape[:-1],
+    lead = broadcast_shapes(kq.shape[:-1], kk.shape[:-1], v1.shape[:-1],
                                   *(() if state is None else (state.kv.shape[:-2],)))
     N = math.prod(lead)
 

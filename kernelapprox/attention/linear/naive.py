@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._validation import compute_dtype, no_autocast
+from ..._validation import broadcast_shapes, compute_dtype, no_autocast
 from ...exact import check_qkv
 from ...maps.base import FeatureMap
 
@@ -98,7 +98,7 @@ def naive_recurrent_linear_attention(
     True
     """
     phi_q, phi_k, v, out_dtype = _plain_features(q, k, v, feature_map, True)
-    lead = torch.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
+    lead = broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
     S = phi_k.new_zeros(*lead, phi_k.shape[-1], v.shape[-1])
     z = phi_k.new_zeros(*lead, phi_k.shape[-1])
     outs = []

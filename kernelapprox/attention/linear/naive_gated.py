@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ..._validation import no_autocast
+from ..._validation import broadcast_shapes, no_autocast
 from ...exact import check_qkv
 from ...maps.base import FeatureMap
 from .._common import padding_mask
@@ -210,7 +210,7 @@ def naive_gated_linear_attention(
     >>> naive_gated_linear_attention(lq, lk, v)[0].squeeze(-1)
     tensor([1., 2.])
     """
-    lead = torch.broadcast_shapes(lq.shape[:-2], lk.shape[:-2], v.shape[:-2])
+    lead = broadcast_shapes(lq.shape[:-2], lk.shape[:-2], v.shape[:-2])
     n, Fd, dv = lk.shape[-2], lk.shape[-1], v.shape[-1]
     v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).expand(*lead, n, dv + 1)
     lq, lk = lq.expand(*lead, n, Fd), lk.expand(*lead, n, Fd)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ... import backends
-from ..._validation import inputs_validated, no_autocast
+from ..._validation import broadcast_shapes, inputs_validated, no_autocast
 from ...maps.base import FeatureMap
 from .._common import (
     apply_padding,
@@ -142,7 +142,7 @@ def parallel_linear_attention(
         else:
             fq = feature_map.query_features(q)
         del fk
-    o_shape = (*torch.broadcast_shapes(fq.shape[:-2], kv.shape[:-2]), fq.shape[-2], kv.shape[-1])
+    o_shape = (*broadcast_shapes(fq.shape[:-2], kv.shape[:-2]), fq.shape[-2], kv.shape[-1])
     if recycle and v1.shape == o_shape and v1.dtype == fq.dtype == kv.dtype:
         o = torch.matmul(fq, kv, out=v1)
     else:

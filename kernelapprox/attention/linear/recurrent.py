@@ -9,6 +9,7 @@ import torch
 from ... import backends
 from ..._validation import (
     broadcast_batch,
+    broadcast_shapes,
     check_bool,
     check_floating,
     compute_dtype,
@@ -168,7 +169,7 @@ class RecurrentLinearAttention:
                 ) from None
         if self.state is not None:
             check_state(self.state, fm.feature_dim, v_t.shape[-1], "state",
-                        tuple(torch.broadcast_shapes(q_t.shape[:-1], k_t.shape[:-1], v_t.shape[:-1])))
+                        tuple(broadcast_shapes(q_t.shape[:-1], k_t.shape[:-1], v_t.shape[:-1])))
         out_dtype = torch.promote_types(torch.promote_types(q_t.dtype, k_t.dtype), v_t.dtype)
         cdt = compute_dtype(out_dtype, fm.param_dtype)
         q, k, v = q_t.to(cdt).unsqueeze(-2), k_t.to(cdt).unsqueeze(-2), v_t.to(cdt).unsqueeze(-2)
