@@ -643,3 +643,22 @@ def test_flex_attention_is_compiled_on_accelerators():
     assert fx._flex_attention(torch.empty(1, device="meta", dtype=torch.bfloat16)) is dev
     assert fx._flex_attention(torch.empty(1)) is flex_attention
     assert fx._flex_attention(torch.empty(1, device="meta", dtype=torch.float64)) is flex_attention
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_window_term_compiles_with_fullgraph(block):
+    """The flex window term (structural block mask, flex_attention) traces into one graph, as it
+    must inside a compiled model on a device; its output and log-sum-exp equal the eager ones."""
+    from kernelapprox.attention.hybrid.flex import _window_term
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 300, 8, generator=g) for _ in range(3))
+    sink = torch.zeros(300, dtype=torch.bool)
+    sink[0] = True
+    ref = _window_term(q, k, v, 16, sink, True, block, None)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: _window_term(q, k, v, 16, sink, True, block, None), backend="aot_eager",
+                      fullgraph=True)
+    out = f(q, k, v)
+    torch._dynamo.reset()
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])

@@ -37,6 +37,7 @@ it the rows whose normaliser underflows (`kernelapprox.attention.hybrid.rescue`)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Sequence
@@ -213,9 +214,12 @@ def _window_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, sink
 
     bm = window_block_mask(mask_mod, n, ne, w, causal, block, offset, sink_pos, q.device)
     flex = _flex_attention(q)
-    with warnings.catch_warnings():
-        # the eager (unfused) flex_attention is taken on purpose on the CPU and for float64 only
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    # the eager (unfused) flex_attention is taken on purpose on the CPU and for float64 only: its
+    # advice to compile is silenced there (inside torch.compile nothing warns, and no filter may be set)
+    quiet = contextlib.nullcontext() if torch.compiler.is_compiling() else warnings.catch_warnings()
+    with quiet:
+        if not torch.compiler.is_compiling():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         try:  # torch >= 2.9 asks for the log-sum-exp through return_aux
             from torch.nn.attention.flex_attention import AuxRequest
         except ImportError:  # pragma: no cover - older torch
