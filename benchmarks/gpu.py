@@ -47,7 +47,8 @@ Groups (d = 64 unless said; inputs in ``--dtype``, bf16 by default):
   does not depend on t; the SDPA step reads the t cached keys and values. ``--quick``: t = 512 and
   4096, without the compiled rows (Inductor's compilation would take a third of its budget; nor
   with ``--tiny``), the hybrid row at 4096 only;
-* ``hybrid``: ``hybrid_attention`` w = 64 + 1 sink, FAVOR+ r128, causal, against SDPA causal.
+* ``hybrid``: ``hybrid_attention`` w = 64 + 1 sink, FAVOR+ r128, causal, against SDPA causal (its
+  window term is a compiled ``flex_attention``: the warm-up phase compiles it, once per shape).
 
 Method. A *warm-up phase* first calls every case once (fla autotunes each kernel and shape on its
 first call, minutes on a fresh machine; Inductor and cuBLAS pick their kernels) and reports its
