@@ -83,3 +83,30 @@ def test_flex_path_at_large_norms_on_the_device():
         ref = torch.softmax(scores, -1) @ v.double()
         out = hybrid_attention(q.cuda(), k.cuda(), v.cuda(), copy.deepcopy(fm).cuda(), window=8, sinks=1, causal=True)
         assert bool(((out.double().cpu() - ref).abs().amax(-1) <= 0.5).all())
+
+
+def test_window_term_memory_is_linear_in_n_on_the_device():
+    # the compiled flex_attention over the structural block mask: at n = 32768 an n x n float32
+    # mask or score matrix would need 4 GiB per sequence; the window term's peak stays within
+    # 64 MiB above its inputs and outputs, and it equals eager flex_attention on a prefix
+    from kernelapprox.attention.hybrid.flex import _window_term
+
+    n, d = 32768, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, n, d, device="cuda", generator=g) for _ in range(3))
+    q = q / d**0.5  # logits of order 1 (float32 GEMMs may run as TF32)
+    sink = torch.zeros(n, dtype=torch.bool, device="cuda")
+    sink[0] = True
+    _window_term(q, k, v, 64, sink, True, False, None)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, lse = _window_term(q, k, v, 64, sink, True, False, None)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - out.numel() * 4 - lse.numel() * 4
+    assert extra < 64 * 2**20, extra / 2**20
+    m = 1024
+    ref, ref_lse = _window_term(q[:, :m].double(), k[:, :m].double(), v[:, :m].double(), 64, sink[:m], True, False,
+                                None)  # float64: the eager flex_attention
+    assert float((out[:, :m].double() - ref).abs().max()) < 5e-3
+    assert float((lse[:, :m].double() - ref_lse).abs().max()) < 5e-3
