@@ -582,7 +582,7 @@ def test_window_block_mask_covers_every_exact_pair(case):
     and log-sum-exp in float64."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from kernelapprox.attention.hybrid.flex import _window_term, window_block_mask
+    from kernelapprox.attention.hybrid.flex import _window_term, exact_set_mask_mod, window_block_mask
 
     n, off, w, causal, block, sinks, padded = case
     ne = off + n
@@ -598,17 +598,7 @@ def test_window_block_mask_covers_every_exact_pair(case):
         pad = torch.zeros(L, ne, dtype=torch.bool)
         pad[1, 150:170] = True
 
-    def mask_mod(b, h, i, j):
-        i = i + off
-        if block:
-            bd = i // w - j // w
-            m = (bd >= 0) & (bd <= 1) & (i >= j) if causal else (bd <= 1) & (bd >= -1)
-        else:
-            m = ((i - j >= 0) & (i - j < w)) if causal else ((i - j < w) & (j - i < w))
-        m = m | (sink_pos[j] & (i >= j)) if causal else m | sink_pos[j]
-        if pad is not None:
-            m = m & ~pad[b, j]
-        return m
+    mask_mod = exact_set_mask_mod(w, causal, block, off, sink_pos, pad, torch.device("cpu"))
 
     ref = create_block_mask(mask_mod, L if pad is not None else None, None, n, ne, device="cpu")
     ours = window_block_mask(mask_mod, n, ne, w, causal, block, off, sink_pos, torch.device("cpu"))

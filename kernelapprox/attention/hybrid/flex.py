@@ -124,6 +124,34 @@ def _flex_attention(q: torch.Tensor):
     return _COMPILED_FLEX[0]
 
 
+def exact_set_mask_mod(w: int, causal: bool, block: bool, offset: int, sink_pos: torch.Tensor | None,
+                       pad: torch.Tensor | None, device: torch.device):
+    """``mask_mod(b, h, i, j)`` of the exact sets for `flex_attention`: query ``i`` (its key position
+    ``i + offset``) attends key ``j`` when ``j`` is in its token window (causal: ``i - w < j <= i``;
+    else ``|i - j| < w``) or block window (blocks of ``w``: its own and the previous one, causal
+    with ``j <= i``; else also the next), or is a sink (``sink_pos[j]``; causal: ``j <= i``), and
+    is not padded (``pad[b, j]``). Works on index tensors as on ints."""
+    # the offset as a device tensor: a compiled flex_attention recompiles for each new Python int
+    # it closes over, and a prefill in segments has a new offset per segment
+    off = torch.full((), offset, dtype=torch.int64, device=device) if offset else None
+
+    def mask_mod(b, h, i, j):
+        if off is not None:
+            i = i + off
+        if block:
+            bd = i // w - j // w
+            m = (bd >= 0) & (bd <= 1) & (i >= j) if causal else (bd <= 1) & (bd >= -1)
+        else:
+            m = ((i - j >= 0) & (i - j < w)) if causal else ((i - j < w) & (j - i < w))
+        if sink_pos is not None:
+            m = m | (sink_pos[j] & (i >= j)) if causal else m | sink_pos[j]
+        if pad is not None:
+            m = m & ~pad[b, j]
+        return m
+
+    return mask_mod
+
+
 def window_block_mask(mask_mod, n: int, ne: int, w: int, causal: bool, block: bool, offset: int,
                       sink_pos: torch.Tensor | None, device: torch.device):
     r"""The `BlockMask` of the exact sets (window and sinks) built from their structure, without
@@ -193,25 +221,7 @@ def _window_term(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, sink
     of a preceding segment before them); ``sink_pos`` and ``pad`` index the keys."""
     L, n, _ = q.shape
     ne = k.shape[-2]
-
-    # the offset as a device tensor: a compiled flex_attention recompiles for each new Python int
-    # it closes over, and a prefill in segments has a new offset per segment
-    off = torch.full((), offset, dtype=torch.int64, device=q.device) if offset else None
-
-    def mask_mod(b, h, i, j):
-        if off is not None:
-            i = i + off
-        if block:
-            bd = i // w - j // w
-            m = (bd >= 0) & (bd <= 1) & (i >= j) if causal else (bd <= 1) & (bd >= -1)
-        else:
-            m = ((i - j >= 0) & (i - j < w)) if causal else ((i - j < w) & (j - i < w))
-        if sink_pos is not None:
-            m = m | (sink_pos[j] & (i >= j)) if causal else m | sink_pos[j]
-        if pad is not None:
-            m = m & ~pad[b, j]
-        return m
-
+    mask_mod = exact_set_mask_mod(w, causal, block, offset, sink_pos, pad, q.device)
     bm = window_block_mask(mask_mod, n, ne, w, causal, block, offset, sink_pos, q.device)
     flex = _flex_attention(q)
     # the eager (unfused) flex_attention is taken on purpose on the CPU and for float64 only: its
