@@ -366,6 +366,22 @@ def _warn_once(reason: str, fallback: str = "linear attention falls back to the 
     warnings.warn(key, KernelApproxWarning, stacklevel=4)
 
 
+def _fla_unavailable(caps: AttentionCapabilities, dtype: torch.dtype) -> str | None:
+    """Why fla's kernels cannot take a call of ``dtype`` on a device with ``caps`` (``None``: they
+    can), for `attention_plan` and `decode_plan`."""
+    if caps.fla_version is None:
+        return "flash-linear-attention (fla-core) is not installed"
+    if _parse(caps.fla_version) != _parse(FLA_VERSION):
+        return f"fla-core {caps.fla_version} is installed; the adapter is written for {FLA_VERSION}"
+    if caps.triton_version is None:
+        return "Triton is not installed"
+    if caps.device_type != "cuda":
+        return f"fla's kernels run on CUDA devices, not {caps.device_type!r}"
+    if dtype == torch.float64:
+        return "fla has no float64 kernels"
+    return None
+
+
 def attention_plan(
     device: torch.device | str,
     dtype: torch.dtype,
@@ -434,19 +450,10 @@ def attention_plan(
         return AttentionPlan("torch")
     if caps is None:
         caps = attention_capabilities(dev)
-    reason = None
-    if caps.fla_version is None:
-        reason = "flash-linear-attention (fla-core) is not installed"
-    elif _parse(caps.fla_version) != _parse(FLA_VERSION):
-        reason = f"fla-core {caps.fla_version} is installed; the adapter is written for {FLA_VERSION}"
-    elif caps.triton_version is None:
-        reason = "Triton is not installed"
-    elif caps.device_type != "cuda":
-        reason = f"fla's kernels run on CUDA devices, not {caps.device_type!r}"
-    elif dtype == torch.float64:
-        reason = "fla has no float64 kernels"
-    elif (gated and grad and caps.compute_capability is not None and caps.compute_capability[0] == 9
-          and _HOPPER_BAD_TRITON[0] <= _parse(caps.triton_version) < _HOPPER_BAD_TRITON[1]):
+    reason = _fla_unavailable(caps, dtype)
+    if (reason is None and gated and grad and caps.triton_version is not None
+            and caps.compute_capability is not None and caps.compute_capability[0] == 9
+            and _HOPPER_BAD_TRITON[0] <= _parse(caps.triton_version) < _HOPPER_BAD_TRITON[1]):
         reason = (f"fla {caps.fla_version} refuses the gated backward on Hopper (sm90) with Triton "
                   f"{caps.triton_version} (a Triton miscompile fixed in 3.7.1)")
     if reason is None:
@@ -540,17 +547,7 @@ def decode_plan(
         return AttentionPlan("torch", no_form)
     if caps is None:
         caps = _decode_capabilities(dev)
-    reason: str | None = None
-    if caps.fla_version is None:
-        reason = "flash-linear-attention (fla-core) is not installed"
-    elif _parse(caps.fla_version) != _parse(FLA_VERSION):
-        reason = f"fla-core {caps.fla_version} is installed; the adapter is written for {FLA_VERSION}"
-    elif caps.triton_version is None:
-        reason = "Triton is not installed"
-    elif caps.device_type != "cuda":
-        reason = f"fla's kernels run on CUDA devices, not {caps.device_type!r}"
-    elif dtype == torch.float64:
-        reason = "fla has no float64 kernels"
+    reason = _fla_unavailable(caps, dtype)
     if reason is None:
         return AttentionPlan("fla")
     if warn:
